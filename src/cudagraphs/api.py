@@ -1,0 +1,158 @@
+"""``cg.graph``: the one entry point that turns a function into a graphed callable."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, overload
+
+import torch
+
+from .errors import ConfigError, explain
+from .graphed import Graphed, Options
+from .outputs import OutputPolicy
+
+__all__ = ["graph"]
+
+R = TypeVar("R")
+
+
+@overload
+def graph(
+    fn: Callable[..., R],
+    /,
+    *example_args: Any,
+    warmup: int = 3,
+    outputs: OutputPolicy = "guarded",
+    pool: Any = None,
+    stream: torch.cuda.Stream | None = None,
+    capture_error_mode: str = "global",
+    fallback: str = "raise",
+    **example_kwargs: Any,
+) -> Graphed[R]: ...
+
+
+@overload
+def graph(
+    fn: None = None,
+    /,
+    *,
+    warmup: int = 3,
+    outputs: OutputPolicy = "guarded",
+    pool: Any = None,
+    stream: torch.cuda.Stream | None = None,
+    capture_error_mode: str = "global",
+    fallback: str = "raise",
+) -> Callable[[Callable[..., R]], Graphed[R]]: ...
+
+
+def graph(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *example_args: Any,
+    warmup: int = 3,
+    outputs: OutputPolicy = "guarded",
+    pool: Any = None,
+    stream: torch.cuda.Stream | None = None,
+    capture_error_mode: str = "global",
+    fallback: str = "raise",
+    **example_kwargs: Any,
+) -> Any:
+    """Capture ``fn`` into a CUDA graph and return a callable that replays it.
+
+    ``fn`` may be a function, an ``nn.Module``, a bound method or a ``torch.compile``'d callable
+    (warm-up compiles and autotunes it; the capture records the compiled kernels).
+
+    With example arguments, warm-up and capture happen now; without them (``cg.graph(fn)``,
+    ``@cg.graph`` or ``@cg.graph(warmup=5)``) they happen on the first call, whose arguments
+    become the examples. The examples are cloned into the graph's static input buffers and are
+    never modified.
+
+    Each call then checks that the arguments match the capture (same pytree structure; per
+    tensor the same shape, dtype and device; plain values equal), copies the tensors into the
+    static buffers with one fused copy (none for buffers passed back as ``g.inputs``), replays,
+    and returns the outputs under the ``outputs`` policy.
+
+    Right::
+
+        model = MLP().cuda().eval()
+        x = torch.randn(128, 256, device="cuda")
+        with torch.no_grad():
+            g = cg.graph(model, x)
+            y = g(torch.randn(128, 256, device="cuda"))   # copy-in, replay
+            y_kept = y.clone()                            # keep it past the next call
+
+    Wrong::
+
+        g(torch.randn(64, 256, device="cuda"))   # InputMismatchError: args[0] has shape (64, 256)
+        a = g(x1); b = g(x2); a.sum()            # RuntimeError: StaleOutputError ... (guarded)
+
+        @cg.graph
+        def step(x, training):                   # `training` is frozen at capture; a call
+            return x * 2 if training else x      # with another value raises, never replays
+                                                 # the wrong branch
+
+    Args:
+        fn: the callable to capture.
+        *example_args, **example_kwargs: example inputs: pytrees (tuples, lists, dicts,
+            namedtuples, dataclasses) of tensors and plain values. Keywords named like an
+            option below cannot be passed this way; capture lazily and call instead.
+        warmup: eager calls on a side stream before capture (allocator, cuBLAS, autotuning).
+        outputs: ``"guarded"`` (default: aliases that raise once a later replay overwrote
+            them), ``"alias"`` (the raw static outputs) or ``"clone"`` (fresh tensors).
+        pool: share memory with other graphs: ``torch.cuda.graph_pool_handle()`` or another
+            captured graphed callable. Graphs sharing a pool must replay in capture order and
+            never concurrently.
+        stream: the side stream to warm up and capture on (default: one per device).
+        capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"`` (CUDA's
+            ``cudaStreamCaptureMode``); keep the default unless you know why.
+        fallback: ``"raise"`` (a failed capture raises :class:`CaptureError`) or ``"eager"``
+            (log the reason once and run ``fn`` eagerly; ``g.fallback_reason`` says why).
+
+    Raises:
+        CaptureError: capture failed (host sync, CPU tensor, ...), with the user's line.
+        ConfigError: an option is invalid, or the inputs mix CPU and CUDA tensors.
+
+    Without CUDA, or when every tensor input is on the CPU, returns a pass-through that runs
+    ``fn`` eagerly behind the same signature checks, after one :class:`CudaGraphsWarning`.
+
+    In-place mutation of an input (``x.add_(1)``) is supported: the replay mutates the graph's
+    buffer and copies the result back into the tensor the caller passed, as eager would.
+    """
+    options = Options(
+        warmup=warmup,
+        outputs=outputs,
+        pool=pool,
+        stream=stream,
+        capture_error_mode=capture_error_mode,
+        fallback=fallback,
+    )
+    if fn is None:
+        if example_args or example_kwargs:
+            raise ConfigError(
+                explain(
+                    "cg.graph(None, ...) got example inputs but no function",
+                    "the first positional argument is the function to capture",
+                    "call cg.graph(fn, *examples), or use @cg.graph(...) as a decorator",
+                )
+            )
+        return lambda f: graph(
+            f,
+            warmup=warmup,
+            outputs=outputs,
+            pool=pool,
+            stream=stream,
+            capture_error_mode=capture_error_mode,
+            fallback=fallback,
+        )
+    if not callable(fn):
+        raise ConfigError(
+            explain(
+                f"cg.graph expects a callable first, got {type(fn).__name__}",
+                "the first argument is the function, module or method to capture",
+                "call cg.graph(model, x) (examples after the callable)",
+            )
+        )
+    graphed: Graphed[Any] = Graphed(fn, options)
+    if example_args or example_kwargs:
+        graphed._initialize(example_args, example_kwargs)
+    return graphed

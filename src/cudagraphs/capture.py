@@ -1,0 +1,243 @@
+"""Warm-up and capture: the two steps before a graph can replay.
+
+Warm-up runs the function a few times on a side stream so that everything lazy happens outside
+the recording: the caching allocator grows its blocks, cuBLAS creates its handles and
+workspaces, cuDNN and Triton autotune, torch.compile compiles. Capture then records one call.
+
+A capture that fails is turned into a :class:`~cudagraphs.errors.CaptureError` that names the
+kind of failure in plain words, points at the user's line, and chains the original error. The
+stream, the allocator and Python's gc are always restored, so the process stays usable.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import CaptureError, explain
+
+__all__ = ["CAPTURE_ERROR_MODES", "Recording", "capture", "classify_failure", "warm_up"]
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_OWN_DIR = os.path.dirname(__file__)
+
+
+def warm_up(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    n: int,
+    stream: torch.cuda.Stream,
+) -> float:
+    """Run ``fn`` ``n`` times on ``stream``; return the seconds it took (synchronized)."""
+    start = time.perf_counter()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(n):
+            fn(*args, **kwargs)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+@dataclass
+class Recording:
+    """A captured graph, what the function returned while being recorded, and its costs."""
+
+    graph: torch.cuda.CUDAGraph
+    output: Any
+    capture_s: float
+    pool_bytes: int
+
+
+def capture(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    stream: torch.cuda.Stream,
+    pool: Any,
+    capture_error_mode: str,
+) -> Recording:
+    """Record one call of ``fn`` into a new CUDA graph, or raise :class:`CaptureError`."""
+    device = stream.device
+    torch.cuda.synchronize(device)
+    reserved_before = torch.cuda.memory_reserved(device)
+    graph = torch.cuda.CUDAGraph()
+    start = time.perf_counter()
+    failure: BaseException | None = None
+    end_failure: BaseException | None = None
+    output: Any = None
+    # A collection during capture could free a tensor whose memory the recording still uses
+    # (or run __del__ code that syncs); keep the collector off for the duration.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.stream(stream):
+            if pool is None:
+                graph.capture_begin(capture_error_mode=capture_error_mode)
+            else:
+                graph.capture_begin(pool, capture_error_mode=capture_error_mode)
+            try:
+                output = fn(*args, **kwargs)
+            except BaseException as error:  # KeyboardInterrupt too: capture must still end
+                failure = error
+            finally:
+                # Always end the capture, or the stream stays in capture mode and every later
+                # CUDA call in the process fails.
+                try:
+                    graph.capture_end()
+                except BaseException as error:
+                    end_failure = error
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    if failure is None and end_failure is None:
+        torch.cuda.synchronize(device)
+        return Recording(
+            graph=graph,
+            output=output,
+            capture_s=time.perf_counter() - start,
+            pool_bytes=torch.cuda.memory_reserved(device) - reserved_before,
+        )
+
+    _recover(graph, device)
+    if isinstance(failure, (KeyboardInterrupt, SystemExit)):
+        raise failure
+    primary = failure if failure is not None else end_failure
+    assert primary is not None
+    kind, what, fix = classify_failure(primary, end_failure)
+    location = user_location(primary)
+    where = f" at {location}" if location else ""
+    detail = f"{type(primary).__name__}: {str(primary).strip().splitlines()[0][:300]}"
+    raise CaptureError(
+        explain(
+            f"capturing {_name(fn)} into a CUDA graph failed ({kind}){where}: {what}",
+            f"the first error was {detail}",
+            fix,
+        ),
+        kind=kind,
+        location=location,
+    ) from primary
+
+
+def _recover(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+    """Leave CUDA usable after a failed capture: drop the graph and drain pending errors."""
+    try:
+        graph.reset()
+    except Exception:
+        pass
+    del graph
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        pass
+
+
+# Ordered: the first pattern found in the error chain (primary error first) decides the kind.
+_FAILURES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
+    (
+        "nested-capture",
+        ("captures_underway", "already capturing", "cudagraph trees", "cudagraphify"),
+        "the function itself starts a CUDA graph capture (for example a torch.compile "
+        "model with mode='reduce-overhead', which records its own graphs)",
+        "compile with mode='default' or mode='max-autotune-no-cudagraphs' and let cudagraphs "
+        "do the capture",
+    ),
+    (
+        "cpu-tensor",
+        ("cannot copy between cpu and cuda", "pinned", "expected all tensors to be on the same"),
+        "a CPU tensor was used inside the captured region (a host-to-device copy, or a CPU "
+        "tensor mixed into a CUDA op); its value would be frozen at capture",
+        "create the tensor on the GPU once, outside the function, and pass it in as an input "
+        "(or keep it as a module buffer)",
+    ),
+    (
+        "host-sync",
+        (
+            "operation not permitted when stream is capturing",
+            "cudaerrorstreamcaptureunsupported",
+            "not supported during cuda graph capture",
+            "synchroniz",
+        ),
+        "the function synchronized with the host while being recorded: .item(), .tolist(), "
+        ".cpu(), .numpy(), print(tensor), `if tensor:`, torch.cuda.synchronize(), or an op "
+        "whose output shape depends on data (nonzero, boolean-mask indexing, unique)",
+        "keep values on the GPU: torch.where(cond, a, b) instead of `if`, fixed-size masks "
+        "instead of boolean indexing, and move logging/.item() outside the graphed function "
+        "(cg.doctor(fn, *args) lists each such line)",
+    ),
+    (
+        "default-stream",
+        ("cudaerrorstreamcaptureimplicit", "legacy stream", "implicit"),
+        "work was sent to the legacy default stream while another stream was capturing",
+        "run all work of the function on the current stream; avoid torch.cuda.default_stream()",
+    ),
+    (
+        "out-of-memory",
+        ("out of memory",),
+        "the GPU ran out of memory while recording",
+        "free memory before capture, use a smaller example, or share a pool between graphs",
+    ),
+    (
+        "illegal-access",
+        ("illegal memory access", "misaligned address", "device-side assert"),
+        "a kernel faulted; CUDA errors of this kind poison the whole process",
+        "run the function eagerly with CUDA_LAUNCH_BLOCKING=1 to find the faulting kernel, "
+        "then restart the process",
+    ),
+    (
+        "invalidated",
+        ("cudaerrorstreamcaptureinvalidated", "capture invalidated", "invalidated"),
+        "an earlier operation invalidated the capture (often a host sync or a CPU copy)",
+        "run cg.doctor(fn, *args) to find the operation that cannot be recorded",
+    ),
+)
+
+
+def classify_failure(
+    error: BaseException, end_error: BaseException | None = None
+) -> tuple[str, str, str]:
+    """Name a capture failure: ``(kind, what happened in plain words, how to fix it)``."""
+    texts = []
+    seen: BaseException | None = error
+    while seen is not None and len(texts) < 8:
+        texts.append(f"{type(seen).__name__}: {seen}".lower())
+        seen = seen.__cause__ or seen.__context__
+    if end_error is not None:
+        texts.append(str(end_error).lower())
+    for text in texts:
+        for kind, needles, what, fix in _FAILURES:
+            if any(needle in text for needle in needles):
+                return kind, what, fix
+    return (
+        "error",
+        "the function raised while being recorded, although it ran eagerly during warm-up "
+        "(does it behave differently while torch.cuda.is_current_stream_capturing()?)",
+        "fix the error shown below, or pass fallback='eager' to run this function eagerly",
+    )
+
+
+def user_location(error: BaseException) -> str | None:
+    """``file:line in function`` of the innermost frame of user code in the traceback."""
+    found = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        filename = os.path.abspath(frame.filename)
+        if filename.startswith((_TORCH_DIR, _OWN_DIR)) or "<frozen" in filename:
+            continue
+        found = f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return found
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    return f"{name}()"

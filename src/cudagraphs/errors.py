@@ -1,0 +1,67 @@
+"""One hierarchy for everything the library raises.
+
+Every error is a ``RuntimeError`` (so code that already catches PyTorch's CUDA errors keeps
+working) and every message has three parts: what went wrong, why it matters for a graph, and
+how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CaptureError",
+    "ConfigError",
+    "CudaGraphsError",
+    "CudaGraphsWarning",
+    "InputMismatchError",
+    "StaleOutputError",
+    "explain",
+]
+
+
+def explain(what: str, why: str, fix: str) -> str:
+    """Format the three parts every message in this library carries."""
+    return f"{what}\n  why: {why}\n  fix: {fix}"
+
+
+class CudaGraphsError(RuntimeError):
+    """Root of every error raised by cudagraphs."""
+
+
+class ConfigError(CudaGraphsError):
+    """An argument to ``cg.graph`` (or another entry point) is invalid before anything runs."""
+
+
+class InputMismatchError(CudaGraphsError):
+    """A call does not match the signature the graph was captured with.
+
+    The graph reads its inputs from fixed buffers of a fixed shape, dtype and device, and every
+    Python value it saw was frozen into the recording; a different value would be silently
+    ignored (or broadcast, or cast) if it were not refused here.
+    """
+
+
+class CaptureError(CudaGraphsError):
+    """Capturing the function into a CUDA graph failed.
+
+    ``kind`` names the failure in a word (``"host-sync"``, ``"cpu-tensor"``, ...), ``location``
+    is the ``file:line`` in user code where it happened when it could be found, and the
+    original CUDA/PyTorch error is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, kind: str = "unknown", location: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.location = location
+
+
+class StaleOutputError(CudaGraphsError):
+    """An output of an earlier replay was read after a later replay overwrote it.
+
+    PyTorch itself raises the access error from C++ as a ``RuntimeError`` whose message starts
+    with ``StaleOutputError``; the library raises this class where it sees the stale tensor
+    itself (for instance when a stale output is passed back into a graphed call).
+    """
+
+
+class CudaGraphsWarning(UserWarning):
+    """Warnings from cudagraphs (for example: running eagerly because CUDA is unavailable)."""

@@ -1,0 +1,466 @@
+"""The graphed callable and its state machine.
+
+::
+
+    LAZY --first call--> (warm-up on a side stream -> capture) --> CAPTURED --call--> replay
+      |                         | CaptureError, fallback="eager"
+      |                         v
+      +--no CUDA / CPU inputs--> EAGER (same signature checks, runs fn)
+
+``Graphed.__call__`` on a captured graph is the hottest code in the project: everything it
+needs is precomputed at capture, and positional-only calls skip pytree flattening.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import optree
+import torch
+
+from . import capture as _capture
+from .errors import CaptureError, ConfigError, CudaGraphsError, CudaGraphsWarning, explain
+from .outputs import OUTPUT_POLICIES, make_emitter
+from .stats import Stats
+from .tree import NAMESPACE, Signature, flatten
+
+__all__ = ["Graphed", "Options", "State"]
+
+log = logging.getLogger("cudagraphs")
+R = TypeVar("R")
+
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
+_capture_streams: dict[int, torch.cuda.Stream] = {}
+_capture_lock = threading.RLock()
+
+
+class State(enum.Enum):
+    LAZY = "lazy"  # waiting for the first call, whose arguments become the examples
+    CAPTURED = "captured"  # replaying a recorded graph
+    EAGER = "eager"  # pass-through: no CUDA, CPU inputs, or a failed capture with fallback
+
+
+class Options:
+    """The validated options of ``cg.graph``; see :func:`cudagraphs.graph` for their meaning."""
+
+    __slots__ = ("warmup", "outputs", "pool", "stream", "capture_error_mode", "fallback")
+
+    def __init__(
+        self,
+        *,
+        warmup: int = 3,
+        outputs: str = "guarded",
+        pool: Any = None,
+        stream: torch.cuda.Stream | None = None,
+        capture_error_mode: str = "global",
+        fallback: str = "raise",
+    ):
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+            raise ConfigError(
+                explain(
+                    f"warmup must be an int >= 0, got {warmup!r}",
+                    "it is the number of eager calls run before capture",
+                    "pass warmup=3 (the default) or more for torch.compile'd functions",
+                )
+            )
+        _choice("outputs", outputs, OUTPUT_POLICIES)
+        _choice("capture_error_mode", capture_error_mode, _capture.CAPTURE_ERROR_MODES)
+        _choice("fallback", fallback, ("raise", "eager"))
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise ConfigError(
+                explain(
+                    f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}",
+                    "capture needs a CUDA side stream to record on",
+                    "pass stream=torch.cuda.Stream(), or leave it out",
+                )
+            )
+        if isinstance(pool, Graphed):
+            pool = pool.pool
+        if pool is not None and not (
+            isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(p, int) for p in pool)
+        ):
+            raise ConfigError(
+                explain(
+                    f"pool must be a graph pool handle or a graphed callable, got {pool!r}",
+                    "graphs that share a pool share one block of GPU memory",
+                    "pass pool=torch.cuda.graph_pool_handle(), or pool=other_graphed "
+                    "(a captured cg.graph)",
+                )
+            )
+        self.warmup = warmup
+        self.outputs = outputs
+        self.pool = pool
+        self.stream = stream
+        self.capture_error_mode = capture_error_mode
+        self.fallback = fallback
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(
+            explain(
+                f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}",
+                f"{name} selects a fixed behaviour and accepts only these names",
+                f"pass {name}={allowed[0]!r}",
+            )
+        )
+
+
+class _Mismatch(Exception):
+    """Raised inside the fast check; the slow check then explains what differed."""
+
+
+class Graphed(Generic[R]):
+    """A function captured into a CUDA graph (or, without CUDA, run eagerly with the same checks).
+
+    Create with :func:`cudagraphs.graph`. Call it like the function. Attributes:
+
+    - ``state``: :class:`State` (``LAZY``, ``CAPTURED``, ``EAGER``)
+    - ``inputs`` / ``input_kwargs``: the graph's static input buffers, arranged like the
+      example call; ``g(*g.inputs, **g.input_kwargs)`` replays with no copy
+    - ``stats``: a :class:`~cudagraphs.stats.Stats` snapshot
+    - ``fallback_reason``: why it runs eagerly, or ``None``
+    - ``pool``: the graph's memory pool handle, to share with another capture
+    """
+
+    def __init__(self, fn: Callable[..., R], options: Options):
+        self.fn = fn
+        self.options = options
+        self.state = State.LAZY
+        self.fallback_reason: str | None = None
+        self.pool: Any = options.pool
+        self.inputs: tuple[Any, ...] = ()
+        self.input_kwargs: dict[str, Any] = {}
+        self._signature: Signature | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        # Fast path state, all set at capture.
+        self._flat_slots: tuple[tuple[int, torch.Tensor, int, torch.Size, torch.dtype, int], ...] | None = None
+        self._flat_frozen: tuple[tuple[int, Any], ...] = ()
+        self._n_args = -1
+        self._slots: tuple[tuple[int, torch.Tensor, int, torch.Size, torch.dtype, int], ...] = ()
+        self._writeback: tuple[tuple[int, torch.Tensor], ...] = ()
+        self._emit: Callable[[], Any] = _unset
+        self._invalidate: Callable[[], None] | None = None
+        # Counters.
+        self._calls = 0
+        self._eager_calls = 0
+        self._copies = 0
+        self._writebacks = 0
+        self._warmup_s = 0.0
+        self._capture_s = 0.0
+        self._pool_bytes = 0
+        self._static_input_bytes = 0
+        self._bound: weakref.WeakKeyDictionary[Any, Graphed[Any]] | None = None
+        self.__wrapped__ = fn
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    # ------------------------------------------------------------------ calling
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        slots = self._flat_slots
+        if slots is None or kwargs or len(args) != self._n_args:
+            return self._call_general(args, kwargs)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        try:
+            for i, buf, ptr, shape, dtype, dev in slots:
+                x = args[i]
+                if x is buf:
+                    continue
+                if x.shape != shape or x.dtype != dtype or x.get_device() != dev:
+                    raise _Mismatch
+                if x.data_ptr() == ptr and x.stride() == buf.stride():
+                    continue
+                dst.append(buf)
+                src.append(x)
+            for i, value in self._flat_frozen:
+                x = args[i]
+                if x is not value and (type(x) is not type(value) or x != value):
+                    raise _Mismatch
+        except Exception:
+            self._explain_mismatch(args, kwargs)
+            raise
+        return self._replay(args, dst, src)
+
+    def _replay(self, leaves: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> R:
+        if dst:
+            if len(dst) == 1:
+                dst[0].copy_(src[0])
+            else:
+                torch._foreach_copy_(dst, src)
+            self._copies += len(dst)
+        invalidate = self._invalidate
+        if invalidate is not None:
+            invalidate()
+        self._graph.replay()  # type: ignore[union-attr]
+        self._calls += 1
+        if self._writeback:
+            self._write_back(leaves)
+        return self._emit()
+
+    def _write_back(self, leaves: Any) -> None:
+        # The function mutated these inputs in place; eager would have mutated the caller's
+        # tensors, so copy the graph's result back unless the caller passed the buffer itself.
+        back_dst = []
+        back_src = []
+        for i, buf in self._writeback:
+            if leaves[i] is not buf:
+                back_dst.append(leaves[i])
+                back_src.append(buf)
+        if back_dst:
+            torch._foreach_copy_(back_dst, back_src)
+            self._writebacks += len(back_dst)
+
+    def _call_general(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        state = self.state
+        if state is State.LAZY:
+            self._initialize(args, kwargs)
+            return self._call_general(args, kwargs)
+        if state is State.EAGER:
+            assert self._signature is not None
+            self._signature.check(args, kwargs)
+            self._eager_calls += 1
+            return self.fn(*args, **kwargs)
+        leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
+        assert self._signature is not None
+        if spec != self._signature.spec:
+            self._explain_mismatch(args, kwargs)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        try:
+            for i, buf, ptr, shape, dtype, dev in self._slots:
+                x = leaves[i]
+                if x is buf:
+                    continue
+                if x.shape != shape or x.dtype != dtype or x.get_device() != dev:
+                    raise _Mismatch
+                if x.data_ptr() == ptr and x.stride() == buf.stride():
+                    continue
+                dst.append(buf)
+                src.append(x)
+            for i, value in zip(self._signature.frozen_index, self._signature.frozen_values):
+                x = leaves[i]
+                if x is not value and (type(x) is not type(value) or x != value):
+                    raise _Mismatch
+        except Exception:
+            self._explain_mismatch(args, kwargs)
+            raise
+        return self._replay(leaves, dst, src)
+
+    def _explain_mismatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise the precise error for a call the fast check refused."""
+        assert self._signature is not None
+        try:
+            self._signature.check(args, kwargs)
+        except CudaGraphsError as error:
+            # Raised from inside the fast check's except block: drop that internal context.
+            raise error from None
+        # The fast check is stricter than nothing only where the slow one agrees; if they ever
+        # disagree, refusing is the safe answer.
+        raise AssertionError("cudagraphs: fast and slow signature checks disagree; please report")
+
+    # ------------------------------------------------------------------ capture
+
+    def _initialize(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Leave LAZY: capture on these example arguments, or become an eager pass-through."""
+        signature, leaves = Signature.of_call(args, kwargs)
+        self._signature = signature
+        tensors = [leaves[i] for i in signature.tensor_index]
+        paths = signature.tensor_paths()
+        cuda = [t.device for t in tensors if t.is_cuda]
+        other = [(p, t.device) for p, t in zip(paths, tensors) if not t.is_cuda]
+        if cuda and other:
+            path, device = other[0]
+            raise ConfigError(
+                explain(
+                    f"{path} is on {device} while other inputs are on {cuda[0]}",
+                    "a CUDA graph can only read CUDA memory; a CPU input would be frozen at capture",
+                    f"move {path} to {cuda[0]} before calling",
+                )
+            )
+        if len(set(cuda)) > 1:
+            raise ConfigError(
+                explain(
+                    f"the inputs are on several CUDA devices: {sorted(set(map(str, cuda)))}",
+                    "one graph is recorded on one device",
+                    "move the inputs to one device, or capture one graph per device",
+                )
+            )
+        reason = None
+        if not torch.cuda.is_available():
+            reason = "CUDA is not available"
+        elif other:
+            reason = f"the inputs are on {other[0][1]}, not CUDA"
+        if reason is not None:
+            self._become_eager(reason, warn=True)
+            return
+        device = cuda[0] if cuda else torch.device("cuda", torch.cuda.current_device())
+        try:
+            with torch.cuda.device(device):
+                self._capture(signature, leaves, device)
+        except CaptureError as error:
+            if self.options.fallback == "raise":
+                raise
+            self._become_eager(str(error), warn=False)
+
+    def _become_eager(self, reason: str, *, warn: bool) -> None:
+        self.state = State.EAGER
+        self.fallback_reason = reason
+        if warn:
+            warnings.warn(
+                f"cudagraphs: {reason}; {_name(self.fn)} runs eagerly (same signature checks, "
+                "no graph). Graphs need CUDA tensors on a CUDA machine.",
+                CudaGraphsWarning,
+                stacklevel=_user_stacklevel(),
+            )
+        else:
+            log.warning("cudagraphs: running %s eagerly: %s", _name(self.fn), reason)
+
+    def _capture(self, signature: Signature, leaves: list[Any], device: torch.device) -> None:
+        options = self.options
+        # Static input buffers: clones of the examples, so the examples themselves are never
+        # touched by warm-up. Normal (not inference) tensors, so in-place mutation by the
+        # function shows in their version counters.
+        with torch.inference_mode(False), torch.no_grad():
+            static = list(leaves)
+            for i in signature.tensor_index:
+                static[i] = leaves[i].detach().clone()
+        args, kwargs = optree.tree_unflatten(signature.spec, static)
+        stream = options.stream or _default_capture_stream(device)
+        with _capture_lock:
+            self._warmup_s = _capture.warm_up(self.fn, args, kwargs, options.warmup, stream)
+            versions = [static[i]._version for i in signature.tensor_index]
+            recording = _capture.capture(
+                self.fn,
+                args,
+                kwargs,
+                stream=stream,
+                pool=options.pool,
+                capture_error_mode=options.capture_error_mode,
+            )
+        mutated = [
+            i
+            for i, before in zip(signature.tensor_index, versions)
+            if static[i]._version != before
+        ]
+        self._graph = recording.graph
+        self._capture_s = recording.capture_s
+        self._pool_bytes = recording.pool_bytes
+        self._static_input_bytes = sum(static[i].nbytes for i in signature.tensor_index)
+        self.pool = recording.graph.pool()
+        self.inputs, self.input_kwargs = args, kwargs
+
+        output = _detach_outputs(recording.output, self.fn)
+        emitter = make_emitter(output, options.outputs)
+        self._emit = emitter
+        self._invalidate = getattr(emitter, "invalidate", None)
+        self._writeback = tuple((i, static[i]) for i in mutated)
+        if mutated:
+            log.info(
+                "cudagraphs: %s mutates %s in place; replays copy the result back to the "
+                "caller's tensors",
+                _name(self.fn),
+                ", ".join(signature.paths[i] for i in mutated),
+            )
+        self._slots = tuple(
+            (
+                i,
+                static[i],
+                static[i].data_ptr(),
+                static[i].shape,
+                static[i].dtype,
+                static[i].get_device(),
+            )
+            for i in signature.tensor_index
+        )
+        if signature.is_flat:
+            self._n_args = signature.spec.num_leaves
+            self._flat_slots = self._slots
+            self._flat_frozen = tuple(zip(signature.frozen_index, signature.frozen_values))
+        self.state = State.CAPTURED
+
+    # ------------------------------------------------------------------ the rest
+
+    @property
+    def stats(self) -> Stats:
+        n_inputs = len(self._signature.tensor_index) if self._signature else 0
+        return Stats(
+            state=self.state.value,
+            calls=self._calls + self._eager_calls,
+            replays=self._calls,
+            eager_calls=self._eager_calls,
+            copies=self._copies,
+            copies_skipped=self._calls * n_inputs - self._copies,
+            writebacks=self._writebacks,
+            warmup_s=self._warmup_s,
+            capture_s=self._capture_s,
+            pool_bytes=self._pool_bytes,
+            static_input_bytes=self._static_input_bytes,
+        )
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        """``@cg.graph`` on a method: one graph per instance, bound to it."""
+        if instance is None:
+            return self
+        if self._bound is None:
+            self._bound = weakref.WeakKeyDictionary()
+        bound = self._bound.get(instance)
+        if bound is None:
+            bound = Graphed(self.fn.__get__(instance, owner), self.options)  # type: ignore[attr-defined]
+            self._bound[instance] = bound
+        return bound
+
+    def __repr__(self) -> str:
+        return f"<cudagraphs.Graphed {_name(self.fn)} state={self.state.value} outputs={self.options.outputs}>"
+
+
+def _unset() -> Any:  # pragma: no cover - replaced at capture
+    raise AssertionError("not captured")
+
+
+def _detach_outputs(output: Any, fn: Callable[..., Any]) -> Any:
+    """Detach tensor outputs once, at capture: a replay records no autograd history."""
+    leaves, spec = flatten(output)
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        warnings.warn(
+            f"cudagraphs: {_name(fn)} returns tensors that require grad, but a graph replay "
+            "records no autograd history, so the outputs are detached. For inference wrap the "
+            "capture in torch.no_grad() or torch.inference_mode().",
+            CudaGraphsWarning,
+            stacklevel=_user_stacklevel(),
+        )
+    return optree.tree_unflatten(
+        spec, [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+    )
+
+
+def _default_capture_stream(device: torch.device) -> torch.cuda.Stream:
+    # One side stream per device, shared by all captures: graphs sharing a pool should be
+    # captured on the same stream.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _capture_streams.get(index)
+    if stream is None:
+        stream = _capture_streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return _capture._name(fn)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this package."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIR):
+        frame = frame.f_back
+        level += 1
+    return level

@@ -1,0 +1,34 @@
+"""Counters and costs of one graphed callable, as a plain snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["Stats"]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """What a graphed callable did so far and what its capture cost.
+
+    ``copies_skipped`` counts tensor inputs that needed no copy because the caller passed the
+    graph's own buffer (``g(*g.inputs)``); ``writebacks`` counts copies of in-place mutated inputs
+    back to the caller's tensors. ``pool_bytes`` is the GPU memory the capture reserved (its
+    private pool, or what it added to a shared one).
+    """
+
+    state: str
+    calls: int = 0
+    replays: int = 0
+    eager_calls: int = 0
+    copies: int = 0
+    copies_skipped: int = 0
+    writebacks: int = 0
+    warmup_s: float = 0.0
+    capture_s: float = 0.0
+    pool_bytes: int = 0
+    static_input_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

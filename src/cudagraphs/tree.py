@@ -1,0 +1,281 @@
+"""Call signatures: what a graph was captured for, and why a later call does not match it.
+
+Inputs are pytrees (optree) of tensors and plain values. A graph reads each tensor leaf from a
+fixed buffer, so a call must bring the same tree structure and, per tensor leaf, the same shape,
+dtype and device. Plain values were seen once, at capture, and baked into the recording, so a
+call must bring equal values. This module records that signature and turns a mismatch into an
+:class:`~cudagraphs.errors.InputMismatchError` that names the leaf (``args[0]['obs']``).
+
+The fast per-call check lives in :mod:`cudagraphs.graphed`; everything here runs at capture
+time or after a mismatch, where clarity beats speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+
+from .errors import InputMismatchError, StaleOutputError, explain
+
+__all__ = ["NAMESPACE", "Signature", "flatten", "leaf_paths", "same_value"]
+
+#: optree namespace in which stdlib dataclasses are registered as pytree nodes.
+NAMESPACE = "cudagraphs"
+
+_registered_dataclasses: set[type] = set()
+
+
+def _register_dataclass(cls: type) -> None:
+    """Make a stdlib dataclass a pytree node whose children are its ``init`` fields."""
+    names = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    def flatten_fn(obj: Any) -> tuple[tuple[Any, ...], tuple[str, ...], tuple[str, ...]]:
+        return tuple(getattr(obj, n) for n in names), names, names
+
+    def unflatten_fn(field_names: tuple[str, ...], children: Sequence[Any]) -> Any:
+        return cls(**dict(zip(field_names, children)))
+
+    optree.register_pytree_node(
+        cls, flatten_fn, unflatten_fn, namespace=NAMESPACE, path_entry_type=optree.GetAttrEntry
+    )
+    _registered_dataclasses.add(cls)
+
+
+def flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:
+    """Flatten ``tree``, registering any dataclass type met on the way as a pytree node.
+
+    Registration is global and happens once per type, so the fast path can later flatten with a
+    plain ``optree.tree_flatten(..., namespace=NAMESPACE)`` and see the same structure.
+    """
+    while True:
+        leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+        new = {
+            type(leaf)
+            for leaf in leaves
+            if dataclasses.is_dataclass(leaf)
+            and not isinstance(leaf, type)
+            and type(leaf) not in _registered_dataclasses
+        }
+        if not new:
+            return leaves, spec
+        for cls in new:
+            _register_dataclass(cls)
+
+
+def leaf_paths(spec: optree.PyTreeSpec, root: str | None = None) -> list[str]:
+    """Readable paths of every leaf: ``args[0]['obs']``, ``kwargs['temperature']``.
+
+    With ``root=None`` the tree is taken to be the ``(args, kwargs)`` pair of a call.
+    """
+    paths = []
+    for accessor in spec.accessors():
+        code = accessor.codify("")
+        if root is not None:
+            paths.append(root + code)
+        elif code.startswith("[0]"):
+            paths.append("args" + code[3:])
+        elif code.startswith("[1]"):
+            paths.append("kwargs" + code[3:])
+        else:  # pragma: no cover - the call tree always has two children
+            paths.append(code)
+    return paths
+
+
+def same_value(given: Any, frozen: Any) -> bool:
+    """Whether a plain (non-tensor) leaf equals the value frozen at capture.
+
+    Types must match too (``True`` is not ``1`` here), and values whose ``==`` does not give a
+    plain bool (numpy arrays, exotic objects) must be the very same object.
+    """
+    if given is frozen:
+        return True
+    if type(given) is not type(frozen):
+        return False
+    try:
+        return bool(given == frozen)
+    except Exception:
+        return False
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_stale(tensor: torch.Tensor) -> str | None:
+    """The access error of a tensor whose storage was invalidated by a later replay, if any."""
+    try:
+        tensor.data_ptr()
+    except RuntimeError as error:
+        if "StaleOutputError" in str(error):
+            return str(error)
+        raise
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorMeta:
+    """What a tensor leaf must look like: the graph's buffer has exactly this layout."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorMeta:
+        return cls(tensor.shape, tensor.dtype, tensor.device)
+
+    def __str__(self) -> str:
+        return f"Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+
+@dataclasses.dataclass
+class Signature:
+    """The structure of a call: tree spec, leaf paths, tensor metadata and frozen plain values."""
+
+    spec: optree.PyTreeSpec
+    paths: list[str]
+    tensor_index: tuple[int, ...]
+    tensor_meta: tuple[TensorMeta, ...]
+    frozen_index: tuple[int, ...]
+    frozen_values: tuple[Any, ...]
+
+    @classmethod
+    def of_call(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Signature, list[Any]]:
+        """Record the signature of ``fn(*args, **kwargs)`` and return it with the call's leaves."""
+        leaves, spec = flatten((args, kwargs))
+        tensor_index = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        tensor_set = set(tensor_index)
+        frozen_index = tuple(i for i in range(len(leaves)) if i not in tensor_set)
+        signature = cls(
+            spec=spec,
+            paths=leaf_paths(spec),
+            tensor_index=tensor_index,
+            tensor_meta=tuple(TensorMeta.of(leaves[i]) for i in tensor_index),
+            frozen_index=frozen_index,
+            frozen_values=tuple(leaves[i] for i in frozen_index),
+        )
+        return signature, leaves
+
+    @property
+    def is_flat(self) -> bool:
+        """True when the call is positional leaves only: ``fn(x, y, 3)`` with no kwargs.
+
+        Such calls can be checked without flattening, which is the common case and the fast one.
+        """
+        return self.spec == optree.tree_structure(
+            (tuple(range(self.spec.num_leaves)), {}), namespace=NAMESPACE
+        )
+
+    def tensor_paths(self) -> list[str]:
+        return [self.paths[i] for i in self.tensor_index]
+
+    def check(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        """Return the call's leaves, or raise the error that explains the first mismatch."""
+        try:
+            leaves, spec = flatten((args, kwargs))
+        except Exception as error:  # an object optree cannot walk
+            raise InputMismatchError(
+                explain(
+                    "the call's arguments could not be flattened into a pytree",
+                    f"optree raised {type(error).__name__}: {error}",
+                    "pass tensors and plain values in tuples, lists, dicts, namedtuples or "
+                    "dataclasses",
+                )
+            ) from error
+        if spec != self.spec:
+            raise InputMismatchError(self._structure_message(spec))
+        for i, meta in zip(self.tensor_index, self.tensor_meta):
+            self._check_tensor(self.paths[i], leaves[i], meta)
+        for i, frozen in zip(self.frozen_index, self.frozen_values):
+            if not same_value(leaves[i], frozen):
+                raise InputMismatchError(
+                    explain(
+                        f"{self.paths[i]} is {_describe(leaves[i])} but the graph was captured "
+                        f"with {_describe(frozen)}",
+                        "plain Python values are read once, at capture, and frozen into the "
+                        "recording; a replay would silently ignore the new value",
+                        "pass the value as a tensor if it must change per call (e.g. "
+                        "torch.tensor(v, device='cuda')), or capture one graph per value",
+                    )
+                )
+        return leaves
+
+    def _check_tensor(self, path: str, value: Any, meta: TensorMeta) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise InputMismatchError(
+                explain(
+                    f"{path} is {_describe(value)} but the graph was captured with {meta}",
+                    "the graph reads this input from a fixed tensor buffer",
+                    f"pass a tensor of shape {tuple(meta.shape)}, dtype {meta.dtype} on "
+                    f"{meta.device}",
+                )
+            )
+        stale = _is_stale(value)
+        if stale is not None:
+            raise StaleOutputError(
+                explain(
+                    f"{path} is an output of an earlier replay that a later replay overwrote",
+                    "its memory now holds a newer result, so reading it would return wrong data",
+                    "use the latest output, or call .clone() on an output you want to keep "
+                    "(or capture with outputs='clone')",
+                )
+            ) from None
+        problems = []
+        if value.shape != meta.shape:
+            problems.append(f"shape {tuple(value.shape)} (captured {tuple(meta.shape)})")
+        if value.dtype != meta.dtype:
+            problems.append(f"dtype {value.dtype} (captured {meta.dtype})")
+        if value.device != meta.device:
+            problems.append(f"device {value.device} (captured {meta.device})")
+        if not problems:
+            return
+        if value.shape != meta.shape:
+            why = (
+                "a graph replays kernels recorded for one shape; copying a different shape into "
+                "its buffer would broadcast or fail, never compute the right answer"
+            )
+            fix = (
+                "pad or slice the input to the captured shape, or capture a separate graph for "
+                "this shape: cg.graph(fn, example_of_that_shape)"
+            )
+        elif value.dtype != meta.dtype:
+            why = "the copy into the graph's buffer would silently cast the values"
+            fix = f"convert it first with .to({meta.dtype}), or capture another graph for {value.dtype}"
+        else:
+            why = "the graph's kernels and buffers live on one device"
+            fix = f"move the input first: .to('{meta.device}')"
+        raise InputMismatchError(explain(f"{path} has " + ", ".join(problems), why, fix))
+
+    def _structure_message(self, given: optree.PyTreeSpec) -> str:
+        expected_paths = set(self.paths)
+        given_paths = leaf_paths(given)
+        missing = [p for p in self.paths if p not in set(given_paths)]
+        extra = [p for p in given_paths if p not in expected_paths]
+        if missing or extra:
+            what = "the call's structure differs from the capture's: " + "; ".join(
+                part
+                for part in (
+                    f"missing {', '.join(missing[:4])}" if missing else "",
+                    f"unexpected {', '.join(extra[:4])}" if extra else "",
+                )
+                if part
+            )
+        else:
+            what = (
+                "the call's containers differ from the capture's (same leaves, different "
+                f"container types): captured {self.spec}, given {given}"
+            )
+        return explain(
+            what,
+            "a graph is recorded for one arrangement of inputs; it has no buffer for a new leaf "
+            "and would silently ignore a missing one",
+            "call with the same arguments, keywords and containers as at capture, or capture "
+            "another graph for this arrangement",
+        )
