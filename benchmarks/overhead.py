@@ -1,0 +1,203 @@
+"""Per-call overhead of cudagraphs against eager, reduce-overhead and hand-rolled graphs.
+
+For each model: eager, ``torch.compile(mode="reduce-overhead")``, a bare ``CUDAGraph`` with
+copy+replay, the brief's ``GraphModel`` class, and ``cg.graph`` under each output policy. Every
+mode is first checked against eager on fresh random inputs; then all are timed side by side in
+one run (interleaved windows, medians), in latency (sync after each call) and throughput (one
+sync per window). Ratios are the figures to read; absolute times move between runs.
+
+    python benchmarks/overhead.py [--models brief_mlp,transformer] [--json PATH] [--markdown PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import cudagraphs as cg
+from cudagraphs.timing import Timing, measure_side_by_side
+from cudagraphs.workloads import MODELS
+
+RESULTS = Path(__file__).parent / "results"
+
+
+class GraphModel:
+    """The brief's hand-rolled class, verbatim in spirit: warm up, capture, replay."""
+
+    def __init__(self, model: torch.nn.Module, x: torch.Tensor):
+        self.model = model.cuda().eval()
+        self.x = x
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                self.out = self.model(self.x)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        self.g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.g):
+            self.out = self.model(self.x)
+
+    def __call__(self) -> torch.Tensor:
+        self.g.replay()
+        return self.out
+
+
+def bare_graph(model: torch.nn.Module, example: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The minimal correct hand-written pattern: static input, copy-in, replay, static output."""
+    static_x = example.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = model(static_x)
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        static_x.copy_(x)
+        graph.replay()
+        return static_y
+
+    return call
+
+
+def build_modes(model: torch.nn.Module, example: torch.Tensor) -> dict[str, Callable[[Any], Any]]:
+    modes: dict[str, Callable[[Any], Any]] = {"eager": model}
+    compiled = torch.compile(model, mode="reduce-overhead")
+    modes["reduce-overhead"] = compiled
+    modes["bare copy+replay"] = bare_graph(model, example)
+    brief = GraphModel(model, example.clone())
+
+    def brief_call(x: torch.Tensor) -> torch.Tensor:
+        brief.x.copy_(x)
+        return brief()
+
+    modes["brief GraphModel"] = brief_call
+    for policy in ("alias", "guarded", "clone"):
+        modes[f"cg {policy}"] = cg.graph(model, example, outputs=policy)
+    return modes
+
+
+def check_against_eager(modes: dict[str, Callable[[Any], Any]], model: torch.nn.Module, shape: tuple[int, ...]) -> dict[str, float]:
+    """Max abs error of every mode against eager on fresh random inputs (3 draws)."""
+    errors = {name: 0.0 for name in modes}
+    for _ in range(3):
+        x = torch.randn(*shape, device="cuda")
+        expected = model(x)
+        for name, call in modes.items():
+            got = call(x).clone()
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+            errors[name] = max(errors[name], (got - expected).abs().max().item())
+    return errors
+
+
+def run(model_names: list[str], calls: int, windows: int) -> dict[str, Any]:
+    results: dict[str, Any] = {
+        "hardware": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "calls_per_window": calls,
+        "windows": windows,
+        "models": {},
+    }
+    for name in model_names:
+        make, shape = MODELS[name]
+        torch.manual_seed(0)
+        model = make().cuda().eval()
+        with torch.no_grad():
+            example = torch.randn(*shape, device="cuda")
+            modes = build_modes(model, example)
+            errors = check_against_eager(modes, model, shape)
+            inputs = [torch.randn(*shape, device="cuda") for _ in range(4)]
+            timings = measure_side_by_side(modes, inputs, calls=calls, windows=windows)
+        results["models"][name] = {
+            "shape": list(shape),
+            "max_abs_error_vs_eager": errors,
+            "timings_us": {m: vars(t) for m, t in timings.items()},
+        }
+        del modes
+        torch.compiler.reset()
+    return results
+
+
+def ratios(timings: dict[str, Timing], mode: str, base: str) -> tuple[float, float]:
+    return (
+        timings[mode].latency_us / timings[base].latency_us,
+        timings[mode].throughput_us / timings[base].throughput_us,
+    )
+
+
+def render(results: dict[str, Any], console: Console) -> str:
+    """Print a rich table per model; return the same content as markdown for reports."""
+    md = [
+        f"Hardware: {results['hardware']}, torch {results['torch']}, CUDA {results['cuda']}; "
+        f"medians of {results['windows']} interleaved windows of {results['calls_per_window']} calls.",
+        "",
+    ]
+    for name, data in results["models"].items():
+        timings = {m: Timing(**t) for m, t in data["timings_us"].items()}
+        table = Table(title=f"{name} {tuple(data['shape'])}")
+        header = ["mode", "latency µs", "throughput µs", "vs bare (lat / thr)", "speed-up vs eager (lat / thr)", "max |err| vs eager"]
+        for h in header:
+            table.add_column(h, justify="right" if h != "mode" else "left")
+        md += [f"**{name}** input {tuple(data['shape'])}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for mode, t in timings.items():
+            vs_bare = ratios(timings, mode, "bare copy+replay")
+            vs_eager = ratios(timings, "eager", mode)
+            row = [
+                mode,
+                f"{t.latency_us:.1f}",
+                f"{t.throughput_us:.1f}",
+                f"{vs_bare[0]:.2f}× / {vs_bare[1]:.2f}×",
+                f"{vs_eager[0]:.2f}× / {vs_eager[1]:.2f}×",
+                f"{data['max_abs_error_vs_eager'][mode]:.1e}",
+            ]
+            table.add_row(*row)
+            md.append("| " + " | ".join(row) + " |")
+        console.print(table)
+        md.append("")
+    return "\n".join(md)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--windows", type=int, default=7)
+    parser.add_argument("--json", type=Path, default=RESULTS / "overhead.json")
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("overhead.py measures CUDA graphs and needs a CUDA GPU; none is available.")
+        return 0
+    names = [n for n in args.models.split(",") if n]
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        parser.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
+    results = run(names, args.calls, args.windows)
+    md = render(results, console)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    if args.markdown:
+        args.markdown.write_text(md)
+    console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
