@@ -15,6 +15,7 @@ import gc
 import os
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -110,7 +111,7 @@ def capture(
             pool_bytes=torch.cuda.memory_reserved(device) - reserved_before,
         )
 
-    _recover(graph, device)
+    _recover(graph, device, stream)
     if isinstance(failure, (KeyboardInterrupt, SystemExit)):
         raise failure
     primary = failure if failure is not None else end_failure
@@ -130,13 +131,33 @@ def capture(
     ) from primary
 
 
-def _recover(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
-    """Leave CUDA usable after a failed capture: drop the graph and drain pending errors."""
+def _recover(graph: torch.cuda.CUDAGraph, device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Leave CUDA usable after a failed capture.
+
+    A capture that dies before ``capture_end`` completes leaves the device's default RNG
+    generator in "capturing" mode, and the next random op outside a capture then fails with
+    "Offset increment outside graph capture encountered unexpectedly". Recording one empty
+    graph runs the generator's capture prologue and epilogue and so resets it.
+    """
     try:
         graph.reset()
     except Exception:
         pass
     del graph
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:
+        pass
+    empty = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "The CUDA Graph is empty": that is the point
+        try:
+            with torch.cuda.stream(stream):
+                empty.capture_begin()
+                empty.capture_end()
+        except Exception:
+            pass
+    del empty
     try:
         torch.cuda.synchronize(device)
     except Exception:
