@@ -52,7 +52,9 @@ class GraphModel:
         return self.out
 
 
-def bare_graph(model: torch.nn.Module, example: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def bare_graph(
+    model: torch.nn.Module, example: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """The minimal correct hand-written pattern: static input, copy-in, replay, static output."""
     static_x = example.clone()
     s = torch.cuda.Stream()
@@ -74,7 +76,15 @@ def bare_graph(model: torch.nn.Module, example: torch.Tensor) -> Callable[[torch
     return call
 
 
-MODES = ("eager", "reduce-overhead", "bare copy+replay", "brief GraphModel", "cg alias", "cg guarded", "cg clone")
+MODES = (
+    "eager",
+    "reduce-overhead",
+    "bare copy+replay",
+    "brief GraphModel",
+    "cg alias",
+    "cg guarded",
+    "cg clone",
+)
 
 
 def build_modes(
@@ -107,16 +117,21 @@ def check_against_eager(
         x = torch.randn(*shape, device="cuda")
         expected = model(x)
         for name, call in modes.items():
-            got = call(x).clone()
-            torch.cuda.synchronize()
-            error = (got - expected).abs().max().item()
+            try:
+                got = call(x).clone()
+                torch.cuda.synchronize()
+                error = (got - expected).abs().max().item()
+            except Exception as failure:
+                raise RuntimeError(f"mode {name!r} failed its check against eager") from failure
             if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
                 raise AssertionError(f"{name} differs from eager: max abs error {error:.3e}")
             errors[name] = max(errors[name], error)
     return errors
 
 
-def run(model_names: list[str], calls: int, windows: int, selected: tuple[str, ...] = MODES) -> dict[str, Any]:
+def run(
+    model_names: list[str], calls: int, windows: int, selected: tuple[str, ...] = MODES
+) -> dict[str, Any]:
     results: dict[str, Any] = {
         "hardware": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -163,10 +178,22 @@ def render(results: dict[str, Any], console: Console) -> str:
     for name, data in results["models"].items():
         timings = {m: Timing(**t) for m, t in data["timings_us"].items()}
         table = Table(title=f"{name} {tuple(data['shape'])}")
-        header = ["mode", "latency µs", "throughput µs", "vs bare (lat / thr)", "speed-up vs eager (lat / thr)", "max |err| vs eager"]
+        header = [
+            "mode",
+            "latency µs",
+            "throughput µs",
+            "vs bare (lat / thr)",
+            "speed-up vs eager (lat / thr)",
+            "max |err| vs eager",
+        ]
         for h in header:
             table.add_column(h, justify="right" if h != "mode" else "left")
-        md += [f"**{name}** input {tuple(data['shape'])}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        md += [
+            f"**{name}** input {tuple(data['shape'])}",
+            "",
+            "| " + " | ".join(header) + " |",
+            "|" + "---|" * len(header),
+        ]
         for mode, t in timings.items():
             vs_bare = ratios(timings, mode, "bare copy+replay")
             vs_eager = ratios(timings, "eager", mode)
@@ -186,9 +213,15 @@ def render(results: dict[str, Any], console: Console) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS)
+    )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES)
+    )
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--windows", type=int, default=7)
     parser.add_argument("--json", type=Path, default=RESULTS / "overhead.json")

@@ -125,7 +125,9 @@ def test_bad_inputs_raise_named_errors(args: tuple, error: str) -> None:
     model = MODELS["brief_mlp"][0]().cuda().eval()
     with torch.no_grad():
         g = cg.graph(model, rand(128, 256))
-        args = tuple(a.cuda() if isinstance(a, torch.Tensor) and "cpu" not in error else a for a in args)
+        args = tuple(
+            a.cuda() if isinstance(a, torch.Tensor) and "cpu" not in error else a for a in args
+        )
         with pytest.raises(cg.InputMismatchError, match=error):
             g(*args)
         # The graph is unharmed by a refused call.

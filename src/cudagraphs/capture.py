@@ -11,6 +11,7 @@ stream, the allocator and Python's gc are always restored, so the process stays 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import time
@@ -139,15 +140,11 @@ def _recover(graph: torch.cuda.CUDAGraph, device: torch.device, stream: torch.cu
     "Offset increment outside graph capture encountered unexpectedly". Recording one empty
     graph runs the generator's capture prologue and epilogue and so resets it.
     """
-    try:
+    with contextlib.suppress(Exception):
         graph.reset()
-    except Exception:
-        pass
     del graph
-    try:
+    with contextlib.suppress(Exception):
         torch.cuda.synchronize(device)
-    except Exception:
-        pass
     empty = torch.cuda.CUDAGraph()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "The CUDA Graph is empty": that is the point
@@ -158,10 +155,8 @@ def _recover(graph: torch.cuda.CUDAGraph, device: torch.device, stream: torch.cu
         except Exception:
             pass
     del empty
-    try:
+    with contextlib.suppress(Exception):
         torch.cuda.synchronize(device)
-    except Exception:
-        pass
 
 
 # Ordered: the first pattern found in the error chain (primary error first) decides the kind.

@@ -51,7 +51,7 @@ class State(enum.Enum):
 class Options:
     """The validated options of ``cg.graph``; see :func:`cudagraphs.graph` for their meaning."""
 
-    __slots__ = ("warmup", "outputs", "pool", "stream", "capture_error_mode", "fallback")
+    __slots__ = ("capture_error_mode", "fallback", "outputs", "pool", "stream", "warmup")
 
     def __init__(
         self,
@@ -142,7 +142,9 @@ class Graphed(Generic[R]):
         self._signature: Signature | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         # Fast path state, all set at capture.
-        self._flat_slots: tuple[tuple[int, torch.Tensor, int, torch.Size, torch.dtype, int], ...] | None = None
+        self._flat_slots: (
+            tuple[tuple[int, torch.Tensor, int, torch.Size, torch.dtype, int], ...] | None
+        ) = None
         self._flat_frozen: tuple[tuple[int, Any], ...] = ()
         self._n_args = -1
         self._slots: tuple[tuple[int, torch.Tensor, int, torch.Size, torch.dtype, int], ...] = ()
@@ -300,6 +302,14 @@ class Graphed(Generic[R]):
         elif other:
             reason = f"the inputs are on {other[0][1]}, not CUDA"
         if reason is not None:
+            # Buffers of the example's layout so that g(*g.inputs) also works without CUDA.
+            self.inputs, self.input_kwargs = optree.tree_unflatten(
+                signature.spec,
+                [
+                    leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf
+                    for leaf in leaves
+                ],
+            )
             self._become_eager(reason, warn=True)
             return
         device = cuda[0] if cuda else torch.device("cuda", torch.cuda.current_device())
@@ -347,9 +357,7 @@ class Graphed(Generic[R]):
                 capture_error_mode=options.capture_error_mode,
             )
         mutated = [
-            i
-            for i, before in zip(signature.tensor_index, versions)
-            if static[i]._version != before
+            i for i, before in zip(signature.tensor_index, versions) if static[i]._version != before
         ]
         self._graph = recording.graph
         self._capture_s = recording.capture_s

@@ -65,7 +65,9 @@ def make_emitter(output: Any, policy: str) -> Callable[[], Any]:
     raise AssertionError(policy)  # validated by the caller
 
 
-def _clone_emitter(leaves: list[Any], spec: optree.PyTreeSpec, tensor_index: list[int]) -> Callable[[], Any]:
+def _clone_emitter(
+    leaves: list[Any], spec: optree.PyTreeSpec, tensor_index: list[int]
+) -> Callable[[], Any]:
     static = [leaves[i] for i in tensor_index]
 
     def emit() -> Any:
