@@ -142,9 +142,13 @@ def run(
         "models": {},
     }
     for name in model_names:
-        make, shape = MODELS[name]
+        make, shape = MODELS[name.removesuffix("+tf32")]
         torch.manual_seed(0)
         model = make().cuda().eval()
+        # "+tf32": the same model with TF32 matmuls (torch.set_float32_matmul_precision("high")),
+        # where the GEMMs no longer dominate and launch overhead is what is left.
+        tf32 = name.endswith("+tf32")
+        torch.backends.cuda.matmul.allow_tf32 = tf32
         with torch.no_grad():
             example = torch.randn(*shape, device="cuda")
             modes = build_modes(model, example, selected)
@@ -158,6 +162,7 @@ def run(
         }
         del modes
         torch.compiler.reset()
+    torch.backends.cuda.matmul.allow_tf32 = False
     return results
 
 
@@ -216,8 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    choices = [*MODELS, "brief_mlp+tf32"]
     parser.add_argument(
-        "--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS)
+        "--models",
+        default="brief_mlp,brief_mlp+tf32,transformer,deep_mlp",
+        help="comma-separated: " + ", ".join(choices),
     )
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES)
@@ -232,9 +240,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print("overhead.py measures CUDA graphs and needs a CUDA GPU; none is available.")
         return 0
     names = [n for n in args.models.split(",") if n]
-    unknown = [n for n in names if n not in MODELS]
+    unknown = [n for n in names if n not in choices]
     if unknown:
-        parser.error(f"--models: unknown {unknown}; choose from {list(MODELS)}")
+        parser.error(f"--models: unknown {unknown}; choose from {choices}")
     results = run(names, args.calls, args.windows, tuple(args.modes.split(",")))
     md = render(results, console)
     args.json.parent.mkdir(parents=True, exist_ok=True)

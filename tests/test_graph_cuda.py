@@ -321,3 +321,30 @@ def test_frozen_python_constant_is_checked() -> None:
     torch.testing.assert_close(g(x, 2.0), x * 2)
     with pytest.raises(cg.InputMismatchError, match=r"args\[1\] is 3.0"):
         g(x, 3.0)
+
+
+def test_replay_survives_cublas_workspace_clearing_and_empty_cache() -> None:
+    # Regression: reduce-overhead clears cuBLAS workspaces on every recording. A graph whose
+    # workspace lived outside its pool then replayed into freed memory (illegal memory access).
+    model = MODELS["brief_mlp"][0]().cuda().eval()
+    with torch.no_grad():
+        g = cg.graph(model, rand(128, 256))
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+        junk = [torch.randn(1 << 20, device="cuda") for _ in range(8)]  # reuse freed memory
+        for _ in range(3):
+            x = rand(128, 256)
+            torch.testing.assert_close(g(x), model(x))
+        del junk
+
+
+def test_graph_coexists_with_reduce_overhead() -> None:
+    model = MODELS["brief_mlp"][0]().cuda().eval()
+    compiled = torch.compile(model, mode="reduce-overhead")
+    with torch.no_grad():
+        g = cg.graph(model, rand(128, 256))
+        for _ in range(4):
+            x = rand(128, 256)
+            expected = model(x)
+            torch.testing.assert_close(compiled(x).clone(), expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(g(x), expected)

@@ -73,6 +73,13 @@ def capture(
     """Record one call of ``fn`` into a new CUDA graph, or raise :class:`CaptureError`."""
     device = stream.device
     torch.cuda.synchronize(device)
+    # cuBLAS keeps one workspace per (handle, stream), allocated on first use. Warm-up ran on
+    # this stream, so the recording would point at a workspace that lives outside the graph's
+    # pool, and anyone who clears the workspaces later (torch.compile's reduce-overhead does, on
+    # every recording) would free memory the graph still uses: an illegal memory access at the
+    # next replay. Clearing them now makes the capture allocate its workspace inside its pool,
+    # which lives as long as the graph. (PyTorch's cudagraph trees do the same.)
+    torch._C._cuda_clearCublasWorkspaces()
     reserved_before = torch.cuda.memory_reserved(device)
     graph = torch.cuda.CUDAGraph()
     start = time.perf_counter()
@@ -105,6 +112,9 @@ def capture(
             gc.enable()
     if failure is None and end_failure is None:
         torch.cuda.synchronize(device)
+        # Drop the workspace map's reference to the block in our pool, so eager matmuls on this
+        # stream do not share memory with the graph.
+        torch._C._cuda_clearCublasWorkspaces()
         return Recording(
             graph=graph,
             output=output,
