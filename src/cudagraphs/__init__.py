@@ -13,6 +13,15 @@ See :func:`graph` for the options, and the README for when graphs help and when 
 from __future__ import annotations
 
 from .api import graph
+from .buckets import (
+    Bucketed,
+    BucketOverflowError,
+    Buckets,
+    BucketStats,
+    ExactShapes,
+    powers_of_two,
+    server_sizes,
+)
 from .errors import (
     CaptureError,
     ConfigError,
@@ -23,21 +32,30 @@ from .errors import (
 )
 from .graphed import Graphed, State
 from .outputs import OutputPolicy
+from .pool import Pool
 from .stats import Stats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketOverflowError",
+    "BucketStats",
+    "Bucketed",
+    "Buckets",
     "CaptureError",
     "ConfigError",
     "CudaGraphsError",
     "CudaGraphsWarning",
+    "ExactShapes",
     "Graphed",
     "InputMismatchError",
     "OutputPolicy",
+    "Pool",
     "StaleOutputError",
     "State",
     "Stats",
     "__version__",
     "graph",
+    "powers_of_two",
+    "server_sizes",
 ]

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
 
+from .buckets import Bucketed, Buckets, ExactShapes, LazyBucketed, make_bucketed
 from .errors import ConfigError, explain
 from .graphed import Graphed, Options
 from .outputs import OutputPolicy
@@ -27,8 +28,26 @@ def graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     fallback: str = "raise",
+    buckets: None = None,
     **example_kwargs: Any,
 ) -> Graphed[R]: ...
+
+
+@overload
+def graph(
+    fn: Callable[..., R],
+    /,
+    *example_args: Any,
+    warmup: int = 3,
+    outputs: OutputPolicy = "guarded",
+    pool: Any = None,
+    stream: torch.cuda.Stream | None = None,
+    capture_error_mode: str = "global",
+    fallback: str = "raise",
+    buckets: Buckets | Mapping[str, Sequence[int]] | str,
+    max_graphs: int = 8,
+    **example_kwargs: Any,
+) -> Bucketed | ExactShapes | LazyBucketed: ...
 
 
 @overload
@@ -42,7 +61,9 @@ def graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     fallback: str = "raise",
-) -> Callable[[Callable[..., R]], Graphed[R]]: ...
+    buckets: Any = None,
+    max_graphs: int = 8,
+) -> Callable[[Callable[..., R]], Any]: ...
 
 
 def graph(
@@ -55,6 +76,8 @@ def graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     fallback: str = "raise",
+    buckets: Any = None,
+    max_graphs: int = 8,
     **example_kwargs: Any,
 ) -> Any:
     """Capture ``fn`` into a CUDA graph and return a callable that replays it.
@@ -107,6 +130,10 @@ def graph(
             ``cudaStreamCaptureMode``); keep the default unless you know why.
         fallback: ``"raise"`` (a failed capture raises :class:`CaptureError`) or ``"eager"``
             (log the reason once and run ``fn`` eagerly; ``g.fallback_reason`` says why).
+        buckets: capture one graph per bucket of input sizes (:class:`cudagraphs.Buckets`, or
+            the shorthand ``{"B": [1, 2, 4, 8]}`` for dimension 0 of every tensor input), or
+            ``"exact"``: one graph per exact shape seen, at most ``max_graphs``, LRU evicted.
+            Returns a :class:`cudagraphs.Bucketed` (or ``ExactShapes``) instead of a ``Graphed``.
 
     Raises:
         CaptureError: capture failed (host sync, CPU tensor, ...), with the user's line.
@@ -143,6 +170,8 @@ def graph(
             stream=stream,
             capture_error_mode=capture_error_mode,
             fallback=fallback,
+            buckets=buckets,
+            max_graphs=max_graphs,
         )
     if not callable(fn):
         raise ConfigError(
@@ -152,6 +181,10 @@ def graph(
                 "call cg.graph(model, x) (examples after the callable)",
             )
         )
+    if buckets is not None:
+        if example_args or example_kwargs:
+            return make_bucketed(fn, options, buckets, max_graphs, example_args, example_kwargs)
+        return LazyBucketed(fn, options, buckets, max_graphs)
     graphed: Graphed[Any] = Graphed(fn, options)
     if example_args or example_kwargs:
         graphed._initialize(example_args, example_kwargs)

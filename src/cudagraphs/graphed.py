@@ -29,6 +29,7 @@ import torch
 from . import capture as _capture
 from .errors import CaptureError, ConfigError, CudaGraphsError, CudaGraphsWarning, explain
 from .outputs import OUTPUT_POLICIES, make_emitter
+from .pool import Pool
 from .stats import Stats
 from .tree import NAMESPACE, Signature, flatten
 
@@ -84,15 +85,19 @@ class Options:
             )
         if isinstance(pool, Graphed):
             pool = pool.pool
-        if pool is not None and not (
-            isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(p, int) for p in pool)
+        if (
+            pool is not None
+            and not isinstance(pool, Pool)
+            and not (
+                isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(p, int) for p in pool)
+            )
         ):
             raise ConfigError(
                 explain(
-                    f"pool must be a graph pool handle or a graphed callable, got {pool!r}",
+                    f"pool must be a cg.Pool, a graph pool handle or a graphed callable, got {pool!r}",
                     "graphs that share a pool share one block of GPU memory",
-                    "pass pool=torch.cuda.graph_pool_handle(), or pool=other_graphed "
-                    "(a captured cg.graph)",
+                    "pass pool=cg.Pool() (shared by every graph given it), "
+                    "pool=torch.cuda.graph_pool_handle(), or pool=other_graphed",
                 )
             )
         self.warmup = warmup
@@ -348,14 +353,17 @@ class Graphed(Generic[R]):
         with _capture_lock:
             self._warmup_s = _capture.warm_up(self.fn, args, kwargs, options.warmup, stream)
             versions = [static[i]._version for i in signature.tensor_index]
+            shared = options.pool
             recording = _capture.capture(
                 self.fn,
                 args,
                 kwargs,
                 stream=stream,
-                pool=options.pool,
+                pool=shared.handle if isinstance(shared, Pool) else shared,
                 capture_error_mode=options.capture_error_mode,
             )
+            if isinstance(shared, Pool):
+                shared.record(recording.pool_bytes)
         mutated = [
             i for i, before in zip(signature.tensor_index, versions) if static[i]._version != before
         ]
