@@ -103,7 +103,7 @@ def test_options_are_validated_with_named_errors() -> None:
         ({"capture_error_mode": "strict"}, "capture_error_mode must be one of"),
         ({"warmup": -1}, "warmup must be an int >= 0"),
         ({"warmup": 2.5}, "warmup must be an int >= 0"),
-        ({"pool": 7}, "pool must be a graph pool handle"),
+        ({"pool": 7}, "pool must be a cg.Pool, a graph pool handle"),
         ({"stream": "s"}, "stream must be a torch.cuda.Stream"),
     ]:
         with pytest.raises(cg.ConfigError, match=message):
