@@ -1,0 +1,205 @@
+"""Shape buckets: latency per real batch size, overhead at exact rungs, shared-pool memory.
+
+1. The brief's MLP at every real batch size 1..128: eager, ``torch.compile(mode="reduce-overhead")``
+   (its own dynamic-shape handling: a dynamic kernel, one recorded graph per distinct size) and
+   ``cg.graph(..., buckets=powers_of_two(128))``. Each mode is checked against eager first.
+2. At each rung: a bucketed call against a single-shape ``cg.graph`` captured for that size.
+3. Memory: the 4-layer transformer (seq 64) on 8 batch buckets 1..128 in one pool, against the
+   largest bucket captured alone.
+
+    python benchmarks/buckets.py [--json PATH] [--plot PATH] [--markdown PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import track
+
+import cudagraphs as cg
+from cudagraphs.timing import measure_side_by_side
+from cudagraphs.workloads import brief_mlp, transformer
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def latency_sweep(calls: int, windows: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = brief_mlp().cuda().eval()
+    ladder = cg.powers_of_two(128)
+    sweep: dict[str, Any] = {"sizes": [], "eager": [], "reduce-overhead": [], "cg buckets": []}
+    with torch.no_grad():
+        compiled = torch.compile(model, mode="reduce-overhead")
+        bucketed = cg.graph(model, torch.randn(128, 256, device="cuda"), buckets={"B": ladder})
+        for b in track(range(1, 129), description="sizes 1..128", transient=True):
+            x = torch.randn(b, 256, device="cuda")
+            expected = model(x)
+            torch.testing.assert_close(bucketed(x), expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled(x).clone(), expected, rtol=1e-4, atol=1e-4)
+            inputs = [torch.randn(b, 256, device="cuda") for _ in range(2)]
+            t = measure_side_by_side(
+                {"eager": model, "reduce-overhead": compiled, "cg buckets": bucketed},
+                inputs,
+                calls=calls,
+                windows=windows,
+            )
+            sweep["sizes"].append(b)
+            for mode, timing in t.items():
+                sweep[mode].append(timing.latency_us)
+        sweep["padding_waste"] = bucketed.stats.padding_waste
+        # Exact rungs: bucketed against a single-shape graph of that size, side by side.
+        exact = {}
+        for rung in ladder:
+            single = cg.graph(model, torch.randn(rung, 256, device="cuda"))
+            inputs = [torch.randn(rung, 256, device="cuda") for _ in range(2)]
+            t = measure_side_by_side(
+                {"single": single, "bucketed": bucketed}, inputs, calls=calls, windows=windows
+            )
+            exact[rung] = {
+                "single_latency_us": t["single"].latency_us,
+                "bucketed_latency_us": t["bucketed"].latency_us,
+                "single_throughput_us": t["single"].throughput_us,
+                "bucketed_throughput_us": t["bucketed"].throughput_us,
+            }
+        sweep["exact_rungs"] = exact
+    torch.compiler.reset()
+    return sweep
+
+
+def memory() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = transformer().cuda().eval()
+    with torch.no_grad():
+        torch.cuda.empty_cache()
+        alone = cg.graph(model, torch.randn(128, 64, 256, device="cuda"))
+        largest = alone.stats.pool_bytes
+        del alone
+        torch.cuda.empty_cache()
+        g = cg.graph(
+            model, torch.randn(128, 64, 256, device="cuda"), buckets={"B": cg.powers_of_two(128)}
+        )
+        per_bucket = {combo[0]: g.stats.pool_bytes[combo] for combo in g.stats.pool_bytes}
+        seconds = {combo[0]: g.stats.capture_s[combo] for combo in g.stats.capture_s}
+    return {
+        "largest_alone_bytes": largest,
+        "shared_pool_bytes": sum(per_bucket.values()),
+        "per_bucket_bytes": per_bucket,
+        "per_bucket_capture_s": seconds,
+    }
+
+
+def render(results: dict[str, Any], console: Console) -> str:
+    sweep, mem = results["sweep"], results["memory"]
+    lines = [
+        f"Hardware: {results['hardware']}, torch {results['torch']}. Latency = synchronize after "
+        "each call; medians of interleaved windows.",
+        "",
+        "**Latency per real batch size (brief MLP), µs** (every size checked against eager first)",
+        "",
+        "| batch | eager | reduce-overhead | cg buckets |",
+        "|---|---|---|---|",
+    ]
+    for i, b in enumerate(sweep["sizes"]):
+        if b in (1, 2, 3, 5, 8, 13, 17, 32, 33, 50, 64, 65, 100, 127, 128):
+            lines.append(
+                f"| {b} | {sweep['eager'][i]:.1f} | {sweep['reduce-overhead'][i]:.1f} | {sweep['cg buckets'][i]:.1f} |"
+            )
+    med = {m: statistics.median(sweep[m]) for m in ("eager", "reduce-overhead", "cg buckets")}
+    lines += [
+        f"| median 1..128 | {med['eager']:.1f} | {med['reduce-overhead']:.1f} | {med['cg buckets']:.1f} |",
+        "",
+        f"Padding waste over the sweep: {sweep['padding_waste']:.1%} of real elements.",
+        "",
+        "**Bucketed call at an exact rung vs a single-shape cg.graph (latency / throughput)**",
+        "",
+        "| batch | single µs | bucketed µs | ratio (lat / thr) |",
+        "|---|---|---|---|",
+    ]
+    for rung, e in sweep["exact_rungs"].items():
+        lines.append(
+            f"| {rung} | {e['single_latency_us']:.1f} / {e['single_throughput_us']:.1f} | "
+            f"{e['bucketed_latency_us']:.1f} / {e['bucketed_throughput_us']:.1f} | "
+            f"{e['bucketed_latency_us'] / e['single_latency_us']:.2f}× / "
+            f"{e['bucketed_throughput_us'] / e['single_throughput_us']:.2f}× |"
+        )
+    ratio = mem["shared_pool_bytes"] / mem["largest_alone_bytes"]
+    lines += [
+        "",
+        "**Memory: transformer (seq 64), 8 batch buckets 1..128 in one pool**",
+        "",
+        "| bucket | capture s | pool MiB added |",
+        "|---|---|---|",
+        *(
+            f"| B={b} | {mem['per_bucket_capture_s'][b]:.3f} | {mem['per_bucket_bytes'][b] / 2**20:.1f} |"
+            for b in sorted(mem["per_bucket_bytes"], reverse=True)
+        ),
+        "",
+        f"Shared pool total {mem['shared_pool_bytes'] / 2**20:.1f} MiB; largest bucket captured "
+        f"alone {mem['largest_alone_bytes'] / 2**20:.1f} MiB; ratio {ratio:.2f}×.",
+        "",
+    ]
+    text = "\n".join(lines)
+    console.print(text)
+    return text
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = results["sweep"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for mode in ("eager", "reduce-overhead", "cg buckets"):
+        ax.plot(sweep["sizes"], sweep[mode], label=mode, linewidth=1.5)
+    ax.set_xlabel("real batch size")
+    ax.set_ylabel("latency per call (µs, sync after each)")
+    ax.set_title(f"brief MLP, {results['hardware']}")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--calls", type=int, default=30)
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--json", type=Path, default=RESULTS / "buckets.json")
+    parser.add_argument("--plot", type=Path, default=RESULTS / "buckets.png")
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    console = Console()
+    if not torch.cuda.is_available():
+        console.print("buckets.py measures CUDA graphs and needs a CUDA GPU; none is available.")
+        return 0
+    results = {
+        "hardware": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "sweep": latency_sweep(args.calls, args.windows),
+        "memory": memory(),
+    }
+    text = render(results, console)
+    for path in (args.json, args.plot):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2, default=str))
+    plot(results, args.plot)
+    if args.markdown:
+        args.markdown.write_text(text)
+    console.print(f"wrote {args.json} and {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
