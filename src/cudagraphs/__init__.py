@@ -13,15 +13,8 @@ See :func:`graph` for the options, and the README for when graphs help and when 
 from __future__ import annotations
 
 from .api import graph
-from .buckets import (
-    Bucketed,
-    BucketOverflowError,
-    Buckets,
-    BucketStats,
-    ExactShapes,
-    powers_of_two,
-    server_sizes,
-)
+from .bucket_spec import BucketOverflowError, Buckets, BucketStats
+from .buckets import Bucketed
 from .errors import (
     CaptureError,
     ConfigError,
@@ -30,7 +23,9 @@ from .errors import (
     InputMismatchError,
     StaleOutputError,
 )
+from .exact import ExactShapes
 from .graphed import Graphed, State
+from .ladders import powers_of_two, server_sizes
 from .outputs import OutputPolicy
 from .pool import Pool
 from .stats import Stats

@@ -7,8 +7,10 @@ from typing import Any, TypeVar, overload
 
 import torch
 
-from .buckets import Bucketed, Buckets, ExactShapes, LazyBucketed, make_bucketed
+from .bucket_spec import Buckets
+from .buckets import Bucketed
 from .errors import ConfigError, explain
+from .exact import ExactShapes
 from .graphed import Graphed, Options
 from .outputs import OutputPolicy
 
@@ -189,3 +191,51 @@ def graph(
     if example_args or example_kwargs:
         graphed._initialize(example_args, example_kwargs)
     return graphed
+
+
+def make_bucketed(
+    fn: Callable[..., Any],
+    options: Options,
+    buckets: Any,
+    max_graphs: int,
+    example_args: tuple[Any, ...],
+    example_kwargs: dict[str, Any],
+) -> Any:
+    """Build the bucketed callable for ``cg.graph(..., buckets=...)`` (examples given)."""
+    if buckets == "exact":
+        return ExactShapes(fn, options, max_graphs)
+    if isinstance(buckets, Mapping):
+        buckets = Buckets(sizes=buckets)
+    if not isinstance(buckets, Buckets):
+        raise ConfigError(
+            explain(
+                f"buckets must be a cg.Buckets, a {{symbol: sizes}} dict or 'exact'; got {buckets!r}",
+                "buckets declare which input dimensions vary and over which sizes",
+                "pass buckets=cg.Buckets({'B': cg.powers_of_two(128)})",
+            )
+        )
+    return Bucketed(fn, options, buckets, example_args, example_kwargs)
+
+
+class LazyBucketed:
+    """``@cg.graph(buckets=...)`` without examples: built from the first call's arguments."""
+
+    def __init__(self, fn: Callable[..., Any], options: Options, buckets: Any, max_graphs: int):
+        self.fn = fn
+        self._make = lambda args, kwargs: make_bucketed(
+            fn, options, buckets, max_graphs, args, kwargs
+        )
+        self._inner: Any = None
+        if buckets == "exact":
+            self._inner = ExactShapes(fn, options, max_graphs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._inner is None:
+            self._inner = self._make(args, kwargs)
+        return self._inner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(f"{name!r}: not built yet (builds on the first call)")
+        return getattr(inner, name)

@@ -213,6 +213,18 @@ class Graphed(Generic[R]):
             self._write_back(leaves)
         return self._emit()
 
+    def _replay_in_place(self) -> R:
+        """Replay on whatever the static input buffers hold now (the caller filled them).
+
+        For layers above this one (buckets) that have already checked and copied every input.
+        """
+        invalidate = self._invalidate
+        if invalidate is not None:
+            invalidate()
+        self._graph.replay()  # type: ignore[union-attr]
+        self._calls += 1
+        return self._emit()
+
     def _write_back(self, leaves: Any) -> None:
         # The function mutated these inputs in place; eager would have mutated the caller's
         # tensors, so copy the graph's result back unless the caller passed the buffer itself.
