@@ -92,3 +92,24 @@ def test_exact_shapes_on_gpu_evict_and_stay_correct() -> None:
             x = torch.randn(n, 256, device="cuda")
             torch.testing.assert_close(g(x), model(x))
     assert g.graphs == 2 and g.evictions == 2
+
+
+def test_fast_path_pads_and_repads_the_tail() -> None:
+    # The second output reduces over the whole padded batch, so it sees the tail: with pad 0
+    # it equals the sum of the real rows only if the tail was (re)filled correctly.
+    def fn(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return x * 1, x.sum(0), ids.min()
+
+    g = cg.graph(
+        fn,
+        torch.randn(8, 3, device="cuda"),
+        torch.zeros(8, dtype=torch.long, device="cuda"),
+        buckets=cg.Buckets({"B": [4, 8]}, pad={"args[1]": -1}),
+    )
+    for n in (8, 6, 5, 7, 5, 8):
+        x = torch.randn(n, 3, device="cuda")
+        ids = torch.arange(n, device="cuda")
+        rows, total, smallest = g(x, ids)
+        torch.testing.assert_close(rows, x)
+        torch.testing.assert_close(total, x.sum(0))
+        assert smallest.item() == (0 if n == 8 else -1)

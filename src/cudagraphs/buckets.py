@@ -57,6 +57,8 @@ class _Bucket:
     buffers: list[torch.Tensor]  # static buffer per bucketed input, in _Input order
     clean: list[tuple[int, ...] | None]  # per input: box outside which the buffer holds pad
     mutated: list[bool]  # per input: the function writes into it
+    numels: list[int]  # per input: elements of the static buffer
+    fast: bool  # captured, and no input is mutated: the fast path may replay it
 
 
 class Bucketed:
@@ -131,26 +133,28 @@ class Bucketed:
             buckets,
             self.ladders,
         )
-        # The fast path: positional tensors only, every one bucketed along its declared dims
-        # with nothing else to check, so a call needs no pytree flattening and no second
-        # signature check below the bucket layer.
+        # The fast path: positional tensors only, one symbol, each input bucketed along one
+        # dimension with nothing else to check (the batch-bucket case). Such a call needs no
+        # pytree flattening and no second signature check below the bucket layer.
         sig = self.signature
         self._fast = (
             sig.is_flat
             and not sig.frozen_index
+            and len(self.symbols) == 1
             and len(self.inputs) == len(sig.tensor_index) == sig.spec.num_leaves
+            and all(len(inp.dims) == 1 for inp in self.inputs)
         )
         self._fast_inputs = tuple(
             (
-                inp.index,
                 inp.ndim,
-                inp.dims,
+                inp.dims[0][0],
                 inp.fixed,
                 inp.dtype,
                 inp.device.index if inp.device.type == "cuda" else -1,
             )
             for inp in self.inputs
         )
+        self._rungs0 = self._rung_for[self.symbols[0]]
         if not buckets.lazy:
             self._capture_all()
 
@@ -227,6 +231,8 @@ class Bucketed:
             buffers=[static[inp.index] for inp in self.inputs],
             clean=[None for _ in self.inputs],
             mutated=[inp.index in mutated for inp in self.inputs],
+            numels=[static[inp.index].numel() for inp in self.inputs],
+            fast=graphed.state is State.CAPTURED and not mutated,
         )
         self._buckets[combo] = bucket
         stats = graphed.stats
@@ -252,10 +258,9 @@ class Bucketed:
         return self._run(combo, leaves, real)
 
     def _call_fast(self, args: tuple[Any, ...]) -> Any:
-        """The common case, kept flat: returns ``_SLOW`` when anything needs the full path."""
-        real: dict[str, int] = {}
-        for index, ndim, dims, fixed, dtype, device in self._fast_inputs:
-            x = args[index]
+        """The batch-bucket case, kept flat: returns ``_SLOW`` when anything needs the full path."""
+        n = -1
+        for x, (ndim, dim, fixed, dtype, device) in zip(args, self._fast_inputs):
             try:
                 shape = x.shape
                 if len(shape) != ndim or x.dtype != dtype or x.get_device() != device:
@@ -265,36 +270,39 @@ class Bucketed:
             for d, size in fixed:
                 if shape[d] != size:
                     return _SLOW
-            for d, symbol in dims:
-                n = shape[d]
-                if real.setdefault(symbol, n) != n:
+            if n != shape[dim]:
+                if n != -1:
                     return _SLOW
-        combo = self._combo_for(real)
-        if combo is None:
+                n = shape[dim]
+        rungs = self._rungs0
+        if n >= len(rungs):
             return _SLOW
-        bucket = self._buckets.get(combo)
-        if bucket is None or bucket.graphed.state is not State.CAPTURED or any(bucket.mutated):
+        rung = rungs[n]
+        bucket = self._buckets.get((rung,))
+        if bucket is None or not bucket.fast:
             return _SLOW
-        rung = dict(zip(self.symbols, combo))
         stats = self.stats
-        for k, inp in enumerate(self.inputs):
-            x = args[inp.index]
+        for k, x in enumerate(args):
             buf = bucket.buffers[k]
             real_numel = x.numel()
             stats.real_elements += real_numel
-            stats.padded_elements += buf.numel() - real_numel
+            stats.padded_elements += bucket.numels[k] - real_numel
             if x is buf:
                 continue
-            prefix = buf
-            sizes = tuple(real[s] for _, s in inp.dims)
-            for (d, s), n in zip(inp.dims, sizes):
-                if n != rung[s]:
-                    prefix = prefix.narrow(d, 0, n)
-            self._fill_tail(bucket, k, inp, buf, sizes)
-            prefix.copy_(x)
+            if n == rung:
+                buf.copy_(x)
+                continue
+            dim = self._fast_inputs[k][1]
+            buf.narrow(dim, 0, n).copy_(x)
+            clean = bucket.clean[k]
+            if clean is None or clean[0] > n:  # rows n.. may hold an earlier call's data
+                buf.narrow(dim, n, rung - n).fill_(self.inputs[k].pad)
+            bucket.clean[k] = (n,)
         out = bucket.graphed._replay_in_place()
-        stats.hits[combo] += 1
-        return self._slice_outputs(out, real, rung)
+        stats.hits[bucket.combo] += 1
+        if n == rung:
+            return out
+        return self._slice_outputs(out, {self.symbols[0]: n}, {self.symbols[0]: rung})
 
     def _run(self, combo: tuple[int, ...], leaves: list[Any], real: dict[str, int]) -> Any:
         bucket = self._bucket(combo)
