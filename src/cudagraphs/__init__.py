@@ -21,7 +21,9 @@ from .errors import (
     CudaGraphsError,
     CudaGraphsWarning,
     InputMismatchError,
+    StaleGraphError,
     StaleOutputError,
+    VerificationError,
 )
 from .exact import ExactShapes
 from .graphed import Graphed, State
@@ -46,7 +48,9 @@ __all__ = [
     "InputMismatchError",
     "OutputPolicy",
     "Pool",
+    "StaleGraphError",
     "StaleOutputError",
+    "VerificationError",
     "State",
     "Stats",
     "__version__",

@@ -30,6 +30,10 @@ def graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     fallback: str = "raise",
+    guard: str = "replay",
+    on_stale: str = "recapture",
+    modules: Sequence[torch.nn.Module] = (),
+    verify: bool | int = False,
     buckets: None = None,
     **example_kwargs: Any,
 ) -> Graphed[R]: ...
@@ -46,6 +50,10 @@ def graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     fallback: str = "raise",
+    guard: str = "replay",
+    on_stale: str = "recapture",
+    modules: Sequence[torch.nn.Module] = (),
+    verify: bool | int = False,
     buckets: Buckets | Mapping[str, Sequence[int]] | str,
     max_graphs: int = 8,
     **example_kwargs: Any,
@@ -63,6 +71,10 @@ def graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     fallback: str = "raise",
+    guard: str = "replay",
+    on_stale: str = "recapture",
+    modules: Sequence[torch.nn.Module] = (),
+    verify: bool | int = False,
     buckets: Any = None,
     max_graphs: int = 8,
 ) -> Callable[[Callable[..., R]], Any]: ...
@@ -78,6 +90,10 @@ def graph(
     stream: torch.cuda.Stream | None = None,
     capture_error_mode: str = "global",
     fallback: str = "raise",
+    guard: str = "replay",
+    on_stale: str = "recapture",
+    modules: Sequence[torch.nn.Module] = (),
+    verify: bool | int = False,
     buckets: Any = None,
     max_graphs: int = 8,
     **example_kwargs: Any,
@@ -132,6 +148,17 @@ def graph(
             ``cudaStreamCaptureMode``); keep the default unless you know why.
         fallback: ``"raise"`` (a failed capture raises :class:`CaptureError`) or ``"eager"``
             (log the reason once and run ``fn`` eagerly; ``g.fallback_reason`` says why).
+        guard: ``"replay"`` (default): before each replay, check that the parameters and buffers
+            of the modules involved (``fn`` itself, a bound method's module, ``modules``) and
+            the tensors ``fn`` reads from its closure or globals still live where they lived
+            at capture; ``"capture"``: record them, never check.
+        on_stale: when a guarded tensor moved (``param.data = ...``, ``model.to(...)``, a
+            reassigned buffer, a rebound global): ``"recapture"`` (default, logged) or
+            ``"raise"`` (:class:`StaleGraphError`). In-place updates (``load_state_dict``)
+            keep the graph valid.
+        modules: modules ``fn`` uses that are not ``fn`` itself or its bound ``self``.
+        verify: after capture, compare replays with eager on this many fresh random inputs
+            (``True``: 3); a difference raises :class:`VerificationError` naming the output.
         buckets: capture one graph per bucket of input sizes (:class:`cudagraphs.Buckets`, or
             the shorthand ``{"B": [1, 2, 4, 8]}`` for dimension 0 of every tensor input), or
             ``"exact"``: one graph per exact shape seen, at most ``max_graphs``, LRU evicted.
@@ -154,6 +181,10 @@ def graph(
         stream=stream,
         capture_error_mode=capture_error_mode,
         fallback=fallback,
+        guard=guard,
+        on_stale=on_stale,
+        modules=modules,
+        verify=verify,
     )
     if fn is None:
         if example_args or example_kwargs:
@@ -172,6 +203,10 @@ def graph(
             stream=stream,
             capture_error_mode=capture_error_mode,
             fallback=fallback,
+            guard=guard,
+            on_stale=on_stale,
+            modules=modules,
+            verify=verify,
             buckets=buckets,
             max_graphs=max_graphs,
         )

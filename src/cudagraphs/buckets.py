@@ -111,14 +111,7 @@ class Bucketed:
                     "pass pool=cg.Pool() (or leave it out)",
                 )
             )
-        self._bucket_options = Options(
-            warmup=options.warmup,
-            outputs=options.outputs,
-            pool=self.pool,
-            stream=options.stream,
-            capture_error_mode=options.capture_error_mode,
-            fallback=options.fallback,
-        )
+        self._bucket_options = options.replace(pool=self.pool)
         self._buckets: dict[tuple[int, ...], _Bucket] = {}
         self.stats = BucketStats()
         self._warned_eager = False
@@ -223,9 +216,19 @@ class Bucketed:
             if self.stats.capture_s:  # warn about CPU pass-through once, not per bucket
                 warnings.simplefilter("ignore")
             graphed._initialize(args, kwargs)
+        bucket = self._describe(combo, graphed)
+        self._buckets[combo] = bucket
+        stats = graphed.stats
+        self.stats.capture_s[combo] = stats.capture_s + stats.warmup_s
+        self.stats.pool_bytes[combo] = stats.pool_bytes
+        self.stats.hits.setdefault(combo, 0)
+        return bucket
+
+    def _describe(self, combo: tuple[int, ...], graphed: Graphed[Any]) -> _Bucket:
+        """What the call path needs to know of one bucket's graph and its static buffers."""
         static, _ = optree.tree_flatten((graphed.inputs, graphed.input_kwargs), namespace=NAMESPACE)
         mutated = {i for i, _ in graphed._writeback}
-        bucket = _Bucket(
+        return _Bucket(
             combo=combo,
             graphed=graphed,
             buffers=[static[inp.index] for inp in self.inputs],
@@ -234,12 +237,12 @@ class Bucketed:
             numels=[static[inp.index].numel() for inp in self.inputs],
             fast=graphed.state is State.CAPTURED and not mutated,
         )
-        self._buckets[combo] = bucket
-        stats = graphed.stats
-        self.stats.capture_s[combo] = stats.capture_s + stats.warmup_s
-        self.stats.pool_bytes[combo] = stats.pool_bytes
-        self.stats.hits.setdefault(combo, 0)
-        return bucket
+
+    def _refresh(self, bucket: _Bucket) -> _Bucket:
+        """After a recapture (a guarded tensor moved) the bucket has new static buffers."""
+        fresh = self._describe(bucket.combo, bucket.graphed)
+        self._buckets[bucket.combo] = fresh
+        return fresh
 
     # ------------------------------------------------------------------ calling
 
@@ -281,6 +284,9 @@ class Bucketed:
         bucket = self._buckets.get((rung,))
         if bucket is None or not bucket.fast:
             return _SLOW
+        guard = bucket.graphed._guard
+        if guard is not None and bucket.graphed._check_guard(guard):
+            bucket = self._refresh(bucket)
         stats = self.stats
         for k, x in enumerate(args):
             buf = bucket.buffers[k]
@@ -306,6 +312,9 @@ class Bucketed:
 
     def _run(self, combo: tuple[int, ...], leaves: list[Any], real: dict[str, int]) -> Any:
         bucket = self._bucket(combo)
+        guard = bucket.graphed._guard
+        if guard is not None and bucket.graphed._check_guard(guard):
+            bucket = self._refresh(bucket)
         rung = dict(zip(self.symbols, combo))
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []

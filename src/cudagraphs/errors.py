@@ -13,7 +13,9 @@ __all__ = [
     "CudaGraphsError",
     "CudaGraphsWarning",
     "InputMismatchError",
+    "StaleGraphError",
     "StaleOutputError",
+    "VerificationError",
     "explain",
 ]
 
@@ -61,6 +63,19 @@ class StaleOutputError(CudaGraphsError):
     with ``StaleOutputError``; the library raises this class where it sees the stale tensor
     itself (for instance when a stale output is passed back into a graphed call).
     """
+
+
+class StaleGraphError(CudaGraphsError):
+    """A tensor the graph reads by address moved since capture (``on_stale="raise"``).
+
+    ``param.data = ...``, ``module.to(...)``, a reassigned buffer or a rebound global tensor: the
+    recording would keep reading the old memory. The default, ``on_stale="recapture"``, captures
+    again instead.
+    """
+
+
+class VerificationError(CudaGraphsError):
+    """``verify=True``: a replay differed from eager on fresh random inputs."""
 
 
 class CudaGraphsWarning(UserWarning):

@@ -20,18 +20,27 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
 import optree
 import torch
 
 from . import capture as _capture
-from .errors import CaptureError, ConfigError, CudaGraphsError, CudaGraphsWarning, explain
+from .errors import (
+    CaptureError,
+    ConfigError,
+    CudaGraphsError,
+    CudaGraphsWarning,
+    StaleGraphError,
+    explain,
+)
+from .guards import AddressGuard
 from .outputs import OUTPUT_POLICIES, make_emitter
 from .pool import Pool
 from .stats import Stats
 from .tree import NAMESPACE, Signature, flatten
+from .verify import verify_against_eager
 
 __all__ = ["Graphed", "Options", "State"]
 
@@ -52,7 +61,18 @@ class State(enum.Enum):
 class Options:
     """The validated options of ``cg.graph``; see :func:`cudagraphs.graph` for their meaning."""
 
-    __slots__ = ("capture_error_mode", "fallback", "outputs", "pool", "stream", "warmup")
+    __slots__ = (
+        "capture_error_mode",
+        "fallback",
+        "guard",
+        "modules",
+        "on_stale",
+        "outputs",
+        "pool",
+        "stream",
+        "verify",
+        "warmup",
+    )
 
     def __init__(
         self,
@@ -63,6 +83,10 @@ class Options:
         stream: torch.cuda.Stream | None = None,
         capture_error_mode: str = "global",
         fallback: str = "raise",
+        guard: str = "replay",
+        on_stale: str = "recapture",
+        modules: Sequence[torch.nn.Module] = (),
+        verify: bool | int = False,
     ):
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ConfigError(
@@ -75,6 +99,27 @@ class Options:
         _choice("outputs", outputs, OUTPUT_POLICIES)
         _choice("capture_error_mode", capture_error_mode, _capture.CAPTURE_ERROR_MODES)
         _choice("fallback", fallback, ("raise", "eager"))
+        _choice("guard", guard, ("replay", "capture"))
+        _choice("on_stale", on_stale, ("recapture", "raise"))
+        modules = tuple(modules)
+        if not all(isinstance(m, torch.nn.Module) for m in modules):
+            raise ConfigError(
+                explain(
+                    "modules must be a sequence of torch.nn.Module",
+                    "their parameters and buffers are the tensors the graph reads by address",
+                    "pass modules=[model] (the modules fn uses that are not fn itself)",
+                )
+            )
+        if isinstance(verify, bool):
+            verify = 3 if verify else 0
+        if not isinstance(verify, int) or verify < 0:
+            raise ConfigError(
+                explain(
+                    f"verify must be a bool or an int >= 0, got {verify!r}",
+                    "it is the number of fresh random inputs a new graph is checked on",
+                    "pass verify=True (3 inputs) or verify=5",
+                )
+            )
         if stream is not None and not isinstance(stream, torch.cuda.Stream):
             raise ConfigError(
                 explain(
@@ -106,6 +151,16 @@ class Options:
         self.stream = stream
         self.capture_error_mode = capture_error_mode
         self.fallback = fallback
+        self.guard = guard
+        self.on_stale = on_stale
+        self.modules = modules
+        self.verify = verify
+
+    def replace(self, **changes: Any) -> Options:
+        """A copy with some options changed (validated again)."""
+        values = {name: getattr(self, name) for name in self.__slots__}
+        values.update(changes)
+        return Options(**values)
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
@@ -156,6 +211,8 @@ class Graphed(Generic[R]):
         self._writeback: tuple[tuple[int, torch.Tensor], ...] = ()
         self._emit: Callable[[], Any] = _unset
         self._invalidate: Callable[[], None] | None = None
+        self._guard: AddressGuard | None = None
+        self._device: torch.device | None = None
         # Counters.
         self._calls = 0
         self._eager_calls = 0
@@ -165,6 +222,7 @@ class Graphed(Generic[R]):
         self._capture_s = 0.0
         self._pool_bytes = 0
         self._static_input_bytes = 0
+        self._recaptures = 0
         self._bound: weakref.WeakKeyDictionary[Any, Graphed[Any]] | None = None
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -172,6 +230,9 @@ class Graphed(Generic[R]):
     # ------------------------------------------------------------------ calling
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
+        guard = self._guard
+        if guard is not None and self._check_guard(guard):
+            return self(*args, **kwargs)  # recaptured: every precomputed field is new
         slots = self._flat_slots
         if slots is None or kwargs or len(args) != self._n_args:
             return self._call_general(args, kwargs)
@@ -216,7 +277,8 @@ class Graphed(Generic[R]):
     def _replay_in_place(self) -> R:
         """Replay on whatever the static input buffers hold now (the caller filled them).
 
-        For layers above this one (buckets) that have already checked and copied every input.
+        For layers above this one (buckets) that have already checked and copied every input,
+        and checked the guard (:meth:`_check_guard`) before copying.
         """
         invalidate = self._invalidate
         if invalidate is not None:
@@ -224,6 +286,32 @@ class Graphed(Generic[R]):
         self._graph.replay()  # type: ignore[union-attr]
         self._calls += 1
         return self._emit()
+
+    def _check_guard(self, guard: AddressGuard) -> bool:
+        """Before a replay: recapture (True) or raise if a tensor read by address moved."""
+        reason = guard.stale()
+        if reason is None:
+            return False
+        if self.options.on_stale == "raise":
+            raise StaleGraphError(
+                explain(
+                    f"{_name(self.fn)}: {reason} since the graph was captured",
+                    "the recording reads every tensor at the address it had at capture, so a "
+                    "replay would silently compute with the old memory",
+                    "update tensors in place (load_state_dict, param.copy_(...)) to keep the "
+                    "graph, or pass on_stale='recapture' to capture again automatically",
+                )
+            )
+        log.warning("cudagraphs: %s: %s; capturing again", _name(self.fn), reason)
+        if self._invalidate is not None:
+            self._invalidate()
+        assert self._signature is not None and self._device is not None
+        leaves, _ = optree.tree_flatten((self.inputs, self.input_kwargs), namespace=NAMESPACE)
+        self._graph = None  # release the old recording before making the new one
+        with torch.cuda.device(self._device):
+            self._capture(self._signature, leaves, self._device)
+        self._recaptures += 1
+        return True
 
     def _write_back(self, leaves: Any) -> None:
         # The function mutated these inputs in place; eager would have mutated the caller's
@@ -248,6 +336,9 @@ class Graphed(Generic[R]):
             self._signature.check(args, kwargs)
             self._eager_calls += 1
             return self.fn(*args, **kwargs)
+        guard = self._guard
+        if guard is not None and self._check_guard(guard):
+            return self._call_general(args, kwargs)
         leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
         assert self._signature is not None
         if spec != self._signature.spec:
@@ -413,7 +504,14 @@ class Graphed(Generic[R]):
             self._n_args = signature.spec.num_leaves
             self._flat_slots = self._slots
             self._flat_frozen = tuple(zip(signature.frozen_index, signature.frozen_values))
+        self._device = device
+        self._guard = None
+        if options.guard == "replay":
+            guard = AddressGuard(self.fn, options.modules)
+            self._guard = guard if guard.count else None
         self.state = State.CAPTURED
+        if options.verify:
+            verify_against_eager(self, options.verify)
 
     # ------------------------------------------------------------------ the rest
 
@@ -432,6 +530,8 @@ class Graphed(Generic[R]):
             capture_s=self._capture_s,
             pool_bytes=self._pool_bytes,
             static_input_bytes=self._static_input_bytes,
+            recaptures=self._recaptures,
+            guarded_tensors=self._guard.count if self._guard is not None else 0,
         )
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:

@@ -15,7 +15,8 @@ class Stats:
     ``copies_skipped`` counts tensor inputs that needed no copy because the caller passed the
     graph's own buffer (``g(*g.inputs)``); ``writebacks`` counts copies of in-place mutated inputs
     back to the caller's tensors. ``pool_bytes`` is the GPU memory the capture reserved (its
-    private pool, or what it added to a shared one).
+    private pool, or what it added to a shared one). ``recaptures`` counts captures redone because
+    a guarded tensor moved; ``guarded_tensors`` is how many addresses are checked per replay.
     """
 
     state: str
@@ -29,6 +30,8 @@ class Stats:
     capture_s: float = 0.0
     pool_bytes: int = 0
     static_input_bytes: int = 0
+    recaptures: int = 0
+    guarded_tensors: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,145 @@
+"""Address guards: the graph read parameters, buffers and closure tensors by address.
+
+A replay reads every tensor the recording touched at the address it had at capture. If the
+program later points a parameter at new memory (``param.data = t``, ``model.to(...)``, a buffer
+reassigned with ``module.buf = t``, a global tensor rebound), the replay silently computes with
+the old memory. The guard records those addresses at capture and checks them before each replay:
+
+- one C call compares the data pointers of all guarded tensors (cost measured in
+  ``benchmarks/overhead.py``; about what a single Python ``data_ptr()`` call costs);
+- a process-wide counter, bumped by module parameter/buffer registration hooks, tells when any
+  module had a tensor reassigned, and only then are the modules walked again;
+- closure and global tensors are checked by identity (usually none or a few).
+
+In-place updates (``load_state_dict``, ``param.copy_(...)``, optimizer steps) keep addresses, so
+they need no recapture and replays see the new values.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["AddressGuard", "closure_tensors", "modules_of"]
+
+_generation = 0  # bumped whenever any module registers or reassigns a parameter or buffer
+_hooks_installed = False
+
+
+def _bump(*_: Any) -> None:
+    global _generation
+    _generation += 1
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if _hooks_installed:
+        return
+    from torch.nn.modules import module as module_module
+
+    module_module.register_module_parameter_registration_hook(_bump)
+    module_module.register_module_buffer_registration_hook(_bump)
+    module_module.register_module_module_registration_hook(_bump)
+    _hooks_installed = True
+
+
+def modules_of(fn: Callable[..., Any], extra: Iterable[nn.Module] = ()) -> list[nn.Module]:
+    """The modules whose tensors ``fn`` reads: itself, a bound method's owner, ``extra``."""
+    found: list[nn.Module] = []
+    for candidate in (fn, getattr(fn, "__self__", None), getattr(fn, "_orig_mod", None), *extra):
+        if isinstance(candidate, nn.Module) and all(candidate is not m for m in found):
+            found.append(candidate)
+    return found
+
+
+def closure_tensors(fn: Callable[..., Any]) -> list[tuple[str, Callable[[], Any], torch.Tensor]]:
+    """Tensors ``fn`` reads from its closure or module globals: ``(name, getter, tensor)``.
+
+    Only ``fn``'s own code is inspected (not the functions it calls).
+    """
+    target = inspect.unwrap(getattr(fn, "__func__", fn))
+    code = getattr(target, "__code__", None)
+    if code is None:
+        return []
+    found = []
+    for name, cell in zip(code.co_freevars, getattr(target, "__closure__", None) or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.Tensor):
+            found.append((f"closure variable {name!r}", lambda c=cell: c.cell_contents, value))
+    namespace = getattr(target, "__globals__", {})
+    for name in code.co_names:
+        value = namespace.get(name)
+        if isinstance(value, torch.Tensor):
+            found.append((f"global {name!r}", lambda n=name: namespace.get(n), value))
+    return found
+
+
+class AddressGuard:
+    """Checks, before a replay, that every tensor the graph reads by address is still there."""
+
+    def __init__(self, fn: Callable[..., Any], modules: Iterable[nn.Module] = ()):
+        _install_hooks()
+        self.fn = fn
+        self.modules = modules_of(fn, modules)
+        self.closures = closure_tensors(fn)
+        self._record()
+
+    def _module_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        named = []
+        for k, module in enumerate(self.modules):
+            prefix = type(module).__name__ if len(self.modules) == 1 else f"modules[{k}]"
+            for name, t in module.named_parameters():
+                named.append((f"{prefix}.{name}", t))
+            for name, t in module.named_buffers():
+                named.append((f"{prefix}.{name}", t))
+        return named
+
+    def _record(self) -> None:
+        named = [
+            (n, t) for n, t in self._module_tensors() if t is not None and t.device.type == "cuda"
+        ]
+        self.names = [n for n, _ in named]
+        self.tensors = [t for _, t in named]
+        self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.indices = list(range(len(self.tensors)))
+        self.closure_ids = [(name, get, t) for name, get, t in self.closures]
+        self.generation = _generation
+        self._equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+    @property
+    def count(self) -> int:
+        """How many tensors this guard checks before each replay."""
+        return len(self.tensors) + len(self.closure_ids)
+
+    def stale(self) -> str | None:
+        """``None`` if every guarded address is unchanged; else which tensor moved, in words."""
+        if self.tensors:
+            equal = self._equal
+            same = (
+                equal(self.tensors, self.ptrs, self.indices)
+                if equal is not None
+                else all(t.data_ptr() == p for t, p in zip(self.tensors, self.ptrs))
+            )
+            if not same:
+                for name, t, p in zip(self.names, self.tensors, self.ptrs):
+                    if t.data_ptr() != p:
+                        return (
+                            f"{name} now lives at new memory (param.data = ..., or module.to(...))"
+                        )
+        for name, get, t in self.closure_ids:
+            if get() is not t:
+                return f"{name} was rebound to another tensor"
+        if self.generation != _generation:
+            current = {n: t for n, t in self._module_tensors()}
+            for name, t in zip(self.names, self.tensors):
+                if current.get(name) is not t:
+                    return f"{name} was reassigned (module.{name.split('.')[-1]} = ...)"
+            self.generation = _generation  # some other module changed; this one did not
+        return None
