@@ -203,6 +203,9 @@ def test_failed_capture_raises_plain_error_and_process_stays_usable(body: str, k
     assert error.__cause__ is not None
     assert "test_graph_cuda.py" in (error.location or ""), error.location
     assert "fix:" in str(error)
+    # The doctor ran on the eager path and names the line too.
+    assert error.findings and "cg.doctor found" in str(error)
+    assert any(f.filename.endswith("test_graph_cuda.py") for f in error.findings)
     # The process is usable: eager work and a new capture both succeed.
     x = rand(4)
     torch.testing.assert_close((x + 1).cpu(), x.cpu() + 1)

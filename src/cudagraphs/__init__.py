@@ -15,6 +15,7 @@ from __future__ import annotations
 from .api import graph
 from .bucket_spec import BucketOverflowError, Buckets, BucketStats
 from .buckets import Bucketed
+from .doctor import Finding, Report, doctor
 from .errors import (
     CaptureError,
     ConfigError,
@@ -44,16 +45,19 @@ __all__ = [
     "CudaGraphsError",
     "CudaGraphsWarning",
     "ExactShapes",
+    "Finding",
     "Graphed",
     "InputMismatchError",
     "OutputPolicy",
     "Pool",
+    "Report",
     "StaleGraphError",
     "StaleOutputError",
     "VerificationError",
     "State",
     "Stats",
     "__version__",
+    "doctor",
     "graph",
     "powers_of_two",
     "server_sizes",

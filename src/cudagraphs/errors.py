@@ -7,6 +7,8 @@ how to fix it.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CaptureError",
     "ConfigError",
@@ -46,14 +48,17 @@ class CaptureError(CudaGraphsError):
     """Capturing the function into a CUDA graph failed.
 
     ``kind`` names the failure in a word (``"host-sync"``, ``"cpu-tensor"``, ...), ``location``
-    is the ``file:line`` in user code where it happened when it could be found, and the
-    original CUDA/PyTorch error is chained as ``__cause__``.
+    is the ``file:line`` in user code where it happened when it could be found, ``findings``
+    are ``cg.doctor``'s findings for the function (run automatically on the eager path), and
+    the original CUDA/PyTorch error is chained as ``__cause__``.
     """
 
     def __init__(self, message: str, *, kind: str = "unknown", location: str | None = None):
         super().__init__(message)
         self.kind = kind
         self.location = location
+        #: ``cg.doctor``'s findings for the function, filled in when capture fails.
+        self.findings: list[Any] = []
 
 
 class StaleOutputError(CudaGraphsError):

@@ -425,6 +425,7 @@ class Graphed(Generic[R]):
             with torch.cuda.device(device):
                 self._capture(signature, leaves, device)
         except CaptureError as error:
+            _attach_findings(error, self.fn, args, kwargs)
             if self.options.fallback == "raise":
                 raise
             self._become_eager(str(error), warn=False)
@@ -548,6 +549,23 @@ class Graphed(Generic[R]):
 
     def __repr__(self) -> str:
         return f"<cudagraphs.Graphed {_name(self.fn)} state={self.state.value} outputs={self.options.outputs}>"
+
+
+def _attach_findings(
+    error: CaptureError, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """Run the doctor on the failed function so the error shows the line, not only the code."""
+    from .doctor import doctor
+
+    try:
+        report = doctor(fn, *args, **kwargs)
+    except Exception as failure:  # the doctor must never hide the capture error itself
+        log.debug("cudagraphs: doctor failed after a capture error: %s", failure)
+        return
+    error.findings = report.findings
+    if report.findings:
+        lines = [f"    - {f.kind} at {f.location}: {f.message}" for f in report.findings[:5]]
+        error.args = (str(error) + "\n  cg.doctor found:\n" + "\n".join(lines),)
 
 
 def _unset() -> Any:  # pragma: no cover - replaced at capture

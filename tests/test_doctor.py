@@ -1,0 +1,161 @@
+"""cg.doctor on the CPU: each construct at its file and line; nothing on clean workloads."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+
+import pytest
+import torch
+from doctor_cases import constructs
+
+import cudagraphs as cg
+from cudagraphs.workloads import brief_mlp, transformer
+
+CASES = [
+    ("item", "host-sync"),
+    ("tolist", "host-sync"),
+    ("numpy", "host-sync"),
+    ("printing", "host-sync"),
+    ("branch", "host-sync"),
+    ("synchronize", "sync-call"),
+    ("nonzero", "dynamic-shape"),
+    ("boolean_mask", "dynamic-shape"),
+    ("masked_select", "dynamic-shape"),
+    ("unique", "dynamic-shape"),
+    ("repeat_interleave", "dynamic-shape"),
+    ("cpu_constant", "cpu-tensor"),
+    ("mutates_input", "input-mutation"),
+    ("returns_input", "output-aliases-input"),
+    ("reads_global", "closure-tensor"),
+    ("custom_generator", "generator"),
+    ("autocast_cached", "autocast-cache"),
+    ("optimizer_step", "optimizer"),
+    ("grad_scaler_step", "grad-scaler"),
+    ("counter", "control-flow"),
+]
+
+
+def marked_line(kind: str, function: object) -> int:
+    target = function.__call__ if not inspect.isfunction(function) else function
+    lines, start = inspect.getsourcelines(target if inspect.isfunction(target) else type(function))
+    for offset, line in enumerate(lines):
+        if line.rstrip().endswith(f"# {kind}"):
+            return start + offset
+    raise AssertionError(f"no '# {kind}' marker in {function}")
+
+
+@pytest.mark.parametrize("name, kind", CASES)
+def test_each_construct_is_reported_at_its_line(
+    name: str, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fn = getattr(constructs, name)
+    x = (
+        torch.randn(4, 4)
+        if name in ("optimizer_step", "grad_scaler_step", "autocast_cached")
+        else torch.randn(4)
+    )
+    report = cg.doctor(fn, x)
+    found = [f for f in report.findings if f.kind == kind]
+    assert found, f"{kind} not reported for {name}: {report}"
+    assert found[0].filename.endswith("constructs.py")
+    assert found[0].lineno == marked_line(kind, fn), str(report)
+    assert found[0].fix
+    if kind not in ("input-mutation", "output-aliases-input", "closure-tensor"):
+        assert report.blocking
+
+
+def test_ruff_printing_case_does_not_print_during_the_doctor_run_twice() -> None:
+    # The doctor runs the function (twice); that is its documented behaviour.
+    report = cg.doctor(constructs.printing, torch.randn(4))
+    assert any(f.kind == "host-sync" for f in report.findings)
+
+
+@pytest.mark.parametrize(
+    "make, shape",
+    [(brief_mlp, (128, 256)), (transformer, (2, 16, 256))],
+)
+def test_clean_workloads_have_no_findings(make: object, shape: tuple[int, ...]) -> None:
+    model = make().eval()  # type: ignore[operator]
+    with torch.no_grad():
+        report = cg.doctor(model, torch.randn(*shape))
+    assert not report.findings, str(report)
+    assert not report.blocking
+
+
+def test_a_transformer_layer_is_clean() -> None:
+    layer = torch.nn.TransformerEncoderLayer(64, 4, batch_first=True).eval()
+    with torch.no_grad():
+        report = cg.doctor(layer, torch.randn(2, 8, 64))
+    assert not report.findings, str(report)
+
+
+def test_the_brief_full_capture_pattern_is_clean() -> None:
+    model = brief_mlp().eval()
+    y = torch.empty(128, 16)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return y.copy_(model(x))  # the brief writes into a pre-allocated output
+
+    report = cg.doctor(step, torch.randn(128, 256))
+    # y is a global pre-allocated buffer: reported as read by address (a warning), nothing worse.
+    assert not report.blocking, str(report)
+
+
+def test_doctor_restores_state_and_does_not_touch_inputs() -> None:
+    bn = torch.nn.BatchNorm1d(4).train()
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    x = torch.randn(8, 4)
+    x_before = x.clone()
+    rng = torch.get_rng_state()
+    cg.doctor(bn, x)
+    for k, v in bn.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(x, x_before)
+    assert torch.equal(torch.get_rng_state(), rng)
+    # Patched functions are restored too.
+    assert torch.cuda.synchronize.__module__ == "torch.cuda"
+
+
+def test_report_renders_as_text_and_table_and_data() -> None:
+    report = cg.doctor(constructs.item, torch.randn(4))
+    text = str(report)
+    assert "host-sync" in text and "constructs.py" in text and "fix:" in text
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(report)
+    assert "host-sync" in console.export_text()
+    assert report.as_dicts()[0]["kind"] == "host-sync"
+    assert str(cg.doctor(lambda t: t * 2, torch.randn(2))).endswith("no findings")
+
+
+def test_cli_doctor_exit_codes(tmp_path: object) -> None:
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "target.py"
+    path.write_text(
+        "import torch\n"
+        "def bad(x):\n"
+        "    return x * x.sum().item()\n"
+        "def good(x):\n"
+        "    return x * 2\n"
+        "def make_bad():\n"
+        "    return bad, (torch.randn(4),)\n"
+        "def make_good():\n"
+        "    return good, (torch.randn(4),), {}\n"
+    )
+    run = lambda target: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "cudagraphs", "doctor", f"{path}:{target}"],
+        capture_output=True,
+        text=True,
+    )
+    bad = run("make_bad")
+    assert bad.returncode == 1, bad.stderr
+    assert "host-sync" in bad.stdout and "target.py:3" in bad.stdout
+    good = run("make_good")
+    assert good.returncode == 0, good.stderr
+    assert "no findings" in good.stdout
+    missing = run("nothing")
+    assert missing.returncode == 2 and "nothing" in missing.stderr
