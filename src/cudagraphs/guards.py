@@ -9,7 +9,10 @@ the old memory. The guard records those addresses at capture and checks them bef
   ``benchmarks/overhead.py``; about what a single Python ``data_ptr()`` call costs);
 - a process-wide counter, bumped by module parameter/buffer registration hooks, tells when any
   module had a tensor reassigned, and only then are the modules walked again;
-- closure and global tensors are checked by identity (usually none or a few).
+- closure and global tensors, and plain values (bool, int, float, str) that ``fn``'s own code
+  reads from its closure or globals, are checked by identity (a global flag that decided a
+  branch at capture must not change unnoticed);
+- each module's train/eval mode is checked (``model.train()`` after an eval-mode capture).
 
 In-place updates (``load_state_dict``, ``param.copy_(...)``, optimizer steps) keep addresses, so
 they need no recapture and replays see the new values.
@@ -56,11 +59,19 @@ def modules_of(fn: Callable[..., Any], extra: Iterable[nn.Module] = ()) -> list[
     return found
 
 
-def closure_tensors(fn: Callable[..., Any]) -> list[tuple[str, Callable[[], Any], torch.Tensor]]:
+_FROZEN_TYPES = (bool, int, float, str)
+
+
+def closure_tensors(
+    fn: Callable[..., Any], *, values: bool = False
+) -> list[tuple[str, Callable[[], Any], Any]]:
     """Tensors ``fn`` reads from its closure or module globals: ``(name, getter, tensor)``.
 
-    Only ``fn``'s own code is inspected (not the functions it calls).
+    With ``values=True``, plain values (bool, int, float, str) too: a graph freezes the branch
+    or constant they decided at capture, so a later change must not go unnoticed. Only ``fn``'s
+    own code is inspected (not the functions it calls).
     """
+    kinds = (torch.Tensor, *_FROZEN_TYPES) if values else (torch.Tensor,)
     target = inspect.unwrap(getattr(fn, "__func__", fn))
     code = getattr(target, "__code__", None)
     if code is None:
@@ -71,14 +82,21 @@ def closure_tensors(fn: Callable[..., Any]) -> list[tuple[str, Callable[[], Any]
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, kinds):
             found.append((f"closure variable {name!r}", lambda c=cell: c.cell_contents, value))
     namespace = getattr(target, "__globals__", {})
     for name in code.co_names:
         value = namespace.get(name)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, kinds):
             found.append((f"global {name!r}", lambda n=name: namespace.get(n), value))
     return found
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) < 40 else text[:37] + "..."
 
 
 class AddressGuard:
@@ -88,7 +106,7 @@ class AddressGuard:
         _install_hooks()
         self.fn = fn
         self.modules = modules_of(fn, modules)
-        self.closures = closure_tensors(fn)
+        self.closures = closure_tensors(fn, values=True)
         self._record()
 
     def _module_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -110,13 +128,15 @@ class AddressGuard:
         self.ptrs = [t.data_ptr() for t in self.tensors]
         self.indices = list(range(len(self.tensors)))
         self.closure_ids = [(name, get, t) for name, get, t in self.closures]
+        # train()/eval() after capture would silently keep the recorded mode (dropout, BN).
+        self.training = [(m, m.training) for m in self.modules]
         self.generation = _generation
         self._equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
     @property
     def count(self) -> int:
-        """How many tensors this guard checks before each replay."""
-        return len(self.tensors) + len(self.closure_ids)
+        """How many tensors and values this guard checks before each replay."""
+        return len(self.tensors) + len(self.closure_ids) + len(self.training)
 
     def stale(self) -> str | None:
         """``None`` if every guarded address is unchanged; else which tensor moved, in words."""
@@ -135,7 +155,10 @@ class AddressGuard:
                         )
         for name, get, t in self.closure_ids:
             if get() is not t:
-                return f"{name} was rebound to another tensor"
+                return f"{name} was rebound (was {_short(t)}, now {_short(get())})"
+        for module, training in self.training:
+            if module.training is not training:
+                return f"{type(module).__name__} was switched to {'train' if module.training else 'eval'} mode"
         if self.generation != _generation:
             current = {n: t for n, t in self._module_tensors()}
             for name, t in zip(self.names, self.tensors):

@@ -1,0 +1,54 @@
+"""Guards and verification helpers that need no GPU: what is guarded, random inputs, tolerances."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cudagraphs.guards import closure_tensors, modules_of
+from cudagraphs.verify import random_like, tolerance
+
+OFFSET = torch.ones(2)
+FLAG = True
+
+
+def uses_globals(x: torch.Tensor) -> torch.Tensor:
+    return x + OFFSET if FLAG else x
+
+
+def test_closure_tensors_and_values_are_found() -> None:
+    scale = torch.full((2,), 3.0)
+
+    def closure(x: torch.Tensor) -> torch.Tensor:
+        return x * scale
+
+    assert [name for name, _, _ in closure_tensors(closure)] == ["closure variable 'scale'"]
+    names = [name for name, _, _ in closure_tensors(uses_globals, values=True)]
+    assert sorted(names) == ["global 'FLAG'", "global 'OFFSET'"]
+    assert [name for name, _, _ in closure_tensors(uses_globals)] == ["global 'OFFSET'"]
+
+
+def test_modules_of_finds_the_module_the_bound_method_and_extras() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    assert modules_of(a) == [a]
+    assert modules_of(a.forward) == [a]
+    assert modules_of(lambda x: a(x), [b]) == [b]
+
+
+def test_random_like_keeps_shape_dtype_and_range() -> None:
+    ints = torch.tensor([3, 7, 5])
+    fresh = random_like(ints)
+    assert fresh.dtype == torch.int64 and fresh.shape == (3,)
+    assert int(fresh.min()) >= 3 and int(fresh.max()) <= 7
+    assert random_like(torch.zeros(4, dtype=torch.bool)).dtype == torch.bool
+    floats = random_like(torch.randn(1000) * 5 + 10)
+    assert 8 < floats.mean().item() < 12
+
+
+def test_tolerance_fits_the_dtype() -> None:
+    assert (
+        tolerance(torch.bfloat16)["rtol"]
+        > tolerance(torch.float32)["rtol"]
+        > tolerance(torch.float64)["rtol"]
+    )
+    assert tolerance(torch.int64) == {"rtol": 0.0, "atol": 0.0}
