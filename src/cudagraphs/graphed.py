@@ -231,7 +231,8 @@ class Graphed(Generic[R]):
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         guard = self._guard
-        if guard is not None and self._check_guard(guard):
+        if guard is not None and (reason := guard.stale()) is not None:
+            self._on_stale(reason)
             return self(*args, **kwargs)  # recaptured: every precomputed field is new
         slots = self._flat_slots
         if slots is None or kwargs or len(args) != self._n_args:
@@ -292,6 +293,11 @@ class Graphed(Generic[R]):
         reason = guard.stale()
         if reason is None:
             return False
+        self._on_stale(reason)
+        return True
+
+    def _on_stale(self, reason: str) -> None:
+        """A guarded tensor moved: raise, or capture again on the current static inputs."""
         if self.options.on_stale == "raise":
             raise StaleGraphError(
                 explain(
@@ -311,7 +317,6 @@ class Graphed(Generic[R]):
         with torch.cuda.device(self._device):
             self._capture(self._signature, leaves, self._device)
         self._recaptures += 1
-        return True
 
     def _write_back(self, leaves: Any) -> None:
         # The function mutated these inputs in place; eager would have mutated the caller's
@@ -337,7 +342,8 @@ class Graphed(Generic[R]):
             self._eager_calls += 1
             return self.fn(*args, **kwargs)
         guard = self._guard
-        if guard is not None and self._check_guard(guard):
+        if guard is not None and (reason := guard.stale()) is not None:
+            self._on_stale(reason)
             return self._call_general(args, kwargs)
         leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
         assert self._signature is not None
