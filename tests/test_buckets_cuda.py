@@ -113,3 +113,6 @@ def test_fast_path_pads_and_repads_the_tail() -> None:
         torch.testing.assert_close(rows, x)
         torch.testing.assert_close(total, x.sum(0))
         assert smallest.item() == (0 if n == 8 else -1)
+    # 39 real rows and 9 padded ones, in x (3 columns) and ids (1 column).
+    assert g.stats.hits[(8,)] == 6
+    assert g.stats.padding_waste == pytest.approx((9 * 3 + 9) / (39 * 3 + 39))

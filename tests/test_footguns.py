@@ -199,6 +199,23 @@ def test_reassigned_buffer_recaptures() -> None:
 
 
 @cuda
+def test_buffers_replaced_by_module_to_recapture() -> None:
+    # Module._apply puts new buffer objects straight into _buffers; the old ones stay alive
+    # here, so a graph that kept reading them would silently use stale statistics.
+    bn = nn.BatchNorm1d(8).cuda().eval()
+    with torch.no_grad():
+        g = cg.graph(bn, torch.randn(4, 8, device="cuda"))
+        old = bn.running_mean
+        bn.cpu()
+        bn.cuda()
+        bn.running_mean.add_(5.0)
+        x = torch.randn(4, 8, device="cuda")
+        torch.testing.assert_close(g(x), bn(x))
+    assert g.stats.recaptures == 1
+    del old
+
+
+@cuda
 def test_load_state_dict_keeps_the_graph_and_its_results_correct() -> None:
     model = mlp()
     other = mlp()

@@ -18,6 +18,7 @@ mean over the batch, or attention without a key-padding mask, sees the pad rows)
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -113,7 +114,9 @@ class Bucketed:
             )
         self._bucket_options = options.replace(pool=self.pool)
         self._buckets: dict[tuple[int, ...], _Bucket] = {}
-        self.stats = BucketStats()
+        self._stats = BucketStats()
+        # Fast-path calls counted by real size only; folded into stats when they are read.
+        self._fast_counts = [0] * (self.ladders[self.symbols[0]][-1] + 1)
         self._warned_eager = False
         self._combos = sorted(
             itertools.product(*(self.ladders[s] for s in self.symbols)),
@@ -213,15 +216,15 @@ class Bucketed:
         args, kwargs = optree.tree_unflatten(self.signature.spec, leaves)
         graphed: Graphed[Any] = Graphed(self.fn, self._bucket_options)
         with warnings.catch_warnings():
-            if self.stats.capture_s:  # warn about CPU pass-through once, not per bucket
+            if self._stats.capture_s:  # warn about CPU pass-through once, not per bucket
                 warnings.simplefilter("ignore")
             graphed._initialize(args, kwargs)
         bucket = self._describe(combo, graphed)
         self._buckets[combo] = bucket
         stats = graphed.stats
-        self.stats.capture_s[combo] = stats.capture_s + stats.warmup_s
-        self.stats.pool_bytes[combo] = stats.pool_bytes
-        self.stats.hits.setdefault(combo, 0)
+        self._stats.capture_s[combo] = stats.capture_s + stats.warmup_s
+        self._stats.pool_bytes[combo] = stats.pool_bytes
+        self._stats.hits.setdefault(combo, 0)
         return bucket
 
     def _describe(self, combo: tuple[int, ...], graphed: Graphed[Any]) -> _Bucket:
@@ -287,12 +290,9 @@ class Bucketed:
         guard = bucket.graphed._guard
         if guard is not None and bucket.graphed._check_guard(guard):
             bucket = self._refresh(bucket)
-        stats = self.stats
+        self._fast_counts[n] += 1
         for k, x in enumerate(args):
             buf = bucket.buffers[k]
-            real_numel = x.numel()
-            stats.real_elements += real_numel
-            stats.padded_elements += bucket.numels[k] - real_numel
             if x is buf:
                 continue
             if n == rung:
@@ -305,10 +305,27 @@ class Bucketed:
                 buf.narrow(dim, n, rung - n).fill_(self.inputs[k].pad)
             bucket.clean[k] = (n,)
         out = bucket.graphed._replay_in_place()
-        stats.hits[bucket.combo] += 1
         if n == rung:
             return out
         return self._slice_outputs(out, {self.symbols[0]: n}, {self.symbols[0]: rung})
+
+    @property
+    def stats(self) -> BucketStats:
+        """Hits per bucket, padding waste, overflows, capture seconds and MiB per bucket."""
+        merged = copy.deepcopy(self._stats)
+        if any(self._fast_counts):
+            symbol = self.symbols[0]
+            for n, count in enumerate(self._fast_counts):
+                if not count:
+                    continue
+                rung = self._rung_for[symbol][n]
+                merged.hits[(rung,)] = merged.hits.get((rung,), 0) + count
+                bucket = self._buckets[(rung,)]
+                for k in range(len(self.inputs)):
+                    real = bucket.numels[k] // rung * n
+                    merged.real_elements += count * real
+                    merged.padded_elements += count * (bucket.numels[k] - real)
+        return merged
 
     def _run(self, combo: tuple[int, ...], leaves: list[Any], real: dict[str, int]) -> Any:
         bucket = self._bucket(combo)
@@ -319,7 +336,7 @@ class Bucketed:
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         call_leaves = list(leaves)
-        stats = self.stats
+        stats = self._stats
         for k, inp in enumerate(self.inputs):
             x: torch.Tensor = leaves[inp.index]
             buf = bucket.buffers[k]
@@ -388,7 +405,7 @@ class Bucketed:
         self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any], real: dict[str, int]
     ) -> Any:
         over = [s for s in self.symbols if real[s] > self.ladders[s][-1]]
-        self.stats.overflows += 1
+        self._stats.overflows += 1
         policy = self.spec.overflow
         if policy == "raise":
             s = over[0]
@@ -407,7 +424,7 @@ class Bucketed:
                     ", ".join(f"{s}={real[s]}" for s in over),
                 )
                 self._warned_eager = True
-            self.stats.eager_calls += 1
+            self._stats.eager_calls += 1
             return self.fn(*args, **kwargs)
         return self._chunk(leaves, real, over)
 
@@ -483,12 +500,12 @@ class Bucketed:
         for combo in sorted(self._buckets, reverse=True):
             table.add_row(
                 *map(str, combo),
-                f"{self.stats.capture_s[combo]:.3f}",
-                f"{self.stats.pool_bytes[combo] / 2**20:.1f}",
-                str(self.stats.hits[combo]),
+                f"{self._stats.capture_s[combo]:.3f}",
+                f"{self._stats.pool_bytes[combo] / 2**20:.1f}",
+                str(self._stats.hits[combo]),
             )
         console.print(table)
         console.print(
-            f"pool total {self.stats.pool_total_bytes / 2**20:.1f} MiB; padding waste "
-            f"{self.stats.padding_waste:.1%}; overflows {self.stats.overflows}"
+            f"pool total {self._stats.pool_total_bytes / 2**20:.1f} MiB; padding waste "
+            f"{self._stats.padding_waste:.1%}; overflows {self._stats.overflows}"
         )

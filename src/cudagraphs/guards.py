@@ -7,8 +7,9 @@ the old memory. The guard records those addresses at capture and checks them bef
 
 - one C call compares the data pointers of all guarded tensors (cost measured in
   ``benchmarks/overhead.py``; about what a single Python ``data_ptr()`` call costs);
-- a process-wide counter, bumped by module parameter/buffer registration hooks, tells when any
-  module had a tensor reassigned, and only then are the modules walked again;
+- a process-wide counter, bumped by module parameter/buffer registration hooks and by
+  ``Module._apply`` (``.to()``, ``.cuda()``, which replace buffer objects directly), tells when
+  any module had a tensor reassigned, and only then are the modules walked again;
 - closure and global tensors, and plain values (bool, int, float, str) that ``fn``'s own code
   reads from its closure or globals, are checked by identity (a global flag that decided a
   branch at capture must not change unnoticed);
@@ -47,6 +48,17 @@ def _install_hooks() -> None:
     module_module.register_module_parameter_registration_hook(_bump)
     module_module.register_module_buffer_registration_hook(_bump)
     module_module.register_module_module_registration_hook(_bump)
+    # Module._apply (behind .to(), .cuda(), .half() ...) writes new buffer objects straight into
+    # _buffers, past the registration hooks: count it as a reassignment too.
+    original_apply = nn.Module._apply
+
+    def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original_apply(self, *args, **kwargs)
+        finally:
+            _bump()
+
+    nn.Module._apply = _apply  # type: ignore[method-assign]
     _hooks_installed = True
 
 
