@@ -25,7 +25,7 @@ from rich.table import Table
 
 import cudagraphs as cg
 from cudagraphs.timing import Timing, measure_side_by_side
-from cudagraphs.workloads import MODELS
+from cudagraphs.workloads import MODELS, hand_written_graph
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -52,30 +52,6 @@ class GraphModel:
         return self.out
 
 
-def bare_graph(
-    model: torch.nn.Module, example: torch.Tensor
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The minimal correct hand-written pattern: static input, copy-in, replay, static output."""
-    static_x = example.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = model(static_x)
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        static_x.copy_(x)
-        graph.replay()
-        return static_y
-
-    return call
-
-
 MODES = (
     "eager",
     "reduce-overhead",
@@ -93,7 +69,7 @@ def build_modes(
     modes: dict[str, Callable[[Any], Any]] = {"eager": model}
     if "reduce-overhead" in selected:
         modes["reduce-overhead"] = torch.compile(model, mode="reduce-overhead")
-    modes["bare copy+replay"] = bare_graph(model, example)
+    modes["bare copy+replay"] = hand_written_graph(model, example)
     if "brief GraphModel" in selected:
         brief = GraphModel(model, example.clone())
 

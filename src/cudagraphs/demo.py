@@ -24,27 +24,6 @@ from .timing import measure_side_by_side
 __all__ = ["run_demo"]
 
 
-def _bare(model: torch.nn.Module, example: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The brief's hand-written pattern, for comparison."""
-    static_x = example.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_y = model(static_x)
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        static_x.copy_(x)
-        g.replay()
-        return static_y
-
-    return call
-
-
 def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0]}"
 
@@ -113,7 +92,7 @@ def run_demo(console: Console | None = None, *, calls: int = 100, windows: int =
             example = torch.randn(*shape, device="cuda")
             modes: dict[str, Callable[[Any], Any]] = {
                 "eager": model,
-                "bare": _bare(model, example),
+                "bare": workloads.hand_written_graph(model, example),
                 "cg": graph(model, example),
             }
             error = 0.0

@@ -202,10 +202,8 @@ class Graphed(Generic[R]):
         self._signature: Signature | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         # Fast path state, all set at capture.
-        self._flat_slots: (
-            tuple[tuple[int, torch.Tensor, int, torch.Size, torch.dtype, int], ...] | None
-        ) = None
-        self._flat_frozen: tuple[tuple[int, Any], ...] = ()
+        self._flat = False  # positional leaves only: calls need no flattening
+        self._frozen: tuple[tuple[int, Any], ...] = ()
         self._n_args = -1
         self._slots: tuple[tuple[int, torch.Tensor, int, torch.Size, torch.dtype, int], ...] = ()
         self._writeback: tuple[tuple[int, torch.Tensor], ...] = ()
@@ -234,30 +232,17 @@ class Graphed(Generic[R]):
         if guard is not None and (reason := guard.stale()) is not None:
             self._on_stale(reason)
             return self(*args, **kwargs)  # recaptured: every precomputed field is new
-        slots = self._flat_slots
-        if slots is None or kwargs or len(args) != self._n_args:
+        if not self._flat or kwargs or len(args) != self._n_args:
             return self._call_general(args, kwargs)
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        try:
-            for i, buf, ptr, shape, dtype, dev in slots:
-                x = args[i]
-                if x is buf:
-                    continue
-                if x.shape != shape or x.dtype != dtype or x.get_device() != dev:
-                    raise _Mismatch
-                if x.data_ptr() == ptr and x.stride() == buf.stride():
-                    continue
-                dst.append(buf)
-                src.append(x)
-            for i, value in self._flat_frozen:
-                x = args[i]
-                if x is not value and (type(x) is not type(value) or x != value):
-                    raise _Mismatch
-        except Exception:
-            self._explain_mismatch(args, kwargs)
-            raise
-        return self._replay(args, dst, src)
+        return self._check_and_replay(args, args, kwargs)  # positional leaves: no flattening
+
+    def _check_and_replay(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        """Check each leaf against the capture, copy the tensors that need it, replay.
+
+        The check is a flat loop over what capture precomputed; any doubt (a non-tensor, a
+        stale output, a value that compares oddly) goes to the slow check, which explains.
+        """
+        return self._check_and_replay(leaves, args, kwargs)
 
     def _replay(self, leaves: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> R:
         if dst:
@@ -341,10 +326,6 @@ class Graphed(Generic[R]):
             self._signature.check(args, kwargs)
             self._eager_calls += 1
             return self.fn(*args, **kwargs)
-        guard = self._guard
-        if guard is not None and (reason := guard.stale()) is not None:
-            self._on_stale(reason)
-            return self._call_general(args, kwargs)
         leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
         assert self._signature is not None
         if spec != self._signature.spec:
@@ -507,10 +488,9 @@ class Graphed(Generic[R]):
             )
             for i in signature.tensor_index
         )
-        if signature.is_flat:
-            self._n_args = signature.spec.num_leaves
-            self._flat_slots = self._slots
-            self._flat_frozen = tuple(zip(signature.frozen_index, signature.frozen_values))
+        self._frozen = tuple(zip(signature.frozen_index, signature.frozen_values))
+        self._flat = signature.is_flat
+        self._n_args = signature.spec.num_leaves
         self._device = device
         self._guard = None
         if options.guard == "replay":
