@@ -242,7 +242,27 @@ class Graphed(Generic[R]):
         The check is a flat loop over what capture precomputed; any doubt (a non-tensor, a
         stale output, a value that compares oddly) goes to the slow check, which explains.
         """
-        return self._check_and_replay(leaves, args, kwargs)
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        try:
+            for i, buf, ptr, shape, dtype, dev in self._slots:
+                x = leaves[i]
+                if x is buf:
+                    continue
+                if x.shape != shape or x.dtype != dtype or x.get_device() != dev:
+                    raise _Mismatch
+                if x.data_ptr() == ptr and x.stride() == buf.stride():
+                    continue
+                dst.append(buf)
+                src.append(x)
+            for i, value in self._frozen:
+                x = leaves[i]
+                if x is not value and (type(x) is not type(value) or x != value):
+                    raise _Mismatch
+        except Exception:
+            self._explain_mismatch(args, kwargs)
+            raise
+        return self._replay(leaves, dst, src)
 
     def _replay(self, leaves: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> R:
         if dst:
@@ -330,27 +350,7 @@ class Graphed(Generic[R]):
         assert self._signature is not None
         if spec != self._signature.spec:
             self._explain_mismatch(args, kwargs)
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        try:
-            for i, buf, ptr, shape, dtype, dev in self._slots:
-                x = leaves[i]
-                if x is buf:
-                    continue
-                if x.shape != shape or x.dtype != dtype or x.get_device() != dev:
-                    raise _Mismatch
-                if x.data_ptr() == ptr and x.stride() == buf.stride():
-                    continue
-                dst.append(buf)
-                src.append(x)
-            for i, value in zip(self._signature.frozen_index, self._signature.frozen_values):
-                x = leaves[i]
-                if x is not value and (type(x) is not type(value) or x != value):
-                    raise _Mismatch
-        except Exception:
-            self._explain_mismatch(args, kwargs)
-            raise
-        return self._replay(leaves, dst, src)
+        return self._check_and_replay(leaves, args, kwargs)
 
     def _explain_mismatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise the precise error for a call the fast check refused."""
@@ -372,8 +372,8 @@ class Graphed(Generic[R]):
         self._signature = signature
         tensors = [leaves[i] for i in signature.tensor_index]
         paths = signature.tensor_paths()
-        cuda = [t.device for t in tensors if t.is_cuda]
-        other = [(p, t.device) for p, t in zip(paths, tensors) if not t.is_cuda]
+        cuda = [t.device for t in tensors if _graphable(t)]
+        other = [(p, t.device) for p, t in zip(paths, tensors) if not _graphable(t)]
         if cuda and other:
             path, device = other[0]
             raise ConfigError(
@@ -552,6 +552,12 @@ def _attach_findings(
     if report.findings:
         lines = [f"    - {f.kind} at {f.location}: {f.message}" for f in report.findings[:5]]
         error.args = (str(error) + "\n  cg.doctor found:\n" + "\n".join(lines),)
+
+
+def _graphable(tensor: torch.Tensor) -> bool:
+    """Whether a tensor can be a graph input. (One function, so that the CPU tests can run the
+    captured path with a stand-in graph: tests/test_replay_path_cpu.py.)"""
+    return tensor.is_cuda
 
 
 def _unset() -> Any:  # pragma: no cover - replaced at capture
