@@ -151,3 +151,16 @@ def test_buckets_fast_path_pads_slices_and_counts(stand_in: None) -> None:
         torch.testing.assert_close(total, x.sum(0))  # the tail was padded with zeros
     assert g.stats.hits == {(8,): 4, (4,): 1}
     assert g.stats.padding_waste == pytest.approx((0 + 2 + 1 + 1 + 3) / (8 + 6 + 3 + 7 + 5))
+
+
+def test_bucket_report_counts_fast_path_calls(
+    stand_in: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    g = cg.graph(lambda x: x + 1, torch.randn(4, 2), buckets={"B": [2, 4]}, outputs="alias")
+    for n in (1, 2, 3):
+        g(torch.randn(n, 2))
+    g.report()
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.strip().startswith("│")]
+    hits = {row.split("│")[1].strip(): row.split("│")[4].strip() for row in rows}
+    assert hits == {"4": "1", "2": "2"}, out

@@ -11,7 +11,8 @@ from .bucket_spec import Buckets
 from .buckets import Bucketed
 from .errors import ConfigError, explain
 from .exact import ExactShapes
-from .graphed import Graphed, Options
+from .graphed import Graphed
+from .options import Options
 from .outputs import OutputPolicy
 
 __all__ = ["graph"]

@@ -89,6 +89,28 @@ class BucketStats:
     def pool_total_bytes(self) -> int:
         return sum(self.pool_bytes.values())
 
+    def print(self, symbols: Sequence[str], title: str, console: Any = None) -> None:
+        """A rich table: per bucket, capture seconds, pool MiB and hits; then the totals."""
+        from rich.console import Console
+        from rich.table import Table
+
+        console = console or Console()
+        table = Table(title=title)
+        for column in (*symbols, "capture s", "pool MiB", "hits"):
+            table.add_column(column, justify="right")
+        for combo in sorted(self.capture_s, reverse=True):
+            table.add_row(
+                *map(str, combo),
+                f"{self.capture_s[combo]:.3f}",
+                f"{self.pool_bytes[combo] / 2**20:.1f}",
+                str(self.hits.get(combo, 0)),
+            )
+        console.print(table)
+        console.print(
+            f"pool total {self.pool_total_bytes / 2**20:.1f} MiB; padding waste "
+            f"{self.padding_waste:.1%}; overflows {self.overflows}"
+        )
+
 
 def dims_tuple(
     spec: DimSpec, ndim: int, where: str, symbols: Mapping[str, Any]

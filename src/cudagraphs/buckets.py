@@ -40,8 +40,9 @@ from .bucket_spec import (
     real_sizes,
 )
 from .errors import ConfigError, explain
-from .graphed import Graphed, Options, State, _name
+from .graphed import Graphed, State, _name
 from .ladders import lookup_table, validate_ladder
+from .options import Options
 from .pool import Pool
 from .tree import NAMESPACE, Signature, flatten, leaf_paths
 
@@ -490,22 +491,4 @@ class Bucketed:
 
     def report(self, console: Any = None) -> None:
         """Print a rich table: per bucket, capture seconds, pool MiB and hits; then the totals."""
-        from rich.console import Console
-        from rich.table import Table
-
-        console = console or Console()
-        table = Table(title=f"buckets of {_name(self.fn)}")
-        for column in (*self.symbols, "capture s", "pool MiB", "hits"):
-            table.add_column(column, justify="right")
-        for combo in sorted(self._buckets, reverse=True):
-            table.add_row(
-                *map(str, combo),
-                f"{self._stats.capture_s[combo]:.3f}",
-                f"{self._stats.pool_bytes[combo] / 2**20:.1f}",
-                str(self._stats.hits[combo]),
-            )
-        console.print(table)
-        console.print(
-            f"pool total {self._stats.pool_total_bytes / 2**20:.1f} MiB; padding waste "
-            f"{self._stats.padding_waste:.1%}; overflows {self._stats.overflows}"
-        )
+        self.stats.print(self.symbols, f"buckets of {_name(self.fn)}", console)

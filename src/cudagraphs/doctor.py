@@ -15,12 +15,9 @@ optimizers the function reaches (its own, its bound ``self``'s, its arguments', 
 from __future__ import annotations
 
 import copy
-import os
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import optree
@@ -28,189 +25,10 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .findings import KINDS, Collector, Finding, Report, user_frame
 from .tree import NAMESPACE
 
 __all__ = ["Finding", "Report", "doctor"]
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
-_SKIP_DIRS = (
-    _TORCH_DIR,
-    _OWN_DIR,
-    os.path.dirname(optree.__file__),
-    os.path.dirname(warnings.__file__),
-)
-
-#: severity: "error" breaks capture, "wrong" gives silently wrong replays, "warning" needs care.
-_KINDS: dict[str, tuple[str, str, str]] = {
-    "host-sync": (
-        "error",
-        "{what} synchronizes with the host; capture refuses it (or freezes the value it read)",
-        "keep the value on the GPU: torch.where(cond, a, b) instead of `if`; move logging, "
-        ".item() and printing outside the graphed function",
-    ),
-    "dynamic-shape": (
-        "error",
-        "{what} has an output shape that depends on the data; a graph needs static shapes",
-        "use fixed-size results: a mask multiply or torch.where instead of boolean indexing, "
-        "repeat_interleave(..., output_size=n), padding to a maximum",
-    ),
-    "cpu-tensor": (
-        "wrong",
-        "{what} brings CPU data into the region; on CUDA it is a host-to-device copy that is "
-        "recorded once, so every replay reuses the value seen at capture",
-        "create the tensor on the GPU once, outside the function, and pass it in (or register "
-        "it as a module buffer)",
-    ),
-    "sync-call": (
-        "error",
-        "{what} is an explicit synchronization, which capture refuses",
-        "remove it from the graphed function; synchronize outside if needed",
-    ),
-    "input-mutation": (
-        "warning",
-        "{what} writes into input {where} in place; hand-rolled graphs then diverge from eager "
-        "(cudagraphs copies the result back to the caller's tensor)",
-        "return a new tensor instead, or rely on cudagraphs' write-back",
-    ),
-    "output-aliases-input": (
-        "warning",
-        "output {where} is (a view of) input {other}; a graph returns its static buffer, which "
-        "the next call's copy-in overwrites",
-        "return x.clone(), or use outputs='guarded' (the default) to be told of stale reads",
-    ),
-    "closure-tensor": (
-        "warning",
-        "{what} reads tensor {where} by address; it is neither an input nor a parameter or buffer "
-        "of the modules involved, so rebinding it after capture is not seen by the graph",
-        "pass it as an input, or register it as a module buffer and update it in place",
-    ),
-    "optimizer": (
-        "error",
-        "{what}: optimizer {where} has capturable=False; its step keeps state on the CPU and "
-        "cannot be recorded",
-        "construct the optimizer with capturable=True (Adam, AdamW, SGD with momentum ...)",
-    ),
-    "grad-scaler": (
-        "error",
-        "{what}: GradScaler.step reads found_inf with a host sync to decide whether to step",
-        "use bf16 autocast (no scaler), or a fused optimizer that takes grad_scale/found_inf",
-    ),
-    "autocast-cache": (
-        "wrong",
-        "{what} runs under autocast with cache_enabled=True; cast weights are cached across "
-        "calls and a graph would replay the cache from capture",
-        "use torch.autocast(..., cache_enabled=False) inside graphed functions",
-    ),
-    "generator": (
-        "wrong",
-        "{what} draws from a custom torch.Generator that is not registered with the graph, so "
-        "every replay repeats the same numbers",
-        "use the default generator, or register it: graph.register_generator_state(gen)",
-    ),
-    "multi-device": (
-        "error",
-        "{what} mixes tensors on {where}; one graph records one device",
-        "keep the function on one device",
-    ),
-    "control-flow": (
-        "wrong",
-        "two runs with inputs of the same shapes took different op sequences here ({what}); the "
-        "graph freezes the branch taken at capture",
-        "replace the Python branch with tensor ops (torch.where), or pass the deciding value as "
-        "a plain argument (then a change is refused at call time)",
-    ),
-}
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One construct that breaks capture or corrupts a graph, at the user's line."""
-
-    kind: str
-    severity: str
-    filename: str
-    lineno: int
-    message: str
-    fix: str
-
-    @property
-    def location(self) -> str:
-        return f"{self.filename}:{self.lineno}"
-
-
-@dataclass
-class Report:
-    """The doctor's findings; empty on a function that graphs cleanly."""
-
-    function: str
-    findings: list[Finding] = field(default_factory=list)
-
-    @property
-    def blocking(self) -> bool:
-        """Whether a finding breaks capture or would make replays silently wrong."""
-        return any(f.severity in ("error", "wrong") for f in self.findings)
-
-    def __bool__(self) -> bool:
-        return bool(self.findings)
-
-    def as_dicts(self) -> list[dict[str, Any]]:
-        return [asdict(f) for f in self.findings]
-
-    def __rich__(self) -> Any:
-        from rich.table import Table
-
-        table = Table(title=f"cg.doctor: {self.function}: {len(self.findings)} finding(s)")
-        for column in ("kind", "severity", "where", "what", "fix"):
-            table.add_column(column, overflow="fold")
-        for f in self.findings:
-            where = f"{os.path.basename(f.filename)}:{f.lineno}"
-            table.add_row(f.kind, f.severity, where, f.message, f.fix)
-        return table
-
-    def __str__(self) -> str:
-        if not self.findings:
-            return f"cg.doctor: {self.function}: no findings"
-        lines = [f"cg.doctor: {self.function}: {len(self.findings)} finding(s)"]
-        for f in self.findings:
-            lines.append(
-                f"  [{f.severity}] {f.kind} at {f.location}: {f.message}\n      fix: {f.fix}"
-            )
-        return "\n".join(lines)
-
-
-def _user_frame() -> tuple[str, int]:
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(_SKIP_DIRS) and not filename.startswith("<frozen"):
-            return frame.f_code.co_filename, frame.f_lineno
-        frame = frame.f_back
-    return "<unknown>", 0
-
-
-class _Collector:
-    """Findings of one run, deduplicated by (kind, line), plus the op sequence for comparison."""
-
-    def __init__(self) -> None:
-        self.findings: dict[tuple[str, str, int], Finding] = {}
-        self.ops: list[tuple[str, tuple[Any, ...], str, int]] = []
-
-    def add(self, kind: str, what: str, where: str = "", other: str = "") -> None:
-        filename, lineno = _user_frame()
-        key = (kind, filename, lineno)
-        if key in self.findings:
-            return
-        severity, message, fix = _KINDS[kind]
-        self.findings[key] = Finding(
-            kind,
-            severity,
-            filename,
-            lineno,
-            message.format(what=what, where=where, other=other),
-            fix,
-        )
-
 
 _SYNC_METHODS = {
     "item": ".item()",
@@ -232,7 +50,7 @@ _FROM_DATA = {
 
 
 class _FunctionWatch(TorchFunctionMode):
-    def __init__(self, collector: _Collector):
+    def __init__(self, collector: Collector):
         super().__init__()
         self.collector = collector
         self.autocast_reported = False
@@ -283,7 +101,7 @@ _DYNAMIC_OPS = {
 
 class _DispatchWatch(TorchDispatchMode):
     def __init__(
-        self, collector: _Collector, inputs: dict[int, str], known: set[int], names: dict[int, str]
+        self, collector: Collector, inputs: dict[int, str], known: set[int], names: dict[int, str]
     ):
         super().__init__()
         self.collector = collector
@@ -296,7 +114,7 @@ class _DispatchWatch(TorchDispatchMode):
         name = func._schema.name
         tensors = [t for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         shapes = tuple(tuple(t.shape) for t in tensors)
-        filename, lineno = _user_frame()
+        filename, lineno = user_frame()
         self.collector.ops.append((str(func), shapes, filename, lineno))
         c = self.collector
         if name == "aten::_local_scalar_dense":
@@ -355,7 +173,7 @@ def _storage(t: torch.Tensor) -> int:
 
 
 @contextmanager
-def _patched(collector: _Collector) -> Iterator[None]:
+def _patched(collector: Collector) -> Iterator[None]:
     """Watch explicit synchronizes, GradScaler.step and optimizer steps for the run."""
     patches: list[tuple[Any, str, Any]] = []
 
@@ -444,14 +262,14 @@ def _known_storages(fn: Callable[..., Any], objects: list[Any]) -> set[int]:
 
 def _run(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], objects: list[Any]
-) -> tuple[_Collector, Any, dict[int, str]]:
+) -> tuple[Collector, Any, dict[int, str]]:
     from .tree import Signature
 
     signature, leaves = Signature.of_call(args, kwargs)
     clones = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
     inputs = {_storage(clones[i]): signature.paths[i] for i in signature.tensor_index}
     known = _known_storages(fn, objects) | set(inputs)
-    collector = _Collector()
+    collector = Collector()
     call_args, call_kwargs = optree.tree_unflatten(signature.spec, clones)
     with ExitStack() as stack:
         stack.enter_context(_patched(collector))
@@ -464,14 +282,14 @@ def _run(
 
 
 @contextmanager
-def _sync_debug(collector: _Collector) -> Iterator[None]:
+def _sync_debug(collector: Collector) -> Iterator[None]:
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("warn")
     original = warnings.showwarning
 
     def show(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
         if "synchroniz" in str(message).lower():
-            where = _user_frame()
+            where = user_frame()
             if not any(key[1:] == where for key in collector.findings):  # not explained yet
                 collector.add("host-sync", "an operation that synchronized with the host")
         else:
@@ -521,7 +339,7 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
         divergence = _first_divergence(first.ops, second.ops, compare_shapes=not dynamic)
         if divergence is not None:
             what, filename, lineno = divergence
-            severity, message, fix = _KINDS["control-flow"]
+            severity, message, fix = KINDS["control-flow"]
             findings[("control-flow", filename, lineno)] = Finding(
                 "control-flow", severity, filename, lineno, message.format(what=what), fix
             )
@@ -536,7 +354,7 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
 
 
 def _outputs_aliasing_inputs(
-    fn: Callable[..., Any], collector: _Collector, out: Any, inputs: dict[int, str]
+    fn: Callable[..., Any], collector: Collector, out: Any, inputs: dict[int, str]
 ) -> None:
     from .tree import flatten, leaf_paths
 
@@ -545,7 +363,7 @@ def _outputs_aliasing_inputs(
     filename, lineno = (code.co_filename, code.co_firstlineno) if code else ("<outputs>", 0)
     for path, leaf in zip(leaf_paths(spec, root="out"), leaves):
         if isinstance(leaf, torch.Tensor) and _storage(leaf) in inputs:
-            severity, message, fix = _KINDS["output-aliases-input"]
+            severity, message, fix = KINDS["output-aliases-input"]
             collector.findings[("output-aliases-input", path, 0)] = Finding(
                 "output-aliases-input",
                 severity,

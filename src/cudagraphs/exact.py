@@ -11,7 +11,8 @@ import optree
 import torch
 
 from .errors import ConfigError, explain
-from .graphed import Graphed, Options
+from .graphed import Graphed
+from .options import Options
 from .tree import NAMESPACE
 
 __all__ = ["ExactShapes"]

@@ -20,7 +20,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import optree
@@ -33,16 +33,18 @@ from .errors import (
     CudaGraphsError,
     CudaGraphsWarning,
     StaleGraphError,
+    VerificationError,
     explain,
 )
 from .guards import AddressGuard
-from .outputs import OUTPUT_POLICIES, make_emitter
+from .options import Options
+from .outputs import make_emitter
 from .pool import Pool
 from .stats import Stats
 from .tree import NAMESPACE, Signature, flatten
 from .verify import verify_against_eager
 
-__all__ = ["Graphed", "Options", "State"]
+__all__ = ["Graphed", "State"]
 
 log = logging.getLogger("cudagraphs")
 R = TypeVar("R")
@@ -56,122 +58,6 @@ class State(enum.Enum):
     LAZY = "lazy"  # waiting for the first call, whose arguments become the examples
     CAPTURED = "captured"  # replaying a recorded graph
     EAGER = "eager"  # pass-through: no CUDA, CPU inputs, or a failed capture with fallback
-
-
-class Options:
-    """The validated options of ``cg.graph``; see :func:`cudagraphs.graph` for their meaning."""
-
-    __slots__ = (
-        "capture_error_mode",
-        "fallback",
-        "guard",
-        "modules",
-        "on_stale",
-        "outputs",
-        "pool",
-        "stream",
-        "verify",
-        "warmup",
-    )
-
-    def __init__(
-        self,
-        *,
-        warmup: int = 3,
-        outputs: str = "guarded",
-        pool: Any = None,
-        stream: torch.cuda.Stream | None = None,
-        capture_error_mode: str = "global",
-        fallback: str = "raise",
-        guard: str = "replay",
-        on_stale: str = "recapture",
-        modules: Sequence[torch.nn.Module] = (),
-        verify: bool | int = False,
-    ):
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ConfigError(
-                explain(
-                    f"warmup must be an int >= 0, got {warmup!r}",
-                    "it is the number of eager calls run before capture",
-                    "pass warmup=3 (the default) or more for torch.compile'd functions",
-                )
-            )
-        _choice("outputs", outputs, OUTPUT_POLICIES)
-        _choice("capture_error_mode", capture_error_mode, _capture.CAPTURE_ERROR_MODES)
-        _choice("fallback", fallback, ("raise", "eager"))
-        _choice("guard", guard, ("replay", "capture"))
-        _choice("on_stale", on_stale, ("recapture", "raise"))
-        modules = tuple(modules)
-        if not all(isinstance(m, torch.nn.Module) for m in modules):
-            raise ConfigError(
-                explain(
-                    "modules must be a sequence of torch.nn.Module",
-                    "their parameters and buffers are the tensors the graph reads by address",
-                    "pass modules=[model] (the modules fn uses that are not fn itself)",
-                )
-            )
-        if isinstance(verify, bool):
-            verify = 3 if verify else 0
-        if not isinstance(verify, int) or verify < 0:
-            raise ConfigError(
-                explain(
-                    f"verify must be a bool or an int >= 0, got {verify!r}",
-                    "it is the number of fresh random inputs a new graph is checked on",
-                    "pass verify=True (3 inputs) or verify=5",
-                )
-            )
-        if stream is not None and not isinstance(stream, torch.cuda.Stream):
-            raise ConfigError(
-                explain(
-                    f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}",
-                    "capture needs a CUDA side stream to record on",
-                    "pass stream=torch.cuda.Stream(), or leave it out",
-                )
-            )
-        if isinstance(pool, Graphed):
-            pool = pool.pool
-        if (
-            pool is not None
-            and not isinstance(pool, Pool)
-            and not (
-                isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(p, int) for p in pool)
-            )
-        ):
-            raise ConfigError(
-                explain(
-                    f"pool must be a cg.Pool, a graph pool handle or a graphed callable, got {pool!r}",
-                    "graphs that share a pool share one block of GPU memory",
-                    "pass pool=cg.Pool() (shared by every graph given it), "
-                    "pool=torch.cuda.graph_pool_handle(), or pool=other_graphed",
-                )
-            )
-        self.warmup = warmup
-        self.outputs = outputs
-        self.pool = pool
-        self.stream = stream
-        self.capture_error_mode = capture_error_mode
-        self.fallback = fallback
-        self.guard = guard
-        self.on_stale = on_stale
-        self.modules = modules
-        self.verify = verify
-
-    def replace(self, **changes: Any) -> Options:
-        """A copy with some options changed (validated again)."""
-        values = {name: getattr(self, name) for name in self.__slots__}
-        values.update(changes)
-        return Options(**values)
-
-
-def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(
-            explain(
-                f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}",
-                f"{name} selects a fixed behaviour and accepts only these names",
-                f"pass {name}={allowed[0]!r}",
-            )
-        )
 
 
 class _Mismatch(Exception):
@@ -498,7 +384,13 @@ class Graphed(Generic[R]):
             self._guard = guard if guard.count else None
         self.state = State.CAPTURED
         if options.verify:
-            verify_against_eager(self, options.verify)
+            try:
+                verify_against_eager(self, options.verify)
+            except VerificationError:
+                # Never keep a graph that differs from eager: a later call captures (and
+                # verifies) again rather than replaying this one.
+                self.state, self._graph, self._guard, self._flat = State.LAZY, None, None, False
+                raise
 
     # ------------------------------------------------------------------ the rest
 
