@@ -164,3 +164,19 @@ def test_bucket_report_counts_fast_path_calls(
     rows = [line for line in out.splitlines() if line.strip().startswith("│")]
     hits = {row.split("│")[1].strip(): row.split("│")[4].strip() for row in rows}
     assert hits == {"4": "1", "2": "2"}, out
+
+
+def test_exact_shapes_capture_per_shape_and_evict(stand_in: None) -> None:
+    g = cg.graph(lambda x: x * 2, torch.randn(2, 3), buckets="exact", max_graphs=2, outputs="clone")
+    for n in (2, 3, 2, 4):
+        x = torch.randn(n, 3)
+        torch.testing.assert_close(g(x), x * 2)
+    assert g.graphs == 2 and g.evictions == 1
+
+
+def test_shared_pool_accounts_each_capture(stand_in: None) -> None:
+    pool = cg.Pool()
+    cg.graph(lambda x: x + 1, torch.randn(2), pool=pool, outputs="alias")
+    cg.graph(lambda x: x - 1, torch.randn(2), pool=pool, outputs="alias")
+    assert pool.captures == 2
+    assert "captures=2" in repr(pool)
