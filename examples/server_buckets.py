@@ -33,4 +33,6 @@ with torch.no_grad():
         assert logits.shape == (batch.shape[0], 10)
         torch.testing.assert_close(logits, model(batch), rtol=1e-4, atol=1e-4)
     print("20 requests of random sizes served; hits per bucket:", serve.stats.hits)
-    print(f"padding waste {serve.stats.padding_waste:.1%}, overflows chunked: {serve.stats.overflows}")
+    print(
+        f"padding waste {serve.stats.padding_waste:.1%}, overflows chunked: {serve.stats.overflows}"
+    )

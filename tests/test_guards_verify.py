@@ -28,11 +28,13 @@ def test_closure_tensors_and_values_are_found() -> None:
     assert [name for name, _, _ in closure_tensors(uses_globals)] == ["global 'OFFSET'"]
 
 
-def test_modules_of_finds_the_module_the_bound_method_and_extras() -> None:
+def test_modules_of_finds_the_module_the_bound_method_extras_and_closure_modules() -> None:
     a, b = nn.Linear(2, 2), nn.Linear(2, 2)
     assert modules_of(a) == [a]
     assert modules_of(a.forward) == [a]
-    assert modules_of(lambda x: a(x), [b]) == [b]
+    assert modules_of(lambda x: x + 1, [b]) == [b]
+    assert modules_of(lambda x: a(x), [b]) == [b, a]  # a closure module counts too
+    assert modules_of(lambda x: a(x), [a]) == [a]
 
 
 def test_random_like_keeps_shape_dtype_and_range() -> None:

@@ -13,6 +13,7 @@ See :func:`graph` for the options, and the README for when graphs help and when 
 from __future__ import annotations
 
 from .api import graph
+from .autograd import GraphedAutograd, graph_autograd, graph_autograd_chain
 from .bucket_spec import BucketOverflowError, Buckets, BucketStats
 from .buckets import Bucketed
 from .doctor import Finding, Report, doctor
@@ -29,9 +30,11 @@ from .errors import (
 from .exact import ExactShapes
 from .graphed import Graphed, State
 from .ladders import powers_of_two, server_sizes
+from .optim import make_graph_safe
 from .outputs import OutputPolicy
 from .pool import Pool
 from .stats import Stats
+from .train import TrainStep, train_step
 
 __version__ = "0.1.0"
 
@@ -47,6 +50,7 @@ __all__ = [
     "ExactShapes",
     "Finding",
     "Graphed",
+    "GraphedAutograd",
     "InputMismatchError",
     "OutputPolicy",
     "Pool",
@@ -56,9 +60,14 @@ __all__ = [
     "VerificationError",
     "State",
     "Stats",
+    "TrainStep",
     "__version__",
     "doctor",
     "graph",
+    "graph_autograd",
+    "graph_autograd_chain",
+    "make_graph_safe",
     "powers_of_two",
     "server_sizes",
+    "train_step",
 ]

@@ -25,12 +25,32 @@ import torch
 
 from .errors import CaptureError, explain
 
-__all__ = ["CAPTURE_ERROR_MODES", "Recording", "capture", "classify_failure", "warm_up"]
+__all__ = [
+    "CAPTURE_ERROR_MODES",
+    "Recording",
+    "capture",
+    "classify_failure",
+    "default_stream",
+    "warm_up",
+]
 
 CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(__file__)
+
+
+_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def default_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream captures on ``device`` use: one per device, shared by every capture,
+    because graphs that share a pool should be captured on the same stream."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _streams.get(index)
+    if stream is None:
+        stream = _streams[index] = torch.cuda.Stream(device=index)
+    return stream
 
 
 def warm_up(

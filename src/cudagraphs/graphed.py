@@ -50,7 +50,6 @@ log = logging.getLogger("cudagraphs")
 R = TypeVar("R")
 
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
-_capture_streams: dict[int, torch.cuda.Stream] = {}
 _capture_lock = threading.RLock()
 
 
@@ -351,7 +350,7 @@ class Graphed(Generic[R]):
         self.pool = recording.graph.pool()
         self.inputs, self.input_kwargs = args, kwargs
 
-        output = _detach_outputs(recording.output, self.fn)
+        output = _detach_outputs(recording.output, self.fn, warn=self._warn_grad_outputs)
         emitter = make_emitter(output, options.outputs)
         self._emit = emitter
         self._invalidate = getattr(emitter, "invalidate", None)
@@ -378,10 +377,7 @@ class Graphed(Generic[R]):
         self._flat = signature.is_flat
         self._n_args = signature.spec.num_leaves
         self._device = device
-        self._guard = None
-        if options.guard == "replay":
-            guard = AddressGuard(self.fn, options.modules)
-            self._guard = guard if guard.count else None
+        self._guard = self._make_guard() if options.guard == "replay" else None
         self.state = State.CAPTURED
         if options.verify:
             try:
@@ -391,6 +387,14 @@ class Graphed(Generic[R]):
                 # verifies) again rather than replaying this one.
                 self.state, self._graph, self._guard, self._flat = State.LAZY, None, None, False
                 raise
+
+    # A training step returns its loss with grad history; a replay records none, so the
+    # detach is expected there (TrainStep turns the warning off).
+    _warn_grad_outputs = True
+
+    def _make_guard(self) -> AddressGuard | None:
+        guard = AddressGuard(self.fn, self.options.modules)
+        return guard if guard.count else None
 
     # ------------------------------------------------------------------ the rest
 
@@ -456,10 +460,10 @@ def _unset() -> Any:  # pragma: no cover - replaced at capture
     raise AssertionError("not captured")
 
 
-def _detach_outputs(output: Any, fn: Callable[..., Any]) -> Any:
+def _detach_outputs(output: Any, fn: Callable[..., Any], *, warn: bool) -> Any:
     """Detach tensor outputs once, at capture: a replay records no autograd history."""
     leaves, spec = flatten(output)
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+    if warn and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
         warnings.warn(
             f"cudagraphs: {_name(fn)} returns tensors that require grad, but a graph replay "
             "records no autograd history, so the outputs are detached. For inference wrap the "
@@ -472,14 +476,7 @@ def _detach_outputs(output: Any, fn: Callable[..., Any]) -> Any:
     )
 
 
-def _default_capture_stream(device: torch.device) -> torch.cuda.Stream:
-    # One side stream per device, shared by all captures: graphs sharing a pool should be
-    # captured on the same stream.
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _capture_streams.get(index)
-    if stream is None:
-        stream = _capture_streams[index] = torch.cuda.Stream(device=index)
-    return stream
+_default_capture_stream = _capture.default_stream  # a seam for the CPU stand-in tests
 
 
 def _name(fn: Callable[..., Any]) -> str:

@@ -63,9 +63,12 @@ def _install_hooks() -> None:
 
 
 def modules_of(fn: Callable[..., Any], extra: Iterable[nn.Module] = ()) -> list[nn.Module]:
-    """The modules whose tensors ``fn`` reads: itself, a bound method's owner, ``extra``."""
+    """The modules whose tensors ``fn`` reads: itself, a bound method's owner, ``extra``, and
+    modules ``fn``'s own code reads from its closure or globals (``model`` in a step function)."""
     found: list[nn.Module] = []
-    for candidate in (fn, getattr(fn, "__self__", None), getattr(fn, "_orig_mod", None), *extra):
+    referenced = [value for _, _, value in _referenced(fn, (nn.Module,))]
+    candidates = (fn, getattr(fn, "__self__", None), getattr(fn, "_orig_mod", None), *extra)
+    for candidate in (*candidates, *referenced):
         if isinstance(candidate, nn.Module) and all(candidate is not m for m in found):
             found.append(candidate)
     return found
@@ -83,7 +86,13 @@ def closure_tensors(
     or constant they decided at capture, so a later change must not go unnoticed. Only ``fn``'s
     own code is inspected (not the functions it calls).
     """
-    kinds = (torch.Tensor, *_FROZEN_TYPES) if values else (torch.Tensor,)
+    return _referenced(fn, (torch.Tensor, *_FROZEN_TYPES) if values else (torch.Tensor,))
+
+
+def _referenced(
+    fn: Callable[..., Any], kinds: tuple[type, ...]
+) -> list[tuple[str, Callable[[], Any], Any]]:
+    """Values of the given types that ``fn``'s own code reads from its closure or globals."""
     target = inspect.unwrap(getattr(fn, "__func__", fn))
     code = getattr(target, "__code__", None)
     if code is None:
@@ -114,11 +123,22 @@ def _short(value: Any) -> str:
 class AddressGuard:
     """Checks, before a replay, that every tensor the graph reads by address is still there."""
 
-    def __init__(self, fn: Callable[..., Any], modules: Iterable[nn.Module] = ()):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        modules: Iterable[nn.Module] = (),
+        *,
+        extra: Iterable[tuple[str, torch.Tensor]] = (),
+        watches: Iterable[Any] = (),
+    ):
+        """``extra``: more named tensors read by address (an optimizer's state); ``watches``:
+        objects with a ``stale() -> str | None`` method, asked before each replay."""
         _install_hooks()
         self.fn = fn
         self.modules = modules_of(fn, modules)
         self.closures = closure_tensors(fn, values=True)
+        self.extra = list(extra)
+        self.watches = list(watches)
         self._record()
 
     def _module_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -133,7 +153,9 @@ class AddressGuard:
 
     def _record(self) -> None:
         named = [
-            (n, t) for n, t in self._module_tensors() if t is not None and t.device.type == "cuda"
+            (n, t)
+            for n, t in self._module_tensors() + self.extra
+            if t is not None and t.device.type == "cuda"
         ]
         self.names = [n for n, _ in named]
         self.tensors = [t for _, t in named]
@@ -148,7 +170,7 @@ class AddressGuard:
     @property
     def count(self) -> int:
         """How many tensors and values this guard checks before each replay."""
-        return len(self.tensors) + len(self.closure_ids) + len(self.training)
+        return len(self.tensors) + len(self.closure_ids) + len(self.training) + len(self.watches)
 
     def stale(self) -> str | None:
         """``None`` if every guarded address is unchanged; else which tensor moved, in words."""
@@ -168,13 +190,16 @@ class AddressGuard:
         for name, get, t in self.closure_ids:
             if get() is not t:
                 return f"{name} was rebound (was {_short(t)}, now {_short(get())})"
+        for watch in self.watches:
+            if (reason := watch.stale()) is not None:
+                return reason
         for module, training in self.training:
             if module.training is not training:
                 return f"{type(module).__name__} was switched to {'train' if module.training else 'eval'} mode"
         if self.generation != _generation:
-            current = {n: t for n, t in self._module_tensors()}
+            current = dict(self._module_tensors())
             for name, t in zip(self.names, self.tensors):
-                if current.get(name) is not t:
+                if name in current and current[name] is not t:
                     return f"{name} was reassigned (module.{name.split('.')[-1]} = ...)"
             self.generation = _generation  # some other module changed; this one did not
         return None

@@ -1,0 +1,215 @@
+"""Optimizers inside a CUDA graph: a graph-safe step, and the learning rate on the device.
+
+An optimizer step can be recorded only if it never reads a value on the host: PyTorch's default
+Adam keeps its step counter on the CPU and computes the bias correction in Python, and every
+optimizer reads ``group["lr"]`` as a Python float, which a recording freezes (a scheduler would
+then change nothing, silently). The graph-safe forms:
+
+- ``fused=True`` (Adam, AdamW, SGD): one kernel per parameter group, counters on the device,
+  a tensor learning rate, and the ``grad_scale``/``found_inf`` arguments GradScaler needs;
+- ``capturable=True`` (Adam, AdamW, RMSprop, NAdam, RAdam, Adamax, ASGD, ...): counters on the
+  device, a tensor learning rate.
+
+:func:`make_graph_safe` switches an optimizer to one of these (fused where offered) and replaces
+each float learning rate by a 0-dim device tensor, which ``LRScheduler`` then updates in place
+(``fill_``), so a schedule keeps working without capturing again. :class:`OptimizerWatch` notices
+what would still go stale: a hyperparameter changed after capture, ``group["lr"] = 0.1``
+replacing the tensor, or ``load_state_dict`` replacing the state tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .errors import ConfigError, explain
+
+__all__ = ["OptimizerWatch", "make_graph_safe", "optimizer_tensors"]
+
+log = logging.getLogger("cudagraphs")
+
+
+def make_graph_safe(optimizer: torch.optim.Optimizer, *, switch: bool = True) -> list[str]:
+    """Put ``optimizer`` in a form whose ``step()`` can be captured; return what was changed.
+
+    With ``switch=False`` a configuration that is not graph-safe raises :class:`ConfigError`
+    naming the setting to pass instead.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(
+            explain(
+                f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}",
+                "the training step's optimizer state is read and written by the graph",
+                "pass optimizer=torch.optim.AdamW(model.parameters(), ...) (or a list of them)",
+            )
+        )
+    name = type(optimizer).__name__
+    # Check every group first, so that a refusal leaves the optimizer untouched.
+    plan: list[tuple[dict[str, Any], str | None, torch.device]] = []
+    for k, group in enumerate(optimizer.param_groups):
+        params = list(group["params"])
+        if not params:
+            continue
+        setting = _check_group(optimizer, k, group, params, switch)
+        devices = {p.device for p in params}
+        if len(devices) > 1 or next(iter(devices)).type != "cuda":
+            raise ConfigError(
+                explain(
+                    f"{name}.param_groups[{k}] holds parameters on {sorted(map(str, devices))}",
+                    "a CUDA graph records work on one CUDA device",
+                    "move the model to one CUDA device before creating the optimizer",
+                )
+            )
+        plan.append((group, setting, params[0].device))
+    changes: list[str] = []
+    for k, (group, setting, device) in enumerate(plan):
+        if setting is not None:
+            group[setting] = True
+            if setting == "fused":
+                group["foreach"] = False  # fused and foreach are exclusive
+                # What __init__ sets for fused=True: GradScaler then hands grad_scale and
+                # found_inf to step() instead of syncing on found_inf.
+                optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+                if hasattr(optimizer, "_need_device_dtype_check_for_fused"):
+                    optimizer._need_device_dtype_check_for_fused = True  # type: ignore[attr-defined]
+            changes.append(f"param_groups[{k}]: {setting}=True")
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+            changes.append(f"param_groups[{k}]: lr as a device tensor")
+        _move_counters(optimizer, group["params"], device)
+    if changes:
+        log.info("cudagraphs: %s made graph-safe: %s", name, "; ".join(changes))
+    return changes
+
+
+def _check_group(
+    optimizer: torch.optim.Optimizer,
+    k: int,
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    switch: bool,
+) -> str | None:
+    """The setting to switch on (``"fused"``/``"capturable"``), ``None`` if already safe."""
+    name = type(optimizer).__name__
+    if group.get("differentiable"):
+        raise ConfigError(
+            explain(
+                f"{name} was created with differentiable=True",
+                "a differentiable optimizer step builds an autograd graph through the update, "
+                "which a replay cannot extend",
+                "create the optimizer with differentiable=False for a captured training step",
+            )
+        )
+    if group.get("fused") or group.get("capturable"):
+        return None
+    setting = _graph_safe_setting(optimizer, group, params)
+    if setting is None:
+        raise ConfigError(
+            explain(
+                f"{name} has no graph-safe mode (neither capturable= nor fused=)",
+                "its step reads counters or hyperparameters on the host, which a recording "
+                "freezes at their capture-time values",
+                "use an optimizer with capturable or fused support (Adam, AdamW, SGD, RMSprop, "
+                "NAdam, RAdam, Adamax, ASGD), or graph only the forward and backward "
+                "(cg.graph_autograd) and step eagerly",
+            )
+        )
+    if not switch:
+        raise ConfigError(
+            explain(
+                f"{name}.param_groups[{k}] is neither fused nor capturable",
+                "its default step keeps the step count on the CPU and reads the learning rate "
+                "as a Python float, both frozen by a recording",
+                f"create it with {setting}=True, or leave switch_optimizer=True to let "
+                "cudagraphs switch it",
+            )
+        )
+    return setting
+
+
+# Optimizers whose fused step runs on CUDA (Adagrad's fused step is CPU-only).
+_CUDA_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _graph_safe_setting(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor]
+) -> str | None:
+    if isinstance(optimizer, _CUDA_FUSED) and all(p.is_floating_point() for p in params):
+        return "fused"
+    if "capturable" in group:
+        return "capturable"
+    return None
+
+
+def _move_counters(
+    optimizer: torch.optim.Optimizer, params: list[torch.Tensor], device: torch.device
+) -> None:
+    """State made by earlier eager steps keeps ``step`` on the CPU; graph-safe forms want it on
+    the device (a host counter would be frozen by the recording)."""
+    for p in params:
+        state = optimizer.state.get(p)
+        if not state:
+            continue
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() == 0:
+                state[key] = value.to(device=device, dtype=torch.float32)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a recorded step reads by address: parameters, state, device hyperparameters."""
+    name = type(optimizer).__name__
+    found: list[tuple[str, torch.Tensor]] = []
+    index = 0
+    for k, group in enumerate(optimizer.param_groups):
+        for key, value in group.items():
+            if key != "params" and isinstance(value, torch.Tensor):
+                found.append((f"{name}.param_groups[{k}][{key!r}]", value))
+        for p in group["params"]:
+            found.append((f"{name} parameter {index}", p))
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    found.append((f"{name}.state[parameter {index}][{key!r}]", value))
+            index += 1
+    return [(n, t) for n, t in found if t.device.type == "cuda"]
+
+
+class OptimizerWatch:
+    """Notices optimizer changes that a recorded step would silently ignore."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.optimizer = optimizer
+        self.name = type(optimizer).__name__
+        self.loads = 0
+        optimizer.register_load_state_dict_post_hook(self._loaded)
+        self._record()
+
+    def _loaded(self, _optimizer: Any) -> None:
+        self.loads += 1
+
+    def _record(self) -> None:
+        self.seen_loads = self.loads
+        self.groups = [
+            [(key, value) for key, value in group.items() if key != "params"]
+            for group in self.optimizer.param_groups
+        ]
+
+    def stale(self) -> str | None:
+        """``None`` if the recorded step still matches the optimizer; else what changed."""
+        if self.loads != self.seen_loads:
+            return f"{self.name}.load_state_dict replaced its state tensors"
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self.groups):
+            return f"{self.name} gained a parameter group (add_param_group)"
+        for k, (group, recorded) in enumerate(zip(groups, self.groups)):
+            for key, value in recorded:
+                now = group.get(key)
+                if now is value:
+                    continue
+                if isinstance(value, torch.Tensor) or isinstance(now, torch.Tensor) or now != value:
+                    return (
+                        f"{self.name}.param_groups[{k}][{key!r}] changed from {value!r} to {now!r} "
+                        "(the recording froze it; only the tensor learning rate updates in place)"
+                    )
+        return None
