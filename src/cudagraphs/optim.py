@@ -67,6 +67,9 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, *, switch: bool = True) ->
     for k, (group, setting, device) in enumerate(plan):
         if setting is not None:
             group[setting] = True
+            if "capturable" in group:
+                # Adam's step refuses to be captured unless capturable=True, fused or not.
+                group["capturable"] = True
             if setting == "fused":
                 group["foreach"] = False  # fused and foreach are exclusive
                 # What __init__ sets for fused=True: GradScaler then hands grad_scale and
@@ -102,7 +105,7 @@ def _check_group(
                 "create the optimizer with differentiable=False for a captured training step",
             )
         )
-    if group.get("fused") or group.get("capturable"):
+    if group.get("capturable") or (group.get("fused") and "capturable" not in group):
         return None
     setting = _graph_safe_setting(optimizer, group, params)
     if setting is None:
@@ -136,6 +139,8 @@ _CUDA_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 def _graph_safe_setting(
     optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list[torch.Tensor]
 ) -> str | None:
+    if group.get("fused") and "capturable" in group:
+        return "capturable"  # fused Adam still has to be told it is being captured
     if isinstance(optimizer, _CUDA_FUSED) and all(p.is_floating_point() for p in params):
         return "fused"
     if "capturable" in group:
