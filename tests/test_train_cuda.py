@@ -316,7 +316,9 @@ def test_chain_shares_one_pool_and_matches_eager_and_checks_order() -> None:
     first, second = block(), nn.Sequential(nn.Linear(128, 64), nn.Tanh()).cuda()
     ref_first, ref_second = copy.deepcopy(first), copy.deepcopy(second)
     x = torch.randn(32, 128, device="cuda")
-    g_first, g_second = cg.graph_autograd_chain([(first, (x,)), (second, (first(x).detach(),))])
+    g_first, g_second = cg.graph_autograd_chain(
+        [(first, (x,)), (second, (first(x).detach().requires_grad_(),))]
+    )
     assert g_first.graphed.pool == g_second.graphed.pool
     for _ in range(3):
         xi = torch.randn(32, 128, device="cuda")

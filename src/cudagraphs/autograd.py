@@ -247,6 +247,8 @@ class GraphedAutograd:
                 torch._foreach_copy_(dst, src)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if tuple(m.training for m in self.modules) != self._training:
+            return self._other_mode(args, kwargs)
         if self._guard is not None and (reason := self._guard.stale()) is not None:
             raise StaleGraphError(
                 explain(
@@ -256,8 +258,6 @@ class GraphedAutograd:
                     "again with cg.graph_autograd after moving the model",
                 )
             )
-        if tuple(m.training for m in self.modules) != self._training:
-            return self._other_mode(args, kwargs)
         leaves = self._check(args, kwargs)
         tensors = [leaves[i] for i in self._signature.tensor_index]
         self.forwards += 1
