@@ -144,9 +144,13 @@ def run(names: list[str], modes: tuple[str, ...], calls: int, windows: int) -> d
         steps = {mode: build(mode, spec, base, batches[0]) for mode in modes}
         # Same start, same batches: after 5 steps every mode's loss should agree with eager's
         # (bf16 and compiled kernels differ in rounding, hence the loose tolerance).
-        losses = {
-            mode: [float(step(batches[i % 4])) for i in range(5)] for mode, step in steps.items()
-        }
+        losses = {}
+        for mode, step in steps.items():
+            try:
+                losses[mode] = [float(step(batches[i % 4])) for i in range(5)]
+                torch.cuda.synchronize()
+            except Exception as failure:
+                raise RuntimeError(f"{name}: mode {mode!r} failed") from failure
         for mode, values in losses.items():
             if abs(values[-1] - losses["eager"][-1]) > 2e-2 * abs(losses["eager"][-1]) + 1e-3:
                 raise AssertionError(
