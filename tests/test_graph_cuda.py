@@ -351,3 +351,21 @@ def test_graph_coexists_with_reduce_overhead() -> None:
             expected = model(x)
             torch.testing.assert_close(compiled(x).clone(), expected, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(g(x), expected)
+
+
+def test_capture_inside_an_autocast_region_records_the_casts() -> None:
+    # With autocast's cast cache on, warm-up would cache bf16 weights and the recording would
+    # read them instead of casting: a later weight update would be silently ignored.
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)
+    ).cuda()
+    x = rand(16, 64)
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            g = cg.graph(model, x)
+            model[0].weight.mul_(2)  # in place: the graph must see it
+            out = g(x).clone()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            expected = model(x)  # a fresh region casts the updated weights
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected, **TOL[torch.bfloat16])

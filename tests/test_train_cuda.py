@@ -354,3 +354,25 @@ def test_eval_mode_is_explicit() -> None:
     model.train()
     y = model(x)
     assert (y == 0).float().mean().item() == pytest.approx(0.5, abs=0.05)  # dropout is back
+
+
+def test_graph_autograd_captured_inside_autocast_follows_weight_updates() -> None:
+    torch.manual_seed(0)
+    model = block()
+    reference = copy.deepcopy(model)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        graphed = cg.graph_autograd(model, torch.randn(32, 128, device="cuda"))
+    opt = torch.optim.SGD(graphed.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(3):
+        x = torch.randn(32, 128, device="cuda")
+        for net, o in ((graphed, opt), (reference, ref_opt)):
+            o.zero_grad()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = net(x)
+            out.float().pow(2).mean().backward()
+            o.step()
+        assert torch.isfinite(out).all()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        x = torch.randn(32, 128, device="cuda")
+        torch.testing.assert_close(graphed(x), reference(x), rtol=2e-2, atol=2e-2)

@@ -343,7 +343,7 @@ def _capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
     saved = [b.clone() for b in buffers]
     with torch.cuda.device(device), torch.enable_grad():
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), _capture.uncached_autocast():
             for _ in range(options.warmup):
                 for stage in stages:
                     stage._warm_up_once()

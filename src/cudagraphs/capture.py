@@ -31,6 +31,7 @@ __all__ = [
     "capture",
     "classify_failure",
     "default_stream",
+    "uncached_autocast",
     "warm_up",
 ]
 
@@ -53,6 +54,23 @@ def default_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+@contextlib.contextmanager
+def uncached_autocast() -> Any:
+    """Turn off autocast's weight-cast cache around warm-up and capture.
+
+    Inside an autocast region entered *around* the graphed call, warm-up fills the cache with
+    bf16/fp16 copies of the weights and the recording then reads those copies instead of casting:
+    replays would never see updated weights, and read freed memory once the region ends. With
+    the cache off the casts are recorded and run on every replay. (An autocast region inside the
+    function is unaffected: its cache lives and dies within each call.)
+    """
+    if torch.is_autocast_enabled("cuda") and torch.is_autocast_cache_enabled():
+        with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
+            yield
+    else:
+        yield
+
+
 def warm_up(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -63,7 +81,7 @@ def warm_up(
     """Run ``fn`` ``n`` times on ``stream``; return the seconds it took (synchronized)."""
     start = time.perf_counter()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), uncached_autocast():
         for _ in range(n):
             fn(*args, **kwargs)
     torch.cuda.current_stream().wait_stream(stream)
@@ -111,7 +129,7 @@ def capture(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream), uncached_autocast():
             if pool is None:
                 graph.capture_begin(capture_error_mode=capture_error_mode)
             else:
