@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from .api import graph
 from .autograd import GraphedAutograd, graph_autograd, graph_autograd_chain
+from .bench import bench
+from .bench_report import BenchReport, ModeResult
 from .bucket_spec import BucketOverflowError, Buckets, BucketStats
 from .buckets import Bucketed
 from .doctor import Finding, Report, doctor
@@ -33,12 +35,14 @@ from .ladders import powers_of_two, server_sizes
 from .optim import make_graph_safe
 from .outputs import OutputPolicy
 from .pool import Pool
+from .profile import Profile, profile
 from .stats import Stats
 from .train import TrainStep, train_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BenchReport",
     "BucketOverflowError",
     "BucketStats",
     "Bucketed",
@@ -52,8 +56,10 @@ __all__ = [
     "Graphed",
     "GraphedAutograd",
     "InputMismatchError",
+    "ModeResult",
     "OutputPolicy",
     "Pool",
+    "Profile",
     "Report",
     "StaleGraphError",
     "StaleOutputError",
@@ -62,12 +68,14 @@ __all__ = [
     "Stats",
     "TrainStep",
     "__version__",
+    "bench",
     "doctor",
     "graph",
     "graph_autograd",
     "graph_autograd_chain",
     "make_graph_safe",
     "powers_of_two",
+    "profile",
     "server_sizes",
     "train_step",
 ]

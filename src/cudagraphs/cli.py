@@ -1,9 +1,11 @@
-"""Command line: ``python -m cudagraphs demo`` and ``python -m cudagraphs doctor FILE.py:FUNC``."""
+"""Command line: ``python -m cudagraphs demo | bench FILE.py:FUNC | doctor FILE.py:FUNC``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -17,10 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = commands.add_parser(
         "demo", help="run the brief's workloads eagerly and graphed, check and time them"
     )
-    demo.add_argument(
-        "--calls", type=int, default=100, help="calls per timing window (default 100)"
-    )
-    demo.add_argument("--windows", type=int, default=5, help="timing windows (default 5)")
+    demo.add_argument("--calls", type=int, default=30, help="calls per timing window (default 30)")
+    demo.add_argument("--windows", type=int, default=3, help="timing windows (default 3)")
     doctor = commands.add_parser(
         "doctor",
         help="list what in a function would break capture or corrupt a graph",
@@ -29,9 +29,31 @@ def main(argv: list[str] | None = None) -> int:
         "Exit code 1 when a finding breaks capture or would make replays wrong.",
     )
     doctor.add_argument("target", metavar="FILE.py:FUNC")
+    bench = commands.add_parser(
+        "bench",
+        help="time a function eagerly, compiled and graphed, side by side",
+        description="FILE.py:FUNC names a function that takes no arguments and returns "
+        "(callable, args) or (callable, args, kwargs). Every mode is checked against eager, "
+        "then timed side by side; prints a table, optionally writes JSON and a PNG chart.",
+    )
+    bench.add_argument("target", metavar="FILE.py:FUNC")
+    bench.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated subset of: eager,compile,reduce-overhead,cudagraphs,"
+        "cudagraphs+compile (default: all)",
+    )
+    bench.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
+    bench.add_argument("--calls", type=int, default=50, help="calls per window (default 50)")
+    bench.add_argument("--windows", type=int, default=5, help="timing windows (default 5)")
+    bench.add_argument("--no-check", action="store_true", help="do not compare outputs with eager")
+    bench.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    bench.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
     args = parser.parse_args(argv)
     if args.command == "doctor":
         return _doctor(parser, args.target)
+    if args.command == "bench":
+        return _bench(parser, args)
     if args.command == "demo":
         if args.calls < 1 or args.windows < 1:
             parser.error("--calls and --windows must be at least 1")
@@ -42,13 +64,49 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _doctor(parser: argparse.ArgumentParser, target: str) -> int:
-    import importlib.util
-    from pathlib import Path
-
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from .doctor import doctor
+    from .bench import MODES, bench
+
+    modes = None
+    if args.modes is not None:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        unknown = [m for m in modes if m not in MODES]
+        if unknown or not modes:
+            parser.error(
+                f"--modes: unknown {unknown or args.modes!r}; choose from {','.join(MODES)}"
+            )
+    if args.calls < 1 or args.windows < 1:
+        parser.error("--calls and --windows must be at least 1")
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        parser.error(f"--plot writes a PNG; give a path ending in .png, got {str(args.plot)!r}")
+    fn, fn_args, fn_kwargs = _load_target(parser, args.target)
+    report = bench(
+        fn,
+        *fn_args,
+        modes=modes,
+        compile_mode=args.compile_mode,
+        calls=args.calls,
+        windows=args.windows,
+        check=not args.no_check,
+        name=args.target,
+        **fn_kwargs,
+    )
+    console = Console()
+    console.print(report)
+    if report.profile is not None:
+        console.print(report.profile)
+    if args.json is not None:
+        console.print(f"wrote {report.to_json(args.json)}")
+    if args.plot is not None:
+        console.print(f"wrote {report.plot(args.plot)}")
+    return 0
+
+
+def _load_target(parser: argparse.ArgumentParser, target: str) -> tuple[Any, tuple, dict]:
+    """Import FILE.py and call FUNC() for ``(callable, args[, kwargs])``."""
+    import importlib.util
 
     path, _, name = target.rpartition(":")
     if not path or not name:
@@ -66,8 +124,15 @@ def _doctor(parser: argparse.ArgumentParser, target: str) -> int:
     made = factory()
     if not isinstance(made, tuple) or len(made) not in (2, 3) or not callable(made[0]):
         parser.error(f"{name}() must return (callable, args) or (callable, args, kwargs)")
-    fn, fn_args = made[0], tuple(made[1])
-    fn_kwargs = dict(made[2]) if len(made) == 3 else {}
+    return made[0], tuple(made[1]), dict(made[2]) if len(made) == 3 else {}
+
+
+def _doctor(parser: argparse.ArgumentParser, target: str) -> int:
+    from rich.console import Console
+
+    from .doctor import doctor
+
+    fn, fn_args, fn_kwargs = _load_target(parser, target)
     report = doctor(fn, *fn_args, **fn_kwargs)
     console = Console()
     if report.findings:

@@ -1,15 +1,18 @@
-"""``python -m cudagraphs demo``: the brief's examples end to end, in one table.
+"""``python -m cudagraphs demo``: the brief's four uses, benchmarked and profiled, in one table.
 
-On a CUDA machine: the brief's MLP and a small transformer, each run eagerly, as a hand-written
-graph (copy+replay) and through ``cg.graph``; outputs are checked against eager on fresh random
-inputs, then timed side by side; then the safety net is shown (a stale output, a wrong shape).
-Without CUDA it says so and shows the pass-through: same API, same checks, eager execution.
+On a CUDA machine: the brief's MLP and a transformer (inference; eager, a hand-written graph and
+``cg.graph``), a training step (eager against ``cg.train_step``) and an RL rollout of 128 policy
+and environment steps captured whole. Each is checked, timed side by side with
+:func:`cudagraphs.bench` and profiled with :func:`cudagraphs.profile`; a summary table ends it,
+followed by the safety net (a stale output, a wrong shape). Without CUDA it says so and shows
+what still works: the pass-through, the signature checks, the benchmark and profile on the CPU.
 """
 
 from __future__ import annotations
 
+import copy
+import time
 import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,8 +21,10 @@ from rich.table import Table
 
 from . import workloads
 from .api import graph
+from .bench import bench
+from .bench_report import BenchReport
 from .errors import CudaGraphsError, CudaGraphsWarning
-from .timing import measure_side_by_side
+from .train import train_step
 
 __all__ = ["run_demo"]
 
@@ -49,72 +54,156 @@ def _safety(console: Console, model: torch.nn.Module, shape: tuple[int, ...], de
     console.print(f"  stats: {g.stats}")
 
 
-def run_demo(console: Console | None = None, *, calls: int = 100, windows: int = 5) -> int:
-    console = console or Console()
-    console.print(f"[bold]cudagraphs demo[/bold]: torch {torch.__version__}")
-    cases: list[tuple[str, Callable[[], torch.nn.Module], tuple[int, ...]]] = [
-        ("brief MLP 256-256-16", workloads.brief_mlp, (128, 256)),
-        ("4-layer transformer", workloads.transformer, (8, 64, 256)),
-    ]
-    if not torch.cuda.is_available():
-        console.print(
-            "[yellow]CUDA is not available[/yellow]: CUDA graphs need an NVIDIA GPU, so nothing "
-            "here is faster. What still works is the pass-through: cg.graph runs the function "
-            "eagerly behind the same signature checks, so code written for a GPU runs here too."
-        )
-        torch.manual_seed(0)
-        model = workloads.brief_mlp().eval()
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", CudaGraphsWarning)
-            g = graph(model, torch.randn(128, 256))
-            x = torch.randn(128, 256)
-            same = torch.equal(g(x), model(x))
-        console.print(f"  pass-through output equals eager: {same}; reason: {g.fallback_reason}")
-        _safety(console, model, (128, 256), "cpu")
-        return 0
+def _cpu_demo(console: Console, calls: int, windows: int) -> int:
+    console.print(
+        "[yellow]CUDA is not available[/yellow]: CUDA graphs need an NVIDIA GPU, so nothing "
+        "here gets faster. What still works: the pass-through (cg.graph runs the function "
+        "eagerly behind the same signature checks, so code written for a GPU runs here too), "
+        "cg.bench and cg.profile (eager only), and the safety checks."
+    )
+    torch.manual_seed(0)
+    model = workloads.brief_mlp().eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", CudaGraphsWarning)
+        g = graph(model, torch.randn(128, 256))
+        x = torch.randn(128, 256)
+        same = torch.equal(g(x), model(x))
+    console.print(f"  pass-through output equals eager: {same}; reason: {g.fallback_reason}")
+    report = bench(
+        model,
+        x,
+        modes=["eager", "cudagraphs"],
+        calls=calls,
+        windows=windows,
+        console=console,
+        name="brief MLP",
+    )
+    console.print(report)
+    console.print(f"  cg.profile says: {report.profile.recommendation if report.profile else '-'}")
+    _safety(console, model, (128, 256), "cpu")
+    return 0
 
+
+def _inference(
+    name: str, make: Any, shape: tuple[int, ...], calls: int, windows: int, console: Console
+) -> BenchReport:
+    torch.manual_seed(0)
+    model = make().cuda().eval()
+    with torch.no_grad():
+        example = torch.randn(*shape, device="cuda")
+        hand = workloads.hand_written_graph(model, example)
+    return bench(
+        model,
+        example,
+        modes=["eager", "cudagraphs"],
+        extra_modes={"hand-written graph": hand},
+        calls=calls,
+        windows=windows,
+        console=console,
+        name=f"{name} {shape}",
+    )
+
+
+def _training(calls: int, windows: int, console: Console) -> BenchReport:
+    torch.manual_seed(0)
+    eager_step, model, _, example = workloads.mlp_training_step()
+    # A second copy trained by the graph, so both modes take real steps on their own weights.
+    graphed_model = copy.deepcopy(model)
+    graphed_opt = torch.optim.Adam(graphed_model.parameters(), lr=1e-3)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        graphed_opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(graphed_model(x), y)
+        loss.backward()
+        graphed_opt.step()
+        return loss
+
+    return bench(
+        eager_step,
+        *example,
+        modes=["eager"],
+        extra_modes={"cg.train_step": train_step(step, optimizer=graphed_opt)},
+        check=False,  # two models training on their own: their losses are not the same numbers
+        no_grad=False,
+        calls=calls,
+        windows=windows,
+        console=console,
+        name="training step: MLP + Adam, batch 256",
+    )
+
+
+def _rollout(calls: int, windows: int, console: Console) -> BenchReport:
+    torch.manual_seed(0)
+    rollout, state = workloads.rl_rollout(steps=128)
+    return bench(
+        rollout,
+        state,
+        modes=["eager", "cudagraphs"],
+        check=False,  # exploration noise: each call draws new numbers, eager and graph alike
+        calls=max(calls // 5, 4),
+        windows=windows,
+        console=console,
+        name="RL rollout: 128 policy+env steps, 256 envs",
+    )
+
+
+def run_demo(console: Console | None = None, *, calls: int = 30, windows: int = 3) -> int:
+    console = console or Console()
+    started = time.perf_counter()
+    console.print(f"[bold]cudagraphs demo[/bold]: torch {torch.__version__}")
+    if not torch.cuda.is_available():
+        return _cpu_demo(console, calls, windows)
     console.print(f"GPU: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}")
-    table = Table(title="latency / throughput per call (µs, medians; lower is better)")
+    reports: list[tuple[str, str, BenchReport]] = []
+    for title, graphed, build in (
+        (
+            "brief MLP",
+            "cudagraphs",
+            lambda: _inference(
+                "brief MLP 256-256-16", workloads.brief_mlp, (128, 256), calls, windows, console
+            ),
+        ),
+        (
+            "transformer inference",
+            "cudagraphs",
+            lambda: _inference(
+                "4-layer transformer", workloads.transformer, (8, 64, 256), calls, windows, console
+            ),
+        ),
+        ("training step", "cg.train_step", lambda: _training(calls, windows, console)),
+        ("RL rollout (128 steps)", "cudagraphs", lambda: _rollout(calls, windows, console)),
+    ):
+        report = build()
+        console.print(report)
+        reports.append((title, graphed, report))
+    summary = Table(title="summary: wall time per call, synchronized (medians)")
     for column in (
         "workload",
-        "eager",
-        "hand-written graph",
-        "cg.graph",
-        "cg vs eager",
-        "cg vs hand-written",
-        "max |err|",
+        "eager µs",
+        "graphed µs",
+        "speed-up",
+        "kernel floor µs",
+        "kernels",
+        "cg.profile says",
     ):
-        table.add_column(column, justify="left" if column == "workload" else "right")
-    for name, make, shape in cases:
-        torch.manual_seed(0)
-        model = make().cuda().eval()
-        with torch.no_grad():
-            example = torch.randn(*shape, device="cuda")
-            modes: dict[str, Callable[[Any], Any]] = {
-                "eager": model,
-                "bare": workloads.hand_written_graph(model, example),
-                "cg": graph(model, example),
-            }
-            error = 0.0
-            for _ in range(3):
-                x = torch.randn(*shape, device="cuda")
-                expected = model(x)
-                got = modes["cg"](x)
-                torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-                error = max(error, (got - expected).abs().max().item())
-            inputs = [torch.randn(*shape, device="cuda") for _ in range(4)]
-            t = measure_side_by_side(modes, inputs, calls=calls, windows=windows)
-        cg_t, eager, bare = t["cg"], t["eager"], t["bare"]
-        table.add_row(
-            f"{name} {shape}",
-            f"{eager.latency_us:.0f} / {eager.throughput_us:.0f}",
-            f"{bare.latency_us:.0f} / {bare.throughput_us:.0f}",
-            f"{cg_t.latency_us:.0f} / {cg_t.throughput_us:.0f}",
-            f"{eager.latency_us / cg_t.latency_us:.1f}× / {eager.throughput_us / cg_t.throughput_us:.1f}×",
-            f"{cg_t.latency_us / bare.latency_us:.2f} / {cg_t.throughput_us / bare.throughput_us:.2f}",
-            f"{error:.1e}",
+        summary.add_column(
+            column, justify="left" if column in ("workload", "cg.profile says") else "right"
         )
-    console.print(table)
+    for title, mode, report in reports:
+        eager, fast = report["eager"], report[mode]
+        speedup = report.speedup(mode)
+        prof = report.profile
+        summary.add_row(
+            title,
+            f"{eager.wall.median:.0f}" if eager.wall else "-",
+            f"{fast.wall.median:.0f}" if fast.wall else f"failed: {fast.error}",
+            f"{speedup:.1f}×" if speedup else "-",
+            f"{prof.gpu_busy_us:.0f}" if prof else "-",
+            f"{prof.kernels_per_call:.0f}" if prof else "-",
+            prof.recommendation.split(":")[0] if prof else "-",
+        )
+    console.print(summary)
     with torch.no_grad():
         _safety(console, workloads.brief_mlp().cuda().eval(), (128, 256), "cuda")
+    console.print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return 0

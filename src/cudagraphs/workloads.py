@@ -58,3 +58,49 @@ def hand_written_graph(
         return static_y
 
     return call
+
+
+def rl_rollout(
+    n_envs: int = 256, steps: int = 128, device: str = "cuda"
+) -> tuple[Callable[[dict[str, torch.Tensor]], torch.Tensor], dict[str, torch.Tensor]]:
+    """The brief's RL use: a small policy and a toy physics environment, ``steps`` steps per
+    call, the state advanced in place. Returns ``(rollout, example_state)``."""
+    policy = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 2)).to(device).eval()
+
+    def rollout(state: dict[str, torch.Tensor]) -> torch.Tensor:
+        pos, vel = state["pos"], state["vel"]
+        total = torch.zeros(pos.shape[0], device=pos.device)
+        for _ in range(steps):
+            obs = torch.cat([pos, vel, pos * vel, torch.sin(pos)], dim=-1)
+            action = torch.tanh(policy(obs) + 0.1 * torch.randn_like(vel))  # exploration noise
+            vel.mul_(0.95).add_(0.05 * action)
+            pos.add_(vel).clamp_(-10, 10)
+            total += -(pos**2).sum(-1)
+        return total
+
+    state = {
+        "pos": torch.randn(n_envs, 2, device=device),
+        "vel": torch.zeros(n_envs, 2, device=device),
+    }
+    return rollout, state
+
+
+def mlp_training_step(
+    device: str = "cuda", batch: int = 256
+) -> tuple[Callable[..., torch.Tensor], nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, ...]]:
+    """The brief's MLP with cross-entropy and Adam: ``(step, model, optimizer, (x, y))``."""
+    model = brief_mlp().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    example = (
+        torch.randn(batch, 256, device=device),
+        torch.randint(0, 16, (batch,), device=device),
+    )
+    return step, model, opt, example
