@@ -234,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         "<details><summary>Per-workload tables</summary>",
         "",
     ]
-    md += [report.markdown() for report in reports.values()]
+    md += [cg.BenchReport.LEGEND + ".", ""]
+    md += [report.markdown(legend=False) for report in reports.values()]
     md += ["</details>", ""]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({name: r.to_dict() for name, r in reports.items()}, indent=2))

@@ -154,7 +154,7 @@ class BenchReport:
             table.add_row(*(row[i] for i in keep))
         return table
 
-    def markdown(self) -> str:
+    def markdown(self, *, legend: bool = True) -> str:
         lines = [
             f"**{self.name}** on {self.device} (torch {self.torch_version}): {self.caption()}",
             "",
@@ -162,7 +162,8 @@ class BenchReport:
             "|" + "---|" * len(self.HEADER),
         ]
         lines += ["| " + " | ".join(row) + " |" for row in self.rows()]
-        lines += ["", self.LEGEND + "."]
+        if legend:
+            lines += ["", self.LEGEND + "."]
         if self.profile is not None:
             lines += ["", f"Profile: {self.profile.recommendation}"]
         return "\n".join(lines) + "\n"

@@ -10,8 +10,8 @@ you; if it sits idle between small kernels while the CPU launches the next one, 
   issuing the work takes with an empty queue);
 - the **GPU idle fraction** (1 - busy / wall) and a **predicted speed-up**: eager wall time over
   (kernel floor + what one graph call costs on this machine, measured with a one-kernel graph);
-- optionally (``replay=True``) the **replay GPU time** of the captured graph, measured with the
-  GPU kept busy ahead of it so that launch latency is hidden: the kernels' own time in the graph.
+- optionally (``replay=True``) the **replay GPU time** of the captured graph: the span from the
+  first to the last of its kernels on the GPU, as the profiler recorded them.
 
 It ends in a recommendation in words.
 """
@@ -107,6 +107,11 @@ class Profile:
         return table
 
     def rows(self) -> list[tuple[str, str]]:
+        if self.device == "cpu":
+            return [
+                ("wall time per call", f"{self.wall_us:.1f} µs"),
+                ("CPU time per call (issuing)", f"{self.cpu_us:.1f} µs"),
+            ]
         rows = [
             ("kernels per call", f"{self.kernels_per_call:.1f}"),
             ("GPU busy per call (kernel floor)", f"{self.gpu_busy_us:.1f} µs"),
@@ -212,8 +217,9 @@ def graph_call_cost_us() -> float:
 def replay_gpu_time_us(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], rounds: int = 20
 ) -> float | None:
-    """GPU time of one replay of ``fn``'s graph, launch latency hidden; ``None`` if it cannot
-    be captured."""
+    """GPU time of one replay of ``fn``'s graph: from its first kernel's start to its last
+    kernel's end, as the profiler recorded them (gaps between the graph's kernels included,
+    the CPU's launch latency not). ``None`` if ``fn`` cannot be captured."""
     from .api import graph
     from .errors import CudaGraphsError
 
@@ -224,7 +230,32 @@ def replay_gpu_time_us(
     recording = graphed._graph
     if recording is None:
         return None
-    return gpu_time_us(recording.replay, rounds)
+    spans = replay_spans_us(recording.replay, rounds)
+    return statistics.median(spans) if spans else gpu_time_us(recording.replay, rounds)
+
+
+def replay_spans_us(launch: Callable[[], Any], rounds: int) -> list[float]:
+    """Per call of ``launch``, the span of its kernels on the GPU (µs), from the profiler."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(rounds):
+                torch.cuda.synchronize()
+                launch()
+            torch.cuda.synchronize()
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    if not kernels or len(kernels) % rounds:
+        return []  # the profiler did not see every replay's kernels: fall back to events
+    per_call = len(kernels) // rounds
+    groups = [kernels[i : i + per_call] for i in range(0, len(kernels), per_call)]
+    return [max(end for _, end in group) - group[0][0] for group in groups]
 
 
 def gpu_time_us(launch: Callable[[], Any], rounds: int = 20) -> float:
