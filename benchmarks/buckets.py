@@ -12,13 +12,12 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
+import common
 import torch
 from rich.console import Console
 from rich.progress import track
@@ -26,8 +25,6 @@ from rich.progress import track
 import cudagraphs as cg
 from cudagraphs.timing import measure_side_by_side
 from cudagraphs.workloads import brief_mlp, transformer
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def latency_sweep(calls: int, windows: int) -> dict[str, Any]:
@@ -174,18 +171,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--calls", type=int, default=30)
-    parser.add_argument("--windows", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=RESULTS / "buckets.json")
-    parser.add_argument("--plot", type=Path, default=RESULTS / "buckets.png")
-    parser.add_argument("--markdown", type=Path, default=None)
+    parser = common.parser(__doc__, "buckets", calls=30, windows=3)
+    parser.add_argument("--plot", type=Path, default=common.RESULTS / "buckets.png")
     args = parser.parse_args(argv)
     console = Console()
-    if not torch.cuda.is_available():
-        console.print("buckets.py measures CUDA graphs and needs a CUDA GPU; none is available.")
+    if not common.cuda_or_explain("buckets.py", console):
         return 0
     results = {
         "hardware": torch.cuda.get_device_name(),
@@ -193,14 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         "sweep": latency_sweep(args.calls, args.windows),
         "memory": memory(),
     }
-    text = render(results, console)
-    for path in (args.json, args.plot):
-        path.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2, default=str))
+    common.write(results, render(results, console), args, console)
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
     plot(results, args.plot)
-    if args.markdown:
-        args.markdown.write_text(text)
-    console.print(f"wrote {args.json} and {args.plot}")
+    console.print(f"wrote {args.plot}")
     return 0
 
 

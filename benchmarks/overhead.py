@@ -11,14 +11,11 @@ sync per window). Ratios are the figures to read; absolute times move between ru
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import common
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -26,8 +23,6 @@ from rich.table import Table
 import cudagraphs as cg
 from cudagraphs.timing import Timing, measure_side_by_side
 from cudagraphs.workloads import MODELS, hand_written_graph
-
-RESULTS = Path(__file__).parent / "results"
 
 
 class GraphModel:
@@ -108,15 +103,7 @@ def check_against_eager(
 def run(
     model_names: list[str], calls: int, windows: int, selected: tuple[str, ...] = MODES
 ) -> dict[str, Any]:
-    results: dict[str, Any] = {
-        "hardware": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "calls_per_window": calls,
-        "windows": windows,
-        "models": {},
-    }
+    results: dict[str, Any] = {**common.environment(calls, windows), "models": {}}
     for name in model_names:
         make, shape = MODELS[name.removesuffix("+tf32")]
         torch.manual_seed(0)
@@ -268,9 +255,7 @@ def render(results: dict[str, Any], console: Console) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.parser(__doc__, "overhead", calls=200, windows=7)
     choices = [*MODELS, "brief_mlp+tf32"]
     parser.add_argument(
         "--models",
@@ -280,14 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES)
     )
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--windows", type=int, default=7)
-    parser.add_argument("--json", type=Path, default=RESULTS / "overhead.json")
-    parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
     console = Console()
-    if not torch.cuda.is_available():
-        console.print("overhead.py measures CUDA graphs and needs a CUDA GPU; none is available.")
+    if not common.cuda_or_explain("overhead.py", console):
         return 0
     names = [n for n in args.models.split(",") if n]
     unknown = [n for n in names if n not in choices]
@@ -295,12 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--models: unknown {unknown}; choose from {choices}")
     results = run(names, args.calls, args.windows, tuple(args.modes.split(",")))
     results["guards"] = guard_cost(args.calls, args.windows)
-    md = render(results, console)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2))
-    if args.markdown:
-        args.markdown.write_text(md)
-    console.print(f"wrote {args.json}")
+    common.write(results, render(results, console), args, console)
     return 0
 
 

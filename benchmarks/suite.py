@@ -15,14 +15,12 @@ kernel durations, eager) against the graph replay's measured GPU time.
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import common
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -31,7 +29,6 @@ from torch import nn
 import cudagraphs as cg
 from cudagraphs import workloads
 
-RESULTS = Path(__file__).parent / "results"
 ALL = ("eager", "compile", "reduce-overhead", "cudagraphs", "cudagraphs+compile")
 
 
@@ -87,21 +84,9 @@ def inference(
 def training() -> tuple[Any, tuple, dict]:
     torch.manual_seed(0)
     eager_step, model, _, example = workloads.mlp_training_step()
-    twin = copy.deepcopy(model)
-    opt = torch.optim.Adam(twin.parameters(), lr=1e-3)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(twin(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return (
-        eager_step,
-        example,
-        {"extra_modes": {"cg.train_step": cg.train_step(step, optimizer=opt)}},
-    )
+    twin_step, _, twin_opt, _ = workloads.mlp_training_step(model=copy.deepcopy(model))
+    graphed = cg.train_step(twin_step, optimizer=twin_opt)
+    return eager_step, example, {"extra_modes": {"cg.train_step": graphed}}
 
 
 def rollout() -> tuple[Any, tuple, dict]:
@@ -201,21 +186,14 @@ def summary(reports: dict[str, cg.BenchReport]) -> tuple[Table, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.parser(__doc__, "suite", calls=30, windows=5)
     parser.add_argument(
         "--only", default=",".join(WORKLOADS), help="comma-separated: " + ", ".join(WORKLOADS)
     )
-    parser.add_argument("--calls", type=int, default=30)
-    parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
-    parser.add_argument("--json", type=Path, default=RESULTS / "suite.json")
-    parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
     console = Console()
-    if not torch.cuda.is_available():
-        console.print("suite.py measures CUDA graphs and needs a CUDA GPU; none is available.")
+    if not common.cuda_or_explain("suite.py", console):
         return 0
     names = [n for n in args.only.split(",") if n]
     unknown = [n for n in names if n not in WORKLOADS]
@@ -233,15 +211,13 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "<details><summary>Per-workload tables</summary>",
         "",
+        cg.BenchReport.LEGEND + ".",
+        "",
+        *[report.markdown(legend=False) for report in reports.values()],
+        "</details>",
+        "",
     ]
-    md += [cg.BenchReport.LEGEND + ".", ""]
-    md += [report.markdown(legend=False) for report in reports.values()]
-    md += ["</details>", ""]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({name: r.to_dict() for name, r in reports.items()}, indent=2))
-    if args.markdown:
-        args.markdown.write_text("\n".join(md))
-    console.print(f"wrote {args.json}")
+    common.write({n: r.to_dict() for n, r in reports.items()}, "\n".join(md), args, console)
     return 0
 
 

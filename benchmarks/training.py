@@ -24,16 +24,13 @@ synchronize per window) is the steps/s figure, latency (a synchronize per step) 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
-import json
-import platform
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import common
 import torch
 import torch.nn.functional as F
 from rich.console import Console
@@ -43,7 +40,6 @@ from torch import nn
 import cudagraphs as cg
 from cudagraphs.timing import measure_side_by_side
 
-RESULTS = Path(__file__).parent / "results"
 MODES = ("eager", "torch.compile", "reduce-overhead", "cg graph_autograd", "cg train_step")
 
 
@@ -127,15 +123,7 @@ def build(mode: str, spec: dict[str, Any], base: nn.Module, example: Any) -> Cal
 
 
 def run(names: list[str], modes: tuple[str, ...], calls: int, windows: int) -> dict[str, Any]:
-    results: dict[str, Any] = {
-        "hardware": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "calls_per_window": calls,
-        "windows": windows,
-        "workloads": {},
-    }
+    results: dict[str, Any] = {**common.environment(calls, windows), "workloads": {}}
     for name in names:
         torch.manual_seed(0)
         spec = WORKLOADS[name]()
@@ -204,19 +192,12 @@ def render(results: dict[str, Any], console: Console) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = common.parser(__doc__, "training", calls=100, windows=7)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--modes", default=",".join(MODES))
-    parser.add_argument("--calls", type=int, default=100)
-    parser.add_argument("--windows", type=int, default=7)
-    parser.add_argument("--json", type=Path, default=RESULTS / "training.json")
-    parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args(argv)
     console = Console()
-    if not torch.cuda.is_available():
-        console.print("training.py measures CUDA graphs and needs a CUDA GPU; none is available.")
+    if not common.cuda_or_explain("training.py", console):
         return 0
     names = [n for n in args.workloads.split(",") if n]
     bad = [n for n in names if n not in WORKLOADS] + [
@@ -230,12 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if "eager" not in modes:
         modes = ("eager", *modes)
     results = run(names, modes, args.calls, args.windows)
-    md = render(results, console)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2))
-    if args.markdown:
-        args.markdown.write_text(md)
-    console.print(f"wrote {args.json}")
+    common.write(results, render(results, console), args, console)
     return 0
 
 

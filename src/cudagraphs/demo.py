@@ -107,22 +107,14 @@ def _inference(
 def _training(calls: int, windows: int, console: Console) -> BenchReport:
     torch.manual_seed(0)
     eager_step, model, _, example = workloads.mlp_training_step()
-    # A second copy trained by the graph, so both modes take real steps on their own weights.
-    graphed_model = copy.deepcopy(model)
-    graphed_opt = torch.optim.Adam(graphed_model.parameters(), lr=1e-3)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        graphed_opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(graphed_model(x), y)
-        loss.backward()
-        graphed_opt.step()
-        return loss
+    # A twin trained by the graph, so both modes take real steps on their own weights.
+    twin_step, _, twin_opt, _ = workloads.mlp_training_step(model=copy.deepcopy(model))
 
     return bench(
         eager_step,
         *example,
         modes=["eager"],
-        extra_modes={"cg.train_step": train_step(step, optimizer=graphed_opt)},
+        extra_modes={"cg.train_step": train_step(twin_step, optimizer=twin_opt)},
         check=False,  # two models training on their own: their losses are not the same numbers
         no_grad=False,
         calls=calls,

@@ -86,10 +86,11 @@ def rl_rollout(
 
 
 def mlp_training_step(
-    device: str = "cuda", batch: int = 256
+    device: str = "cuda", batch: int = 256, model: nn.Module | None = None
 ) -> tuple[Callable[..., torch.Tensor], nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, ...]]:
-    """The brief's MLP with cross-entropy and Adam: ``(step, model, optimizer, (x, y))``."""
-    model = brief_mlp().to(device)
+    """The brief's MLP with cross-entropy and Adam: ``(step, model, optimizer, (x, y))``.
+    Pass ``model`` (a copy of another step's) to train a twin from the same start."""
+    model = (model if model is not None else brief_mlp()).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
