@@ -148,8 +148,10 @@ def summary(reports: dict[str, cg.BenchReport]) -> tuple[Table, list[str]]:
         "cudagraphs+compile",
         "cg+compile vs r-o",
         "kernel floor µs",
-        "replay GPU µs",
-        "floor / replay",
+        "replay busy µs",
+        "replay span µs",
+        "floor / busy",
+        "floor / span",
     ]
     table = Table(title="suite summary: speed-up over eager (median synchronized wall time)")
     for h in header:
@@ -168,7 +170,8 @@ def summary(reports: dict[str, cg.BenchReport]) -> tuple[Table, list[str]]:
             versus = f"{ratio:.2f}× faster" if ratio >= 1 else f"{1 / ratio:.2f}× slower"
         prof = report.profile
         floor = prof.gpu_busy_us if prof else None
-        replay = prof.replay_gpu_us if prof else None
+        busy = prof.replay_busy_us if prof else None
+        span = prof.replay_gpu_us if prof else None
         row = [
             name,
             f"{modes['eager'].wall.median:.0f}",
@@ -176,13 +179,19 @@ def summary(reports: dict[str, cg.BenchReport]) -> tuple[Table, list[str]]:
             speed("reduce-overhead"),
             speed("cudagraphs+compile"),
             versus,
-            f"{floor:.1f}" if floor is not None else "-",
-            f"{replay:.1f}" if replay is not None else "-",
-            f"{floor / replay:.2f}" if floor is not None and replay else "-",
+            _us(floor),
+            _us(busy),
+            _us(span),
+            f"{floor / busy:.2f}" if floor is not None and busy else "-",
+            f"{floor / span:.2f}" if floor is not None and span else "-",
         ]
         table.add_row(*row)
         md.append("| " + " | ".join(row) + " |")
     return table, md
+
+
+def _us(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main(argv: list[str] | None = None) -> int:

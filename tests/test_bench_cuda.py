@@ -21,7 +21,8 @@ def test_profile_counts_kernels_and_measures_the_replay() -> None:
         p = cg.profile(model, torch.randn(128, 256, device="cuda"), replay=True)
     assert p.kernels_per_call >= 2  # two GEMMs at least
     assert 0 < p.gpu_busy_us < p.wall_us and p.cpu_us > 0 and p.graph_call_us > 0
-    assert p.replay_gpu_us is not None and p.replay_gpu_us > 0
+    assert p.replay_gpu_us is not None and p.replay_busy_us is not None
+    assert 0 < p.replay_busy_us <= p.replay_gpu_us  # kernels' sum within the replay's span
     assert p.top_kernels and p.recommendation
 
 

@@ -46,7 +46,8 @@ class Profile:
     wall_us: float
     cpu_us: float
     graph_call_us: float  # what a one-kernel graph replay + synchronize costs here
-    replay_gpu_us: float | None = None
+    replay_gpu_us: float | None = None  # span of one replay on the GPU, first kernel to last
+    replay_busy_us: float | None = None  # the replay's kernel durations summed: floor's like
     top_kernels: list[tuple[str, float, float]] = field(default_factory=list)  # name, per call, µs
 
     @property
@@ -122,7 +123,9 @@ class Profile:
             ("predicted speed-up from a graph", f"{self.predicted_speedup:.2f}×"),
         ]
         if self.replay_gpu_us is not None:
-            rows.append(("graph replay GPU time (measured)", f"{self.replay_gpu_us:.1f} µs"))
+            rows.append(("graph replay GPU span (measured)", f"{self.replay_gpu_us:.1f} µs"))
+        if self.replay_busy_us is not None:
+            rows.append(("graph replay kernels' busy time", f"{self.replay_busy_us:.1f} µs"))
         for name, count, us in self.top_kernels[:3]:
             rows.append((f"  kernel {name[:48]}", f"{count:.0f}× {us:.1f} µs"))
         return rows
@@ -175,6 +178,7 @@ def profile(
                 kernels[event.name] += 1
                 durations[event.name] += event.time_range.elapsed_us()
     top = sorted(durations, key=lambda k: -durations[k])
+    span, busy = replay_gpu_time_us(fn, args, kwargs) if cuda and replay else (None, None)
     return Profile(
         name=name,
         device=torch.cuda.get_device_name() if cuda else "cpu",
@@ -184,7 +188,8 @@ def profile(
         wall_us=statistics.median(walls) * 1e6,
         cpu_us=statistics.median(cpus) * 1e6,
         graph_call_us=graph_call_cost_us() if cuda else 0.0,
-        replay_gpu_us=replay_gpu_time_us(fn, args, kwargs) if cuda and replay else None,
+        replay_gpu_us=span,
+        replay_busy_us=busy,
         top_kernels=[(k, kernels[k] / n, durations[k] / n) for k in top[:5]],
     )
 
@@ -216,26 +221,31 @@ def graph_call_cost_us() -> float:
 
 def replay_gpu_time_us(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], rounds: int = 20
-) -> float | None:
-    """GPU time of one replay of ``fn``'s graph: from its first kernel's start to its last
-    kernel's end, as the profiler recorded them (gaps between the graph's kernels included,
-    the CPU's launch latency not). ``None`` if ``fn`` cannot be captured."""
+) -> tuple[float | None, float | None]:
+    """One replay of ``fn``'s graph on the GPU, as the profiler recorded it: its span (first
+    kernel's start to last kernel's end, the gaps between the graph's kernels included, the
+    CPU's launch latency not) and its busy time (the kernels' durations summed, as the floor
+    is). ``(None, None)`` if ``fn`` cannot be captured."""
     from .api import graph
     from .errors import CudaGraphsError
 
     try:
         graphed = graph(fn, *args, **kwargs)
     except CudaGraphsError:
-        return None
+        return None, None
     recording = graphed._graph
     if recording is None:
-        return None
-    spans = replay_spans_us(recording.replay, rounds)
-    return statistics.median(spans) if spans else gpu_time_us(recording.replay, rounds)
+        return None, None
+    groups = _replay_kernels(recording.replay, rounds)
+    if not groups:
+        return gpu_time_us(recording.replay, rounds), None
+    spans = [max(end for _, end in g) - g[0][0] for g in groups]
+    busy = [sum(end - start for start, end in g) for g in groups]
+    return statistics.median(spans), statistics.median(busy)
 
 
-def replay_spans_us(launch: Callable[[], Any], rounds: int) -> list[float]:
-    """Per call of ``launch``, the span of its kernels on the GPU (µs), from the profiler."""
+def _replay_kernels(launch: Callable[[], Any], rounds: int) -> list[list[tuple[float, float]]]:
+    """Per call of ``launch``, its GPU activities as (start, end) in µs, from the profiler."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -254,8 +264,7 @@ def replay_spans_us(launch: Callable[[], Any], rounds: int) -> list[float]:
     if not kernels or len(kernels) % rounds:
         return []  # the profiler did not see every replay's kernels: fall back to events
     per_call = len(kernels) // rounds
-    groups = [kernels[i : i + per_call] for i in range(0, len(kernels), per_call)]
-    return [max(end for _, end in group) - group[0][0] for group in groups]
+    return [kernels[i : i + per_call] for i in range(0, len(kernels), per_call)]
 
 
 def gpu_time_us(launch: Callable[[], Any], rounds: int = 20) -> float:
