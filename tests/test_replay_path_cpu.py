@@ -180,3 +180,48 @@ def test_shared_pool_accounts_each_capture(stand_in: None) -> None:
     cg.graph(lambda x: x - 1, torch.randn(2), pool=pool, outputs="alias")
     assert pool.captures == 2
     assert "captures=2" in repr(pool)
+
+
+def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
+    stand_in: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # make_graph_safe refuses CPU parameters (it is covered on the GPU); here it records calls,
+    # so that what is checked is the train step's wiring: grads set to None before each
+    # capture, and the optimizer and the closure's module in the guard.
+    from cudagraphs import train as train_module
+
+    prepared: list[torch.optim.Optimizer] = []
+    monkeypatch.setattr(train_module, "make_graph_safe", lambda opt, switch: prepared.append(opt))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    grads_at_capture: list[bool] = []
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if len(grads_at_capture) < len(prepared):  # the call that records a new capture
+            grads_at_capture.append(all(p.grad is None for p in model.parameters()))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    graphed = cg.train_step(step, optimizer=opt, outputs="clone")
+    x = torch.randn(8, 4)
+    for p in model.parameters():  # a stale gradient that the capture must not accumulate into
+        p.grad = torch.ones_like(p)
+    graphed(x)
+    assert graphed.state is cg.State.CAPTURED and grads_at_capture == [True]
+    graphed(x)
+    assert graphed.stats.recaptures == 0
+    opt.param_groups[0]["momentum"] = 0.5  # frozen by a recording: noticed
+    graphed(x)
+    assert graphed.stats.recaptures == 1
+    opt.load_state_dict(opt.state_dict())
+    graphed(x)
+    assert graphed.stats.recaptures == 2
+    model.eval()  # the step function's closure module: its mode is guarded too
+    graphed(x)
+    assert graphed.stats.recaptures == 3
+    graphed(x)
+    assert graphed.stats.recaptures == 3 and len(prepared) == 4
+    assert grads_at_capture == [True] * 4  # every capture started from gradients set to None
