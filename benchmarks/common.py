@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from rich.console import Console
+from rich.table import Table
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -40,6 +41,35 @@ def environment(calls: int, windows: int) -> dict[str, Any]:
         "calls_per_window": calls,
         "windows": windows,
     }
+
+
+def environment_line(results: dict[str, Any], unit: str) -> str:
+    """The first line of a benchmark's markdown: where it ran and how it was timed."""
+    return (
+        f"Hardware: {results['hardware']}, torch {results['torch']}, CUDA {results['cuda']}; "
+        f"medians of {results['windows']} interleaved windows of {results['calls_per_window']} {unit}."
+    )
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> tuple[Table, list[str]]:
+    """The same rows as a rich table (the console) and as markdown lines (the reports)."""
+    rich_table = Table(title=title)
+    for i, h in enumerate(header):
+        rich_table.add_column(h, justify="left" if i == 0 else "right")
+    md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        rich_table.add_row(*row)
+        md.append("| " + " | ".join(row) + " |")
+    return rich_table, md
+
+
+def names(parser: argparse.ArgumentParser, flag: str, value: str, choices: list[str]) -> list[str]:
+    """A comma-separated option's names, or a parser error naming the unknown ones."""
+    picked = [n for n in value.split(",") if n]
+    unknown = [n for n in picked if n not in choices]
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown}; choose from {choices}")
+    return picked
 
 
 def cuda_or_explain(script: str, console: Console) -> bool:

@@ -18,7 +18,6 @@ from typing import Any
 import common
 import torch
 from rich.console import Console
-from rich.table import Table
 
 import cudagraphs as cg
 from cudagraphs.timing import Timing, measure_side_by_side
@@ -195,45 +194,34 @@ def ratios(timings: dict[str, Timing], mode: str, base: str) -> tuple[float, flo
 
 def render(results: dict[str, Any], console: Console) -> str:
     """Print a rich table per model; return the same content as markdown for reports."""
-    md = [
-        f"Hardware: {results['hardware']}, torch {results['torch']}, CUDA {results['cuda']}; "
-        f"medians of {results['windows']} interleaved windows of {results['calls_per_window']} calls.",
-        "",
+    md = [common.environment_line(results, "calls"), ""]
+    header = [
+        "mode",
+        "latency µs",
+        "throughput µs",
+        "vs bare (lat / thr)",
+        "speed-up vs eager (lat / thr)",
+        "max |err| vs eager",
     ]
     for name, data in results["models"].items():
         timings = {m: Timing(**t) for m, t in data["timings_us"].items()}
-        table = Table(title=f"{name} {tuple(data['shape'])}")
-        header = [
-            "mode",
-            "latency µs",
-            "throughput µs",
-            "vs bare (lat / thr)",
-            "speed-up vs eager (lat / thr)",
-            "max |err| vs eager",
-        ]
-        for h in header:
-            table.add_column(h, justify="right" if h != "mode" else "left")
-        md += [
-            f"**{name}** input {tuple(data['shape'])}",
-            "",
-            "| " + " | ".join(header) + " |",
-            "|" + "---|" * len(header),
-        ]
+        rows = []
         for mode, t in timings.items():
             vs_bare = ratios(timings, mode, "bare copy+replay")
             vs_eager = ratios(timings, "eager", mode)
-            row = [
-                mode,
-                f"{t.latency_us:.1f}",
-                f"{t.throughput_us:.1f}",
-                f"{vs_bare[0]:.2f}× / {vs_bare[1]:.2f}×",
-                f"{vs_eager[0]:.2f}× / {vs_eager[1]:.2f}×",
-                f"{data['max_abs_error_vs_eager'][mode]:.1e}",
-            ]
-            table.add_row(*row)
-            md.append("| " + " | ".join(row) + " |")
+            rows.append(
+                [
+                    mode,
+                    f"{t.latency_us:.1f}",
+                    f"{t.throughput_us:.1f}",
+                    f"{vs_bare[0]:.2f}× / {vs_bare[1]:.2f}×",
+                    f"{vs_eager[0]:.2f}× / {vs_eager[1]:.2f}×",
+                    f"{data['max_abs_error_vs_eager'][mode]:.1e}",
+                ]
+            )
+        table, lines = common.table(f"{name} {tuple(data['shape'])}", header, rows)
         console.print(table)
-        md.append("")
+        md += [f"**{name}** input {tuple(data['shape'])}", "", *lines, ""]
     guard = results.get("guards")
     if guard:
         lat, thr = guard["latency_us"], guard["throughput_us"]
@@ -269,10 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not common.cuda_or_explain("overhead.py", console):
         return 0
-    names = [n for n in args.models.split(",") if n]
-    unknown = [n for n in names if n not in choices]
-    if unknown:
-        parser.error(f"--models: unknown {unknown}; choose from {choices}")
+    names = common.names(parser, "--models", args.models, choices)
     results = run(names, args.calls, args.windows, tuple(args.modes.split(",")))
     results["guards"] = guard_cost(args.calls, args.windows)
     common.write(results, render(results, console), args, console)

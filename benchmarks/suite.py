@@ -153,10 +153,7 @@ def summary(reports: dict[str, cg.BenchReport]) -> tuple[Table, list[str]]:
         "floor / busy",
         "floor / span",
     ]
-    table = Table(title="suite summary: speed-up over eager (median synchronized wall time)")
-    for h in header:
-        table.add_column(h, justify="left" if h == "workload" else "right")
-    md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    rows = []
     for name, report in reports.items():
         modes = {r.mode: r for r in report.results if r.ok and r.wall is not None}
 
@@ -185,9 +182,10 @@ def summary(reports: dict[str, cg.BenchReport]) -> tuple[Table, list[str]]:
             f"{floor / busy:.2f}" if floor is not None and busy else "-",
             f"{floor / span:.2f}" if floor is not None and span else "-",
         ]
-        table.add_row(*row)
-        md.append("| " + " | ".join(row) + " |")
-    return table, md
+        rows.append(row)
+    return common.table(
+        "suite summary: speed-up over eager (median synchronized wall time)", header, rows
+    )
 
 
 def _us(value: float | None) -> str:
@@ -204,10 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not common.cuda_or_explain("suite.py", console):
         return 0
-    names = [n for n in args.only.split(",") if n]
-    unknown = [n for n in names if n not in WORKLOADS]
-    if unknown:
-        parser.error(f"--only: unknown {unknown}; choose from {list(WORKLOADS)}")
+    names = common.names(parser, "--only", args.only, list(WORKLOADS))
     reports = run(names, args.calls, args.windows, args.compile_mode, console)
     table, md_summary = summary(reports)
     console.print(table)

@@ -34,7 +34,6 @@ import common
 import torch
 import torch.nn.functional as F
 from rich.console import Console
-from rich.table import Table
 from torch import nn
 
 import cudagraphs as cg
@@ -155,28 +154,20 @@ def run(names: list[str], modes: tuple[str, ...], calls: int, windows: int) -> d
 
 
 def render(results: dict[str, Any], console: Console) -> str:
-    md = [
-        f"Hardware: {results['hardware']}, torch {results['torch']}, CUDA {results['cuda']}; "
-        f"medians of {results['windows']} interleaved windows of {results['calls_per_window']} steps.",
-        "",
+    md = [common.environment_line(results, "steps"), ""]
+    header = [
+        "mode",
+        "steps/s",
+        "throughput µs/step",
+        "latency µs/step",
+        "speed-up vs eager (thr / lat)",
+        "loss after 5 steps",
     ]
     for name, data in results["workloads"].items():
         timings = data["timings_us"]
         eager = timings["eager"]
-        header = [
-            "mode",
-            "steps/s",
-            "throughput µs/step",
-            "latency µs/step",
-            "speed-up vs eager (thr / lat)",
-            "loss after 5 steps",
-        ]
-        table = Table(title=name)
-        for h in header:
-            table.add_column(h, justify="left" if h == "mode" else "right")
-        md += [f"**{name}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        for mode, t in timings.items():
-            row = [
+        rows = [
+            [
                 mode,
                 f"{1e6 / t['throughput_us']:.0f}",
                 f"{t['throughput_us']:.1f}",
@@ -184,10 +175,11 @@ def render(results: dict[str, Any], console: Console) -> str:
                 f"{eager['throughput_us'] / t['throughput_us']:.2f}× / {eager['latency_us'] / t['latency_us']:.2f}×",
                 f"{data['loss_after_5_steps'][mode]:.4f}",
             ]
-            table.add_row(*row)
-            md.append("| " + " | ".join(row) + " |")
+            for mode, t in timings.items()
+        ]
+        table, lines = common.table(name, header, rows)
         console.print(table)
-        md.append("")
+        md += [f"**{name}**", "", *lines, ""]
     return "\n".join(md)
 
 
@@ -199,14 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not common.cuda_or_explain("training.py", console):
         return 0
-    names = [n for n in args.workloads.split(",") if n]
-    bad = [n for n in names if n not in WORKLOADS] + [
-        m for m in args.modes.split(",") if m not in MODES
-    ]
-    if bad:
-        parser.error(
-            f"unknown workloads or modes {bad}; workloads: {list(WORKLOADS)}, modes: {list(MODES)}"
-        )
+    names = common.names(parser, "--workloads", args.workloads, list(WORKLOADS))
+    common.names(parser, "--modes", args.modes, list(MODES))
     modes = tuple(args.modes.split(","))
     if "eager" not in modes:
         modes = ("eager", *modes)
