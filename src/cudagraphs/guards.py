@@ -5,8 +5,8 @@ program later points a parameter at new memory (``param.data = t``, ``model.to(.
 reassigned with ``module.buf = t``, a global tensor rebound), the replay silently computes with
 the old memory. The guard records those addresses at capture and checks them before each replay:
 
-- one C call compares the data pointers of all guarded tensors (cost measured in
-  ``benchmarks/overhead.py``; about what a single Python ``data_ptr()`` call costs);
+- one C call compares the data pointers of all guarded tensors (``addresses.AddressCheck``: a
+  few ns per tensor when its loop could be compiled; cost measured in ``benchmarks/overhead.py``);
 - a process-wide counter, bumped by module parameter/buffer registration hooks and by
   ``Module._apply`` (``.to()``, ``.cuda()``, which replace buffer objects directly), tells when
   any module had a tensor reassigned, and only then are the modules walked again;
@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .addresses import AddressCheck
 
 __all__ = ["AddressGuard", "closure_tensors", "modules_of"]
 
@@ -159,13 +161,12 @@ class AddressGuard:
         ]
         self.names = [n for n, _ in named]
         self.tensors = [t for _, t in named]
-        self.ptrs = [t.data_ptr() for t in self.tensors]
-        self.indices = list(range(len(self.tensors)))
+        self.addresses = AddressCheck(self.tensors)
+        self.ptrs = self.addresses.ptrs
         self.closure_ids = [(name, get, t) for name, get, t in self.closures]
         # train()/eval() after capture would silently keep the recorded mode (dropout, BN).
         self.training = [(m, m.training) for m in self.modules]
         self.generation = _generation
-        self._equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
     @property
     def count(self) -> int:
@@ -174,19 +175,9 @@ class AddressGuard:
 
     def stale(self) -> str | None:
         """``None`` if every guarded address is unchanged; else which tensor moved, in words."""
-        if self.tensors:
-            equal = self._equal
-            same = (
-                equal(self.tensors, self.ptrs, self.indices)
-                if equal is not None
-                else all(t.data_ptr() == p for t, p in zip(self.tensors, self.ptrs))
-            )
-            if not same:
-                for name, t, p in zip(self.names, self.tensors, self.ptrs):
-                    if t.data_ptr() != p:
-                        return (
-                            f"{name} now lives at new memory (param.data = ..., or module.to(...))"
-                        )
+        if self.tensors and not self.addresses():
+            moved = self.addresses.moved() or [0]
+            return f"{self.names[moved[0]]} now lives at new memory (param.data = ..., or module.to(...))"
         for name, get, t in self.closure_ids:
             if get() is not t:
                 return f"{name} was rebound (was {_short(t)}, now {_short(get())})"
