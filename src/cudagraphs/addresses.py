@@ -19,6 +19,7 @@ chooses where the built module is kept (default ``~/.cache/cudagraphs``).
 from __future__ import annotations
 
 import array
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -177,7 +178,7 @@ class AddressCheck:
 
         check = AddressCheck(list(model.parameters()))
         ...
-        if not check():          # one call, a few ns per tensor when compiled
+        if not check():          # one C call, about 10 ns per tensor when compiled
             recapture()
 
     Wrong: ``[p.data_ptr() for p in params] == saved`` before every replay: about 110 ns per
@@ -188,23 +189,23 @@ class AddressCheck:
         self.tensors = tuple(tensors)
         self.ptrs = [t.data_ptr() for t in self.tensors]
         module = compiled_module() if native and self.tensors else None
-        self._check: Callable[[], bool]
+        # ``unchanged`` is a C-level partial where possible: no Python frame per check.
+        self.unchanged: Callable[[], bool]
         if module is not None:
             packed = array.array("Q", self.ptrs).tobytes()
-            same, tensors_tuple = module.same, self.tensors
-            self._check = lambda: same(tensors_tuple, packed)
+            self.unchanged = functools.partial(module.same, self.tensors, packed)
             self.backend = "compiled"
         elif hasattr(torch._C, "_tensors_data_ptrs_at_indices_equal"):
             equal = torch._C._tensors_data_ptrs_at_indices_equal
-            as_list, indices = list(self.tensors), list(range(len(self.tensors)))
-            self._check = lambda: equal(as_list, self.ptrs, indices)
+            indices = list(range(len(self.tensors)))
+            self.unchanged = functools.partial(equal, list(self.tensors), self.ptrs, indices)
             self.backend = "torch helper"
         else:
-            self._check = lambda: [t.data_ptr() for t in self.tensors] == self.ptrs
+            self.unchanged = lambda: [t.data_ptr() for t in self.tensors] == self.ptrs
             self.backend = "python loop"
 
     def __call__(self) -> bool:
-        return self._check()
+        return self.unchanged()
 
     def moved(self) -> list[int]:
         """Indices of the tensors whose data pointer changed, or that no longer have one (a

@@ -148,12 +148,10 @@ class GraphedAutograd:
                     "directly",
                 )
             )
-        self._requires_grad = tuple(t.requires_grad for t in tensors)
         with torch.no_grad():
             static = list(leaves)
             for i, t in zip(self._signature.tensor_index, tensors):
                 static[i] = t.detach().clone().requires_grad_(t.requires_grad)
-        self._static_leaves = static
         self._static_inputs = [static[i] for i in self._signature.tensor_index]
         self._static_args, self._static_kwargs = optree.tree_unflatten(self._signature.spec, static)
         self._params = [p for m in self.modules for p in m.parameters() if p.requires_grad]
@@ -170,12 +168,14 @@ class GraphedAutograd:
         self._static_grad_inputs: list[torch.Tensor | None] = []
         self._order = _Order(1)
         self._index = 0
-        self._guard = AddressGuard(fn, options.modules) if options.guard == "replay" else None
+        # Train/eval is checked by __call__ itself (it routes to the eval graph), not the guard.
+        self._guard = (
+            AddressGuard(fn, options.modules, modes=False) if options.guard == "replay" else None
+        )
         self.eval_graph: Graphed[Any] | None = None
         self.pool: Any = None
         self.forwards = 0
         self._backwards = 0
-        self._static_grad_inputs_raw: list[torch.Tensor | None] = []
 
     @property
     def backwards(self) -> int:
@@ -223,9 +223,10 @@ class GraphedAutograd:
         grads = self._grads([o for o, _ in pairs], [g for _, g in pairs])
         return grads
 
-    def _finish(self) -> None:
-        """After both captures: map the recorded gradients onto Function.apply's inputs."""
-        grads = iter(self._static_grad_inputs_raw)
+    def _finish(self, recorded_grads: Sequence[torch.Tensor | None]) -> None:
+        """After both captures: map the recorded gradients (one per differentiable tensor)
+        onto Function.apply's inputs (every tensor input, then the parameters)."""
+        grads = iter(recorded_grads)
         per_input = [next(grads) if t.requires_grad else None for t in self._static_inputs]
         self._static_grad_inputs = per_input + [next(grads) for _ in self._params]
         # Static outputs keep their autograd graph alive otherwise; the recording is all we need.
@@ -341,14 +342,13 @@ def _capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
         stage._order, stage._index = order, index
     buffers = [b for s in stages for m in s.modules for b in m.buffers()]
     saved = [b.clone() for b in buffers]
+
+    def warm_up_all() -> None:
+        for stage in stages:
+            stage._warm_up_once()
+
     with torch.cuda.device(device), torch.enable_grad():
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), _capture.uncached_autocast():
-            for _ in range(options.warmup):
-                for stage in stages:
-                    stage._warm_up_once()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        _capture.warm_up(warm_up_all, (), {}, options.warmup, stream)
         with torch.no_grad():  # warm-up must not move BatchNorm statistics
             for b, s in zip(buffers, saved):
                 b.copy_(s)
@@ -359,8 +359,7 @@ def _capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
         for stage in reversed(stages):
             recording = _record(stage._run_backward, stream, pool, options)
             stage._bwd = recording.graph
-            stage._static_grad_inputs_raw = list(recording.output)
-            stage._finish()
+            stage._finish(recording.output)
     for stage in stages:
         stage.pool = pool
 

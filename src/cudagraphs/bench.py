@@ -24,6 +24,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from .bench_report import BenchReport, ModeResult, Spread
 from .errors import ConfigError, explain
 from .profile import profile as run_profile
+from .timing import sync
 from .tree import NAMESPACE
 from .verify import random_like
 
@@ -178,7 +179,7 @@ def _set_up(
     if custom is None and mode in _NEEDS_CUDA and not cuda:
         result.error = "needs CUDA"
         return result, None
-    _sync()
+    sync()
     if cuda:
         torch.cuda.empty_cache()  # a clean baseline: what this mode reserves, not what others freed
     before = torch.cuda.memory_reserved() if cuda else 0
@@ -195,7 +196,7 @@ def _set_up(
             # (reduce-overhead records on the third, cg.train_step captures on the fourth).
             for i in range(_FIRST_CALLS):
                 call(sets[i % len(sets)])
-            _sync()
+            sync()
     except Exception as failure:
         result.error = f"{type(failure).__name__}: {str(failure).splitlines()[0][:160]}"
         return result, None
@@ -269,7 +270,7 @@ def _time(
             w, c = [], []
             for i in range(calls):
                 inputs = sets[i % len(sets)]
-                _sync()
+                sync()
                 start = time.perf_counter()
                 if cuda:
                     events[i][0].record()
@@ -277,14 +278,14 @@ def _time(
                 if cuda:
                     events[i][1].record()
                 issued = time.perf_counter()
-                _sync()
+                sync()
                 w.append((time.perf_counter() - start) * 1e6)
                 c.append((issued - start) * 1e6)
-            _sync()
+            sync()
             start = time.perf_counter()
             for i in range(calls):
                 call(sets[i % len(sets)])
-            _sync()
+            sync()
             if window == 0:
                 continue
             thr[mode].append((time.perf_counter() - start) / calls * 1e6)
@@ -312,8 +313,3 @@ def _break_even(results: dict[str, ModeResult]) -> None:
         saving_s = (eager.wall.median - r.wall.median) * 1e-6
         extra_setup = max(0.0, r.setup_s - (eager.setup_s or 0.0))
         r.break_even_calls = extra_setup / saving_s if saving_s > 0 else math.inf
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

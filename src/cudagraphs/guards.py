@@ -132,9 +132,13 @@ class AddressGuard:
         *,
         extra: Iterable[tuple[str, torch.Tensor]] = (),
         watches: Iterable[Any] = (),
+        modes: bool = True,
     ):
         """``extra``: more named tensors read by address (an optimizer's state); ``watches``:
-        objects with a ``stale() -> str | None`` method, asked before each replay."""
+        objects with a ``stale() -> str | None`` method, asked before each replay; ``modes``:
+        whether a module's train/eval switch counts as stale (off for callers that route
+        calls by mode themselves)."""
+        self._modes = modes
         _install_hooks()
         self.fn = fn
         self.modules = modules_of(fn, modules)
@@ -163,9 +167,10 @@ class AddressGuard:
         self.tensors = [t for _, t in named]
         self.addresses = AddressCheck(self.tensors)
         self.ptrs = self.addresses.ptrs
+        self.unchanged = self.addresses.unchanged
         self.closure_ids = [(name, get, t) for name, get, t in self.closures]
         # train()/eval() after capture would silently keep the recorded mode (dropout, BN).
-        self.training = [(m, m.training) for m in self.modules]
+        self.training = [(m, m.training) for m in self.modules] if self._modes else []
         self.generation = _generation
 
     @property
@@ -175,7 +180,7 @@ class AddressGuard:
 
     def stale(self) -> str | None:
         """``None`` if every guarded address is unchanged; else which tensor moved, in words."""
-        if self.tensors and not self.addresses():
+        if self.tensors and not self.unchanged():
             moved = self.addresses.moved() or [0]
             return f"{self.names[moved[0]]} now lives at new memory (param.data = ..., or module.to(...))"
         for name, get, t in self.closure_ids:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from .timing import sync
+
 __all__ = ["Profile", "profile"]
 
 _graph_call_us: float | None = None  # measured once per process
@@ -150,14 +152,14 @@ def profile(
     cuda = torch.cuda.is_available()
     for _ in range(3):  # allocation, cuBLAS handles, autotuning: not what we measure
         fn(*args, **kwargs)
-    _sync()
+    sync()
     walls, cpus = [], []
     for _ in range(max(calls, 5)):
-        _sync()
+        sync()
         start = time.perf_counter()
         fn(*args, **kwargs)
         issued = time.perf_counter()
-        _sync()
+        sync()
         walls.append(time.perf_counter() - start)
         cpus.append(issued - start)
     kernels: Counter[str] = Counter()
@@ -172,7 +174,7 @@ def profile(
             with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(n):
                     fn(*args, **kwargs)
-                _sync()
+                sync()
         for event in prof.events():
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 kernels[event.name] += 1
@@ -281,8 +283,3 @@ def gpu_time_us(launch: Callable[[], Any], rounds: int = 20) -> float:
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end) * 1e3)
     return statistics.median(samples)
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()

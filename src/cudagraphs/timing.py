@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Timing", "measure", "measure_side_by_side"]
+__all__ = ["Timing", "measure", "measure_side_by_side", "sync"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,8 @@ class Timing:
     throughput_us: float
 
 
-def _sync() -> None:
+def sync() -> None:
+    """Wait for the GPU, if there is one: every timer here reads the clock after this."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
 
@@ -63,15 +64,15 @@ def measure_side_by_side(
         start = time.perf_counter()
         for i in range(calls):
             call(inputs[i % n])
-            _sync()
+            sync()
         return (time.perf_counter() - start) / calls
 
     def throughput(call: Callable[[Any], Any]) -> float:
-        _sync()
+        sync()
         start = time.perf_counter()
         for i in range(calls):
             call(inputs[i % n])
-        _sync()
+        sync()
         return (time.perf_counter() - start) / calls
 
     for call in modes.values():  # warm-up window
