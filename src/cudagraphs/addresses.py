@@ -13,7 +13,8 @@ fastest that works is used:
 3. ``python loop``: ``t.data_ptr()`` per tensor, about 110 ns per tensor.
 
 Set ``CUDAGRAPHS_NO_COMPILE=1`` to skip building (2 or 3 is used); ``CUDAGRAPHS_CACHE_DIR``
-chooses where the built module is kept (default ``~/.cache/cudagraphs``).
+chooses where the built module is kept (default ``~/.cache/cudagraphs``, else a folder in the
+temporary directory).
 """
 
 from __future__ import annotations
@@ -106,8 +107,15 @@ _failure: str | None = None
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("CUDAGRAPHS_CACHE_DIR") or Path.home() / ".cache" / "cudagraphs"
-    return Path(base)
+    chosen = os.environ.get("CUDAGRAPHS_CACHE_DIR")
+    if chosen:
+        return Path(chosen)
+    home = Path.home() / ".cache" / "cudagraphs"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        return home
+    except OSError:  # a read-only home (containers, CI sandboxes)
+        return Path(tempfile.gettempdir()) / f"cudagraphs-{os.getuid()}"
 
 
 def _build(name: str, target: Path) -> None:
