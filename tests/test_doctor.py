@@ -62,7 +62,7 @@ def test_each_construct_is_reported_at_its_line(
     assert found[0].filename.endswith("constructs.py")
     assert found[0].lineno == marked_line(kind, fn), str(report)
     assert found[0].fix
-    if kind not in ("input-mutation", "output-aliases-input", "closure-tensor"):
+    if kind not in ("input-mutation", "output-aliases-input", "closure-tensor", "autocast-cache"):
         assert report.blocking
 
 

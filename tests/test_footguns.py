@@ -171,6 +171,30 @@ def test_parameter_swapped_via_data_raises_when_asked() -> None:
 
 
 @cuda
+@pytest.mark.parametrize("how", ["set_", "storage resize"])
+def test_parameter_moved_in_place_recaptures(how: str) -> None:
+    # The Python object stays the same (no registration hook, no Module._apply): only the
+    # address comparison before the replay can see these, and it must see them in its fast path.
+    model = mlp()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(2, 8, device="cuda"))
+        assert g._guard is not None and g._guard.addresses.backend == "compiled"
+        weight = model[0].weight
+        keep = weight.detach().clone()
+        if how == "set_":
+            weight.set_(torch.randn(8, 8, device="cuda"))
+        else:
+            weight.untyped_storage().resize_(0)  # frees the block, as FSDP does between uses
+            blocker = torch.empty_like(keep)  # takes the freed block: the graph's old address
+            blocker.fill_(float("nan"))
+            weight.untyped_storage().resize_(keep.nbytes)
+            weight.copy_(keep * 3)
+        x = torch.randn(2, 8, device="cuda")
+        torch.testing.assert_close(g(x), model(x))
+    assert g.stats.recaptures == 1
+
+
+@cuda
 def test_model_to_recaptures() -> None:
     model = mlp()
     with torch.no_grad():

@@ -83,10 +83,12 @@ KINDS: dict[str, tuple[str, str, str]] = {
         "use bf16 autocast (no scaler), or a fused optimizer that takes grad_scale/found_inf",
     ),
     "autocast-cache": (
-        "wrong",
-        "{what} runs under autocast with cache_enabled=True; cast weights are cached across "
-        "calls and a graph would replay the cache from capture",
-        "use torch.autocast(..., cache_enabled=False) inside graphed functions",
+        "warning",
+        "{what} runs under autocast with cache_enabled=True; cast weights stay cached until the "
+        "outermost autocast region ends, so a hand-rolled graph captured inside a region that "
+        "encloses the call replays casts made at capture (stale weights, then freed memory). "
+        "cudagraphs turns the cache off during its own warm-up and capture",
+        "use torch.autocast(..., cache_enabled=False) where you capture by hand",
     ),
     "generator": (
         "wrong",
