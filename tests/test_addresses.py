@@ -35,6 +35,11 @@ def test_compiled_loop_builds_where_a_compiler_exists():
     assert AddressCheck(_tensors()).backend == "compiled"
 
 
+def test_nothing_to_check_always_passes():
+    check = AddressCheck([])
+    assert check() and check.moved() == [] and check.backend == ""
+
+
 def test_unchanged_tensors_pass(make):
     check = make(_tensors())
     assert check() and check.moved() == []

@@ -115,7 +115,8 @@ def _cache_dir() -> Path:
         home.mkdir(parents=True, exist_ok=True)
         return home
     except OSError:  # a read-only home (containers, CI sandboxes)
-        return Path(tempfile.gettempdir()) / f"cudagraphs-{os.getuid()}"
+        user = getattr(os, "getuid", lambda: "user")()  # no getuid on Windows
+        return Path(tempfile.gettempdir()) / f"cudagraphs-{user}"
 
 
 def _build(name: str, target: Path) -> None:
@@ -199,7 +200,10 @@ class AddressCheck:
         module = compiled_module() if native and self.tensors else None
         # ``unchanged`` is a C-level partial where possible: no Python frame per check.
         self.unchanged: Callable[[], bool]
-        if module is not None:
+        if not self.tensors:
+            self.unchanged = lambda: True
+            self.backend = ""
+        elif module is not None:
             packed = array.array("Q", self.ptrs).tobytes()
             self.unchanged = functools.partial(module.same, self.tensors, packed)
             self.backend = "compiled"

@@ -415,6 +415,7 @@ class Graphed(Generic[R]):
             static_input_bytes=self._static_input_bytes,
             recaptures=self._recaptures,
             guarded_tensors=self._guard.count if self._guard is not None else 0,
+            guard_check=self._guard.addresses.backend if self._guard is not None else "",
         )
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:

@@ -16,7 +16,9 @@ class Stats:
     graph's own buffer (``g(*g.inputs)``); ``writebacks`` counts copies of in-place mutated inputs
     back to the caller's tensors. ``pool_bytes`` is the GPU memory the capture reserved (its
     private pool, or what it added to a shared one). ``recaptures`` counts captures redone because
-    a guarded tensor moved; ``guarded_tensors`` is how many addresses are checked per replay.
+    a guarded tensor moved; ``guarded_tensors`` is how many addresses are checked per replay, and
+    ``guard_check`` how: ``"compiled"`` (a few ns per tensor), ``"torch helper"`` or
+    ``"python loop"`` (no C++ compiler found: about 10x slower), ``""`` with no tensor to check.
     """
 
     state: str
@@ -32,6 +34,7 @@ class Stats:
     static_input_bytes: int = 0
     recaptures: int = 0
     guarded_tensors: int = 0
+    guard_check: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
