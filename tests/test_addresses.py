@@ -106,7 +106,8 @@ def test_compiled_loop_rejects_bad_arguments():
 
 def _backend_in_fresh_process(**env: str) -> str:
     code = (
-        "from cudagraphs import addresses; addresses.compiled_module(); print(addresses.backend())"
+        "import torch; from cudagraphs.addresses import AddressCheck; "
+        "print(AddressCheck([torch.zeros(1)]).backend)"
     )
     result = subprocess.run(
         [sys.executable, "-c", code],

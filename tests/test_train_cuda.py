@@ -159,6 +159,19 @@ def test_bf16_autocast_step_matches_eager() -> None:
     assert_params_close(graphed_model, eager_model, rtol=1e-3)
 
 
+def scaled_fp16_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler):
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    return step
+
+
 def test_fp16_grad_scaler_with_switched_fused_adam_matches_eager() -> None:
     torch.manual_seed(0)
     eager_model = mlp()
@@ -168,21 +181,9 @@ def test_fp16_grad_scaler_with_switched_fused_adam_matches_eager() -> None:
     eager_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
     graphed_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
 
-    def make(model: nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler):
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            opt.zero_grad()
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = F.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            return loss
-
-        return step
-
-    eager_step = make(eager_model, eager_opt, eager_scaler)
+    eager_step = scaled_fp16_step(eager_model, eager_opt, eager_scaler)
     graphed_step = cg.train_step(
-        make(graphed_model, graphed_opt, graphed_scaler), optimizer=graphed_opt
+        scaled_fp16_step(graphed_model, graphed_opt, graphed_scaler), optimizer=graphed_opt
     )
     for x, y in batches(20):
         eager_step(x, y)
@@ -196,16 +197,7 @@ def test_grad_scaler_without_fused_step_is_a_capture_error_naming_the_sync() -> 
     model = mlp()
     opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)  # capturable, but has no fused form
     scaler = torch.amp.GradScaler("cuda")
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        return loss
-
+    step = scaled_fp16_step(model, opt, scaler)
     graphed = cg.train_step(step, optimizer=opt, warmup=1)
     data = batches(2)
     graphed(*data[0])

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AddressCheck", "backend", "compiled_module"]
+__all__ = ["AddressCheck", "compiled_module"]
 
 log = logging.getLogger("cudagraphs")
 
@@ -167,17 +167,8 @@ def compiled_module() -> Any:
         _module = module
     except (OSError, ImportError, subprocess.SubprocessError) as error:
         _failure = str(error)
-        log.info("cudagraphs: compiled address check unavailable (%s); using %s", error, backend())
+        log.info("cudagraphs: compiled address check unavailable (%s); using a fallback", error)
     return _module
-
-
-def backend() -> str:
-    """Which way ``AddressCheck`` compares addresses in this process."""
-    if _module is not None:
-        return "compiled"
-    if hasattr(torch._C, "_tensors_data_ptrs_at_indices_equal"):
-        return "torch helper"
-    return "python loop"
 
 
 class AddressCheck:
