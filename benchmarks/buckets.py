@@ -23,8 +23,8 @@ from rich.console import Console
 from rich.progress import track
 
 import cudagraphs as cg
-from cudagraphs.timing import measure_side_by_side
-from cudagraphs.workloads import brief_mlp, transformer
+from cudagraphs.tools.timing import measure_side_by_side
+from cudagraphs.tools.workloads import brief_mlp, transformer
 
 
 def latency_sweep(calls: int, windows: int) -> dict[str, Any]:

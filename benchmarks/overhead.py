@@ -20,9 +20,9 @@ import torch
 from rich.console import Console
 
 import cudagraphs as cg
-from cudagraphs.addresses import AddressCheck
-from cudagraphs.timing import Timing, measure_side_by_side
-from cudagraphs.workloads import MODELS, hand_written_graph
+from cudagraphs.core.addresses import AddressCheck
+from cudagraphs.tools.timing import Timing, measure_side_by_side
+from cudagraphs.tools.workloads import MODELS, hand_written_graph
 
 
 class GraphModel:

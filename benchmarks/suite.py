@@ -27,7 +27,7 @@ from rich.table import Table
 from torch import nn
 
 import cudagraphs as cg
-from cudagraphs import workloads
+from cudagraphs.tools import workloads
 
 ALL = ("eager", "compile", "reduce-overhead", "cudagraphs", "cudagraphs+compile")
 

@@ -16,7 +16,7 @@ Modes, each on its own copy of the same initial model (every mode takes real opt
 - ``cg train_step``: the whole step (forward, backward, optimizer) as one graph.
 
 Before timing, each mode's loss on the same batch is compared with eager (same start, same data).
-Timing: interleaved windows (:func:`cudagraphs.timing.measure_side_by_side`); throughput (one
+Timing: interleaved windows (:func:`cudagraphs.tools.timing.measure_side_by_side`); throughput (one
 synchronize per window) is the steps/s figure, latency (a synchronize per step) is also shown.
 
     python benchmarks/training.py [--workloads mlp_adam,transformer_lm_bf16] [--json P] [--markdown P]
@@ -37,7 +37,7 @@ from rich.console import Console
 from torch import nn
 
 import cudagraphs as cg
-from cudagraphs.timing import measure_side_by_side
+from cudagraphs.tools.timing import measure_side_by_side
 
 MODES = ("eager", "torch.compile", "reduce-overhead", "cg graph_autograd", "cg train_step")
 

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cudagraphs import addresses
-from cudagraphs.addresses import AddressCheck
+from cudagraphs.core import addresses
+from cudagraphs.core.addresses import AddressCheck
 
 
 def _tensors(n: int = 6) -> list[torch.Tensor]:
@@ -106,7 +106,7 @@ def test_compiled_loop_rejects_bad_arguments():
 
 def _backend_in_fresh_process(**env: str) -> str:
     code = (
-        "import torch; from cudagraphs.addresses import AddressCheck; "
+        "import torch; from cudagraphs.core.addresses import AddressCheck; "
         "print(AddressCheck([torch.zeros(1)]).backend)"
     )
     result = subprocess.run(

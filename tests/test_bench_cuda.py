@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 
 import cudagraphs as cg
-from cudagraphs.workloads import brief_mlp
+from cudagraphs.tools.workloads import brief_mlp
 
 pytestmark = pytest.mark.cuda
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cudagraphs as cg
-from cudagraphs.workloads import brief_mlp, transformer
+from cudagraphs.tools.workloads import brief_mlp, transformer
 
 pytestmark = pytest.mark.cuda
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudagraphs.capture import classify_failure, user_location
+from cudagraphs.core.recorder import classify_failure, user_location
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ import torch
 from doctor_cases import constructs
 
 import cudagraphs as cg
-from cudagraphs.workloads import brief_mlp, transformer
+from cudagraphs.tools.workloads import brief_mlp, transformer
 
 CASES = [
     ("item", "host-sync"),

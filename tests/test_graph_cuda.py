@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudagraphs as cg
-from cudagraphs.workloads import MODELS
+from cudagraphs.tools.workloads import MODELS
 
 pytestmark = pytest.mark.cuda
 

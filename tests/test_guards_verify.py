@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cudagraphs.guards import closure_tensors, modules_of
-from cudagraphs.verify import random_like, tolerance
+from cudagraphs.core.guards import closure_tensors, modules_of
+from cudagraphs.diagnose.verify import random_like, tolerance
 
 OFFSET = torch.ones(2)
 FLAG = True

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cudagraphs as cg
-from cudagraphs.workloads import MODELS
+from cudagraphs.tools.workloads import MODELS
 
 needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="exercises the no-CUDA path")
 

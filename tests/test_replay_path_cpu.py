@@ -18,9 +18,8 @@ import torch
 from torch import nn
 
 import cudagraphs as cg
-from cudagraphs import capture as capture_module
-from cudagraphs import graphed as graphed_module
-from cudagraphs.tree import NAMESPACE
+from cudagraphs.core import recorder as capture_module
+from cudagraphs.core.tree import NAMESPACE
 
 
 class StandInGraph:
@@ -51,10 +50,10 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
         return capture_module.Recording(StandInGraph(fn, args, kwargs, output), output, 0.0, 0)  # type: ignore[arg-type]
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(graphed_module, "_graphable", lambda t: True)
+    monkeypatch.setattr(capture_module, "graphable", lambda t: True)
     monkeypatch.setattr(cg.Pool, "handle", property(lambda self: (0, 0)))
     monkeypatch.setattr(torch.cuda, "device", lambda _: contextlib.nullcontext())
-    monkeypatch.setattr(graphed_module, "_default_capture_stream", lambda _: None)
+    monkeypatch.setattr(capture_module, "default_stream", lambda _: None)
     monkeypatch.setattr(capture_module, "warm_up", lambda fn, a, k, n, s: 0.0)
     monkeypatch.setattr(capture_module, "capture", capture)
 
@@ -188,7 +187,7 @@ def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
     # make_graph_safe refuses CPU parameters (it is covered on the GPU); here it records calls,
     # so that what is checked is the train step's wiring: grads set to None before each
     # capture, and the optimizer and the closure's module in the guard.
-    from cudagraphs import train as train_module
+    from cudagraphs.training import step as train_module
 
     prepared: list[torch.optim.Optimizer] = []
     monkeypatch.setattr(train_module, "make_graph_safe", lambda opt, switch: prepared.append(opt))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudagraphs as cg
-from cudagraphs.tree import Signature, leaf_paths, same_value
+from cudagraphs.core.tree import Signature, flatten, leaf_paths, same_value
 
 
 def sig(*args: object, **kwargs: object) -> Signature:
@@ -95,5 +95,5 @@ def test_same_value_handles_objects_without_plain_equality() -> None:
 
 
 def test_leaf_paths_with_custom_root() -> None:
-    _, spec = cg.tree.flatten({"a": [1, 2]})
+    _, spec = flatten({"a": [1, 2]})
     assert leaf_paths(spec, root="out") == ["out['a'][0]", "out['a'][1]"]

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import cudagraphs as cg
-from cudagraphs.autograd import _Order
-from cudagraphs.guards import modules_of
-from cudagraphs.optim import OptimizerWatch, make_graph_safe
+from cudagraphs.core.guards import modules_of
+from cudagraphs.training.autograd import _Order
+from cudagraphs.training.optimizers import OptimizerWatch, make_graph_safe
 
 
 def mlp() -> nn.Module:
@@ -65,7 +65,7 @@ def test_train_step_decorator_form_and_repr() -> None:
         return loss
 
     assert isinstance(step, cg.TrainStep)
-    assert "SGD" in repr(step) and step.eager_steps_left == 2
+    assert "SGD" in repr(step) and step.eager_warmups_left == 2
 
 
 @pytest.mark.parametrize(

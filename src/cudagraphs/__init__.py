@@ -12,13 +12,13 @@ See :func:`graph` for the options, and the README for when graphs help and when 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .api import graph
-from .autograd import GraphedAutograd, graph_autograd, graph_autograd_chain
-from .bench import bench
-from .bench_report import BenchReport, ModeResult
-from .bucket_spec import BucketOverflowError, Buckets, BucketStats
-from .buckets import Bucketed
-from .doctor import Finding, Report, doctor
+from .core.graphed import Graphed, State
+from .core.pool import Pool
+from .core.stats import Stats
+from .diagnose.doctor import Finding, Report, doctor
 from .errors import (
     CaptureError,
     ConfigError,
@@ -27,17 +27,43 @@ from .errors import (
     InputMismatchError,
     StaleGraphError,
     StaleOutputError,
+    StateWriteError,
     VerificationError,
 )
-from .exact import ExactShapes
-from .graphed import Graphed, State
-from .ladders import powers_of_two, server_sizes
-from .optim import make_graph_safe
-from .outputs import OutputPolicy
-from .pool import Pool
-from .profile import Profile, profile
-from .stats import Stats
-from .train import TrainStep, train_step
+from .options import OutputPolicy
+from .shapes.bucketed import Bucketed
+from .shapes.exact import ExactShapes
+from .shapes.ladders import powers_of_two, server_sizes
+from .shapes.spec import BucketOverflowError, Buckets, BucketStats
+from .training.autograd import GraphedAutograd, graph_autograd, graph_autograd_chain
+from .training.optimizers import make_graph_safe
+from .training.step import TrainStep, train_step
+
+if TYPE_CHECKING:
+    from .tools.bench import bench
+    from .tools.profile import Profile, profile
+    from .tools.report import BenchReport, ModeResult
+
+# The tools (bench, profile and their reports, which pull in rich) load on first use.
+_LAZY = {
+    "bench": ("tools.bench", "bench"),
+    "BenchReport": ("tools.report", "BenchReport"),
+    "ModeResult": ("tools.report", "ModeResult"),
+    "Profile": ("tools.profile", "Profile"),
+    "profile": ("tools.profile", "profile"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attribute)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'cudagraphs' has no attribute {name!r}")
+
 
 __version__ = "0.1.0"
 
@@ -63,6 +89,7 @@ __all__ = [
     "Report",
     "StaleGraphError",
     "StaleOutputError",
+    "StateWriteError",
     "VerificationError",
     "State",
     "Stats",

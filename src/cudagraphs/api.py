@@ -3,101 +3,29 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, overload
+from typing import Any
 
-import torch
-
-from .bucket_spec import Buckets
-from .buckets import Bucketed
+from .core.graphed import Graphed, install_diagnostics
+from .diagnose.hooks import LibraryDiagnostics
 from .errors import ConfigError, explain
-from .exact import ExactShapes
-from .graphed import Graphed
-from .options import Options
-from .outputs import OutputPolicy
+from .options import Options, split_options
+from .shapes.bucketed import Bucketed
+from .shapes.exact import ExactShapes
+from .shapes.spec import Buckets
 
 __all__ = ["graph"]
 
-R = TypeVar("R")
-
-
-@overload
-def graph(
-    fn: Callable[..., R],
-    /,
-    *example_args: Any,
-    warmup: int = 3,
-    outputs: OutputPolicy = "guarded",
-    pool: Any = None,
-    stream: torch.cuda.Stream | None = None,
-    capture_error_mode: str = "global",
-    fallback: str = "raise",
-    guard: str = "replay",
-    on_stale: str = "recapture",
-    modules: Sequence[torch.nn.Module] = (),
-    verify: bool | int = False,
-    buckets: None = None,
-    **example_kwargs: Any,
-) -> Graphed[R]: ...
-
-
-@overload
-def graph(
-    fn: Callable[..., R],
-    /,
-    *example_args: Any,
-    warmup: int = 3,
-    outputs: OutputPolicy = "guarded",
-    pool: Any = None,
-    stream: torch.cuda.Stream | None = None,
-    capture_error_mode: str = "global",
-    fallback: str = "raise",
-    guard: str = "replay",
-    on_stale: str = "recapture",
-    modules: Sequence[torch.nn.Module] = (),
-    verify: bool | int = False,
-    buckets: Buckets | Mapping[str, Sequence[int]] | str,
-    max_graphs: int = 8,
-    **example_kwargs: Any,
-) -> Bucketed | ExactShapes | LazyBucketed: ...
-
-
-@overload
-def graph(
-    fn: None = None,
-    /,
-    *,
-    warmup: int = 3,
-    outputs: OutputPolicy = "guarded",
-    pool: Any = None,
-    stream: torch.cuda.Stream | None = None,
-    capture_error_mode: str = "global",
-    fallback: str = "raise",
-    guard: str = "replay",
-    on_stale: str = "recapture",
-    modules: Sequence[torch.nn.Module] = (),
-    verify: bool | int = False,
-    buckets: Any = None,
-    max_graphs: int = 8,
-) -> Callable[[Callable[..., R]], Any]: ...
+# The core never imports the diagnostics; this layer hands them to it.
+install_diagnostics(LibraryDiagnostics())
 
 
 def graph(
     fn: Callable[..., Any] | None = None,
     /,
     *example_args: Any,
-    warmup: int = 3,
-    outputs: OutputPolicy = "guarded",
-    pool: Any = None,
-    stream: torch.cuda.Stream | None = None,
-    capture_error_mode: str = "global",
-    fallback: str = "raise",
-    guard: str = "replay",
-    on_stale: str = "recapture",
-    modules: Sequence[torch.nn.Module] = (),
-    verify: bool | int = False,
-    buckets: Any = None,
+    buckets: Buckets | Mapping[str, Sequence[int]] | str | None = None,
     max_graphs: int = 8,
-    **example_kwargs: Any,
+    **options_and_example_kwargs: Any,
 ) -> Any:
     """Capture ``fn`` into a CUDA graph and return a callable that replays it.
 
@@ -137,8 +65,13 @@ def graph(
         fn: the callable to capture.
         *example_args, **example_kwargs: example inputs: pytrees (tuples, lists, dicts,
             namedtuples, dataclasses) of tensors and plain values. Keywords named like an
-            option below cannot be passed this way; capture lazily and call instead.
-        warmup: eager calls on a side stream before capture (allocator, cuBLAS, autotuning).
+            option below cannot be passed this way; capture lazily and call instead. A keyword
+            close to an option's name that ``fn`` does not take (``warmpu=3``) raises
+            :class:`ConfigError`.
+        warmup: eager runs on a side stream before capture (allocator, cuBLAS, autotuning).
+            With examples they run on clones of the examples and what they write is put back;
+            without, the first ``warmup`` calls are your real calls, run eagerly and answered
+            eagerly, and the next call captures and is answered by its own replay.
         outputs: ``"guarded"`` (default: aliases that raise once a later replay overwrote
             them), ``"alias"`` (the raw static outputs) or ``"clone"`` (fresh tensors).
         pool: share memory with other graphs: ``torch.cuda.graph_pool_handle()`` or another
@@ -159,7 +92,14 @@ def graph(
             keep the graph valid.
         modules: modules ``fn`` uses that are not ``fn`` itself or its bound ``self``.
         verify: after capture, compare replays with eager on this many fresh random inputs
-            (``True``: 3); a difference raises :class:`VerificationError` naming the output.
+            (``True``: 3), each from the same state (module buffers, caches and RNG are put
+            back between runs); a difference raises :class:`VerificationError` naming the
+            output.
+        side_effects: what happens to state outside the inputs (module buffers, a KV cache,
+            closure tensors, RNG states) that the library's own runs write (warm-up on the
+            examples, bucket probes, verification): ``"restore"`` (default: put back to the
+            exact bytes, so N calls of yours are N executions), ``"keep"`` (warm-up counts, as
+            in older versions) or ``"raise"`` (:class:`StateWriteError`, after putting it back).
         buckets: capture one graph per bucket of input sizes (:class:`cudagraphs.Buckets`, or
             the shorthand ``{"B": [1, 2, 4, 8]}`` for dimension 0 of every tensor input), or
             ``"exact"``: one graph per exact shape seen, at most ``max_graphs``, LRU evicted.
@@ -175,18 +115,8 @@ def graph(
     In-place mutation of an input (``x.add_(1)``) is supported: the replay mutates the graph's
     buffer and copies the result back into the tensor the caller passed, as eager would.
     """
-    options = Options(
-        warmup=warmup,
-        outputs=outputs,
-        pool=pool,
-        stream=stream,
-        capture_error_mode=capture_error_mode,
-        fallback=fallback,
-        guard=guard,
-        on_stale=on_stale,
-        modules=modules,
-        verify=verify,
-    )
+    options_kwargs, example_kwargs = split_options(fn, options_and_example_kwargs)
+    options = Options(**options_kwargs)
     if fn is None:
         if example_args or example_kwargs:
             raise ConfigError(
@@ -196,21 +126,7 @@ def graph(
                     "call cg.graph(fn, *examples), or use @cg.graph(...) as a decorator",
                 )
             )
-        return lambda f: graph(
-            f,
-            warmup=warmup,
-            outputs=outputs,
-            pool=pool,
-            stream=stream,
-            capture_error_mode=capture_error_mode,
-            fallback=fallback,
-            guard=guard,
-            on_stale=on_stale,
-            modules=modules,
-            verify=verify,
-            buckets=buckets,
-            max_graphs=max_graphs,
-        )
+        return lambda f: graph(f, buckets=buckets, max_graphs=max_graphs, **options_kwargs)
     if not callable(fn):
         raise ConfigError(
             explain(
@@ -225,7 +141,7 @@ def graph(
         return LazyBucketed(fn, options, buckets, max_graphs)
     graphed: Graphed[Any] = Graphed(fn, options)
     if example_args or example_kwargs:
-        graphed._initialize(example_args, example_kwargs)
+        graphed.initialize(example_args, example_kwargs)
     return graphed
 
 

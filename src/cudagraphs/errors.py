@@ -17,6 +17,7 @@ __all__ = [
     "InputMismatchError",
     "StaleGraphError",
     "StaleOutputError",
+    "StateWriteError",
     "VerificationError",
     "explain",
 ]
@@ -77,6 +78,18 @@ class StaleGraphError(CudaGraphsError):
     recording would keep reading the old memory. The default, ``on_stale="recapture"``, captures
     again instead.
     """
+
+
+class StateWriteError(CudaGraphsError):
+    """``side_effects="raise"``: a run the library made on its own account (warm-up, a bucket
+    probe) wrote state outside the call's inputs: module buffers, a cache, closure tensors.
+
+    ``names`` lists what was written. The state was put back before this was raised.
+    """
+
+    def __init__(self, message: str, *, names: list[str] | None = None):
+        super().__init__(message)
+        self.names = names or []
 
 
 class VerificationError(CudaGraphsError):

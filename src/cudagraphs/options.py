@@ -1,50 +1,61 @@
-"""The validated options of ``cg.graph``, shared by plain, bucketed and exact-shape graphs."""
+"""Every option of ``cg.graph`` (and of the entry points built on it), declared once.
+
+:class:`Options` is a frozen dataclass: its fields are the option names, their defaults and
+their types, and ``__post_init__`` validates them all in one place. :class:`OptionKwargs` is the
+same list for keyword typing (``**options: Unpack[OptionKwargs]``), and :func:`split_options`
+separates options from a function's own keyword arguments, refusing near-misses such as
+``warmpu=3`` that would otherwise be frozen silently as an example argument.
+
+This module sits below the core: it imports nothing of the library but its errors.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import dataclasses
+import difflib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypedDict
 
 import torch
 
-from . import capture as _capture
 from .errors import ConfigError, explain
-from .outputs import OUTPUT_POLICIES
-from .pool import Pool
 
-__all__ = ["Options"]
+__all__ = [
+    "CAPTURE_ERROR_MODES",
+    "OUTPUT_POLICIES",
+    "SIDE_EFFECTS",
+    "OptionKwargs",
+    "Options",
+    "OutputPolicy",
+    "split_options",
+]
+
+OutputPolicy = Literal["guarded", "alias", "clone"]
+OUTPUT_POLICIES: tuple[str, ...] = ("alias", "guarded", "clone")
+CAPTURE_ERROR_MODES: tuple[str, ...] = ("global", "thread_local", "relaxed")
+#: What happens to state (tensors outside the inputs) that the library's own runs write.
+SIDE_EFFECTS: tuple[str, ...] = ("restore", "keep", "raise")
 
 
+@dataclasses.dataclass(frozen=True)
 class Options:
     """The validated options of ``cg.graph``; see :func:`cudagraphs.graph` for their meaning."""
 
-    __slots__ = (
-        "capture_error_mode",
-        "fallback",
-        "guard",
-        "modules",
-        "on_stale",
-        "outputs",
-        "pool",
-        "stream",
-        "verify",
-        "warmup",
-    )
+    warmup: int = 3
+    outputs: str = "guarded"
+    pool: Any = None
+    stream: Any = None
+    capture_error_mode: str = "global"
+    fallback: str = "raise"
+    guard: str = "replay"
+    on_stale: str = "recapture"
+    modules: Sequence[torch.nn.Module] = ()
+    verify: int = 0
+    side_effects: str = "restore"
 
-    def __init__(
-        self,
-        *,
-        warmup: int = 3,
-        outputs: str = "guarded",
-        pool: Any = None,
-        stream: torch.cuda.Stream | None = None,
-        capture_error_mode: str = "global",
-        fallback: str = "raise",
-        guard: str = "replay",
-        on_stale: str = "recapture",
-        modules: Sequence[torch.nn.Module] = (),
-        verify: bool | int = False,
-    ):
+    def __post_init__(self) -> None:
+        warmup = self.warmup
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ConfigError(
                 explain(
@@ -53,12 +64,13 @@ class Options:
                     "pass warmup=3 (the default) or more for torch.compile'd functions",
                 )
             )
-        _choice("outputs", outputs, OUTPUT_POLICIES)
-        _choice("capture_error_mode", capture_error_mode, _capture.CAPTURE_ERROR_MODES)
-        _choice("fallback", fallback, ("raise", "eager"))
-        _choice("guard", guard, ("replay", "capture"))
-        _choice("on_stale", on_stale, ("recapture", "raise"))
-        modules = tuple(modules)
+        _choice("outputs", self.outputs, OUTPUT_POLICIES)
+        _choice("capture_error_mode", self.capture_error_mode, CAPTURE_ERROR_MODES)
+        _choice("fallback", self.fallback, ("raise", "eager"))
+        _choice("guard", self.guard, ("replay", "capture"))
+        _choice("on_stale", self.on_stale, ("recapture", "raise"))
+        _choice("side_effects", self.side_effects, SIDE_EFFECTS)
+        modules = tuple(self.modules)
         if not all(isinstance(m, torch.nn.Module) for m in modules):
             raise ConfigError(
                 explain(
@@ -67,6 +79,8 @@ class Options:
                     "pass modules=[model] (the modules fn uses that are not fn itself)",
                 )
             )
+        object.__setattr__(self, "modules", modules)
+        verify = self.verify
         if isinstance(verify, bool):
             verify = 3 if verify else 0
         if not isinstance(verify, int) or verify < 0:
@@ -77,54 +91,130 @@ class Options:
                     "pass verify=True (3 inputs) or verify=5",
                 )
             )
-        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        object.__setattr__(self, "verify", verify)
+        if self.stream is not None and not isinstance(self.stream, torch.cuda.Stream):
             raise ConfigError(
                 explain(
-                    f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}",
+                    f"stream must be a torch.cuda.Stream or None, got {type(self.stream).__name__}",
                     "capture needs a CUDA side stream to record on",
                     "pass stream=torch.cuda.Stream(), or leave it out",
                 )
             )
-        pool = getattr(pool, "pool", pool)  # a graphed callable: share its pool
-        if (
-            pool is not None
-            and not isinstance(pool, Pool)
-            and not (
-                isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(p, int) for p in pool)
-            )
-        ):
-            raise ConfigError(
-                explain(
-                    f"pool must be a cg.Pool, a graph pool handle or a graphed callable, got {pool!r}",
-                    "graphs that share a pool share one block of GPU memory",
-                    "pass pool=cg.Pool() (shared by every graph given it), "
-                    "pool=torch.cuda.graph_pool_handle(), or pool=other_graphed",
-                )
-            )
-        self.warmup = warmup
-        self.outputs = outputs
-        self.pool = pool
-        self.stream = stream
-        self.capture_error_mode = capture_error_mode
-        self.fallback = fallback
-        self.guard = guard
-        self.on_stale = on_stale
-        self.modules = modules
-        self.verify = verify
+        object.__setattr__(self, "pool", _pool(self.pool))
 
     def replace(self, **changes: Any) -> Options:
         """A copy with some options changed (validated again)."""
-        values = {name: getattr(self, name) for name in self.__slots__}
-        values.update(changes)
-        return Options(**values)
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_kwargs(
+        cls, kwargs: dict[str, Any], *, entry: str, allowed: Sequence[str] | None = None
+    ) -> Options:
+        """Options from keyword arguments that must all be options (``allowed``: a subset)."""
+        names = tuple(allowed) if allowed is not None else OPTION_NAMES
+        for key in kwargs:
+            if key not in names:
+                close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+                hint = f"did you mean {close[0]}=? " if close else ""
+                raise ConfigError(
+                    explain(
+                        f"{entry} got an unknown option {key}={kwargs[key]!r}",
+                        f"{entry} accepts only its own options: {', '.join(names)}",
+                        f"{hint}remove or respell it",
+                    )
+                )
+        return cls(**kwargs)
+
+
+class OptionKwargs(TypedDict, total=False):
+    """The options of :class:`Options` as keyword arguments, for ``Unpack`` typing."""
+
+    warmup: int
+    outputs: OutputPolicy
+    pool: Any
+    stream: torch.cuda.Stream | None
+    capture_error_mode: Literal["global", "thread_local", "relaxed"]
+    fallback: Literal["raise", "eager"]
+    guard: Literal["replay", "capture"]
+    on_stale: Literal["recapture", "raise"]
+    modules: Sequence[torch.nn.Module]
+    verify: bool | int
+    side_effects: Literal["restore", "keep", "raise"]
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Options))
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Options)}
+
+
+def split_options(
+    fn: Callable[..., Any] | None, kwargs: dict[str, Any], *, extra: Sequence[str] = ()
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(options, example_kwargs)`` from one keyword dict.
+
+    A keyword that is not an option, that ``fn`` does not accept, and that is close to an option
+    name is a typo (``warmpu=3``, ``output="clone"``): raise :class:`ConfigError` naming the
+    option, instead of freezing it as an example argument the first call then trips over.
+    """
+    names = (*OPTION_NAMES, *extra)
+    options = {k: v for k, v in kwargs.items() if k in names}
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    for key in rest:
+        close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
+        if close and not _accepts(fn, key):
+            raise ConfigError(
+                explain(
+                    f"unknown keyword argument {key}={rest[key]!r}: did you mean {close[0]}=?",
+                    f"{key!r} is not an option, and "
+                    + (f"{_label(fn)} does not take it" if fn is not None else "no function does"),
+                    f"spell it {close[0]}=...; options are {', '.join(names)}",
+                )
+            )
+    return options, rest
+
+
+def _accepts(fn: Callable[..., Any] | None, key: str) -> bool:
+    if fn is None:
+        return False
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return True  # cannot tell (a C function): let it through as an example argument
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == key and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+        for p in parameters
+    )
+
+
+def _label(fn: Any) -> str:
+    return f"{getattr(fn, '__qualname__', None) or type(fn).__name__}()"
+
+
+def _pool(pool: Any) -> Any:
+    """A pool handle, a shared pool object (anything with ``handle``), or a graphed callable's."""
+    if pool is None or hasattr(type(pool), "handle"):  # a cg.Pool (its handle is made lazily)
+        return pool
+    if isinstance(pool, tuple) and len(pool) == 2 and all(isinstance(p, int) for p in pool):
+        return pool
+    if hasattr(pool, "pool"):  # a graphed callable: share its pool (None until captured)
+        return _pool(pool.pool)
+    raise ConfigError(
+        explain(
+            f"pool must be a cg.Pool, a graph pool handle or a graphed callable, got {pool!r}",
+            "graphs that share a pool share one block of GPU memory",
+            "pass pool=cg.Pool() (shared by every graph given it), "
+            "pool=torch.cuda.graph_pool_handle(), or pool=other_graphed",
+        )
+    )
 
 
 def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
+        default = _DEFAULTS[name]
         raise ConfigError(
             explain(
                 f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}",
                 f"{name} selects a fixed behaviour and accepts only these names",
-                f"pass {name}={allowed[0]!r}",
+                f"pass {name}={default!r} (the default), or leave it out",
             )
         )

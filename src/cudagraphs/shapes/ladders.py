@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .errors import ConfigError, explain
+from ..errors import ConfigError, explain
 
 __all__ = ["lookup_table", "powers_of_two", "server_sizes", "validate_ladder"]
 

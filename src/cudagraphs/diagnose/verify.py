@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 
-from .errors import VerificationError, explain
-from .tree import NAMESPACE, leaf_paths
+from ..core.tree import NAMESPACE, leaf_paths
+from ..errors import VerificationError, explain
 
 if TYPE_CHECKING:
-    from .graphed import Graphed
+    from ..core.graphed import Graphed
 
 __all__ = ["random_like", "tolerance", "verify_against_eager"]
 

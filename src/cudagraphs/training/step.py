@@ -14,20 +14,36 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import optree
 import torch
 
-from .errors import ConfigError, explain
-from .graphed import Graphed, _default_capture_stream, _name
-from .guards import AddressGuard
-from .optim import OptimizerWatch, make_graph_safe, optimizer_tensors
-from .options import Options
-from .outputs import OutputPolicy
-from .tree import NAMESPACE
+from ..core.frames import callable_name
+from ..core.graphed import Graphed
+from ..core.guards import AddressGuard
+from ..errors import ConfigError, explain
 
-__all__ = ["TrainStep", "train_step"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+from ..core.tree import NAMESPACE
+from ..options import OptionKwargs, Options
+from .optimizers import OptimizerWatch, make_graph_safe, optimizer_tensors
+
+__all__ = ["TRAIN_STEP_OPTIONS", "TrainStep", "train_step"]
+
+#: The options of ``cg.graph`` that a training step takes (it never falls back, verifies or
+#: guards without replay: each of those would run or skip real optimizer steps).
+TRAIN_STEP_OPTIONS = (
+    "warmup",
+    "outputs",
+    "pool",
+    "stream",
+    "capture_error_mode",
+    "on_stale",
+    "modules",
+)
 
 log = logging.getLogger("cudagraphs")
 R = TypeVar("R")
@@ -36,11 +52,11 @@ R = TypeVar("R")
 class TrainStep(Graphed[R]):
     """A training step captured whole; create with :func:`cudagraphs.train_step`.
 
-    Besides :class:`~cudagraphs.Graphed`'s attributes: ``optimizers`` and ``eager_steps_left``
+    Besides :class:`~cudagraphs.Graphed`'s attributes: ``optimizers`` and ``eager_warmups_left``
     (warm-up steps still to run eagerly before the capture).
     """
 
-    _warn_grad_outputs = False  # the loss has grad history at capture; replays return it detached
+    warn_grad_outputs = False  # the loss has grad history at capture; replays return it detached
 
     def __init__(
         self,
@@ -50,21 +66,19 @@ class TrainStep(Graphed[R]):
         *,
         switch_optimizer: bool,
     ):
-        super().__init__(fn, options.replace(warmup=0))
+        super().__init__(fn, options)
         self.optimizers = tuple(optimizers)
-        self.eager_steps_left = options.warmup
         self.switch_optimizer = switch_optimizer
         self._prepared = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
-        if self._graph is None and self._on_cuda():
-            if not self._prepared:
+        if not self._prepared:
+            if self._on_cuda():
                 for optimizer in self.optimizers:
                     make_graph_safe(optimizer, switch=self.switch_optimizer)
-                self._prepared = True
-            if self.eager_steps_left > 0:
-                self.eager_steps_left -= 1
-                return self._eager_step(args, kwargs)
+            else:  # CPU parameters: every step runs eagerly, none is a warm-up
+                self.eager_warmups_left = 0
+            self._prepared = True
         return super().__call__(*args, **kwargs)
 
     def _on_cuda(self) -> bool:
@@ -77,36 +91,30 @@ class TrainStep(Graphed[R]):
             for p in g["params"]
         )
 
-    def _eager_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
-        """One real training step, run eagerly on the capture stream (PyTorch's warm-up rule:
-        lazily created state, cuBLAS handles and autotuning settle outside the recording)."""
-        device = self.optimizers[0].param_groups[0]["params"][0].device
-        stream = self.options.stream or _default_capture_stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            output = self.fn(*args, **kwargs)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self._eager_calls += 1
+    def prepare_eager_output(self, output: Any) -> Any:
         return optree.tree_map(
             lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output, namespace=NAMESPACE
         )
 
-    def _capture(self, signature: Any, leaves: list[Any], device: torch.device) -> None:
+    def before_capture(self) -> None:
         for optimizer in self.optimizers:
             make_graph_safe(optimizer, switch=self.switch_optimizer)  # again: load_state_dict
             # Gradients set to None are allocated by the recorded backward inside the graph's
             # pool and refilled in place by every replay.
             optimizer.zero_grad(set_to_none=True)
-        super()._capture(signature, leaves, device)
 
-    def _make_guard(self) -> AddressGuard | None:
+    @property
+    def recapture_warmup(self) -> int:
+        return 0  # warm-up runs would be optimizer steps; the first capture was warmed up already
+
+    def make_guard(self) -> AddressGuard | None:
         extra = [named for optimizer in self.optimizers for named in optimizer_tensors(optimizer)]
         watches = [OptimizerWatch(optimizer) for optimizer in self.optimizers]
         return AddressGuard(self.fn, self.options.modules, extra=extra, watches=watches)
 
     def __repr__(self) -> str:
         opts = ", ".join(type(o).__name__ for o in self.optimizers)
-        return f"<cudagraphs.TrainStep {_name(self.fn)} [{opts}] state={self.state.value}>"
+        return f"<cudagraphs.TrainStep {callable_name(self.fn)} [{opts}] state={self.state.value}>"
 
 
 @overload
@@ -115,14 +123,8 @@ def train_step(
     /,
     *,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-    warmup: int = 3,
-    outputs: OutputPolicy = "guarded",
-    pool: Any = None,
-    stream: torch.cuda.Stream | None = None,
-    capture_error_mode: str = "global",
-    on_stale: str = "recapture",
-    modules: Sequence[torch.nn.Module] = (),
     switch_optimizer: bool = True,
+    **options: Unpack[OptionKwargs],
 ) -> TrainStep[R]: ...
 
 
@@ -132,14 +134,8 @@ def train_step(
     /,
     *,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-    warmup: int = 3,
-    outputs: OutputPolicy = "guarded",
-    pool: Any = None,
-    stream: torch.cuda.Stream | None = None,
-    capture_error_mode: str = "global",
-    on_stale: str = "recapture",
-    modules: Sequence[torch.nn.Module] = (),
     switch_optimizer: bool = True,
+    **options: Unpack[OptionKwargs],
 ) -> Callable[[Callable[..., R]], TrainStep[R]]: ...
 
 
@@ -148,14 +144,8 @@ def train_step(
     /,
     *,
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
-    warmup: int = 3,
-    outputs: OutputPolicy = "guarded",
-    pool: Any = None,
-    stream: torch.cuda.Stream | None = None,
-    capture_error_mode: str = "global",
-    on_stale: str = "recapture",
-    modules: Sequence[torch.nn.Module] = (),
     switch_optimizer: bool = True,
+    **options: Unpack[OptionKwargs],
 ) -> Any:
     """Capture a whole training step (forward, loss, backward, optimizer step) as one graph.
 
@@ -188,21 +178,17 @@ def train_step(
             loss = step(x, y)                   # device tensor; loss.item() syncs, so log rarely
             sched.step()                        # updates the device learning rate in place
 
+    Options: ``warmup`` (eager steps before the capture, default 3), ``outputs``, ``pool``,
+    ``stream``, ``capture_error_mode``, ``on_stale``, ``modules``, as for :func:`cudagraphs.graph`.
+
     Wrong: ``opt.param_groups[0]["lr"] = 0.1`` (replaces the tensor the graph reads: caught,
     and the step is captured again), ``GradScaler`` with a non-fused optimizer (its ``step`` syncs
     on ``found_inf``: a CaptureError; use ``fused=True``), or a data-dependent ``if loss > x:``
     inside the step (frozen at capture; ``cg.doctor`` finds it).
     """
     optimizers = _optimizer_list(optimizer)
-    options = Options(
-        warmup=warmup,
-        outputs=outputs,
-        pool=pool,
-        stream=stream,
-        capture_error_mode=capture_error_mode,
-        on_stale=on_stale,
-        modules=modules,
-    )
+    settings = Options.from_kwargs(dict(options), entry="train_step", allowed=TRAIN_STEP_OPTIONS)
+    warmup = settings.warmup
     if warmup < 1:
         raise ConfigError(
             explain(
@@ -222,7 +208,7 @@ def train_step(
                     "decorate the function: @cg.train_step(optimizer=opt)",
                 )
             )
-        return TrainStep(f, optimizers, options, switch_optimizer=switch_optimizer)
+        return TrainStep(f, optimizers, settings, switch_optimizer=switch_optimizer)
 
     return wrap if fn is None else wrap(fn)
 

@@ -22,6 +22,7 @@ them in, which is what makes sharing the pool safe.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,13 +30,14 @@ import optree
 import torch
 from torch import nn
 
-from . import capture as _capture
-from .errors import ConfigError, InputMismatchError, StaleGraphError, explain
-from .graphed import Graphed
-from .guards import AddressGuard, modules_of
-from .options import Options
-from .pool import Pool
-from .tree import Signature, flatten
+from ..core import recorder
+from ..core.frames import callable_name
+from ..core.graphed import Graphed
+from ..core.guards import AddressGuard, modules_of
+from ..core.pool import Pool
+from ..core.tree import Signature, flatten, same_value
+from ..errors import ConfigError, InputMismatchError, StaleGraphError, explain
+from ..options import Options
 
 __all__ = ["GraphedAutograd", "graph_autograd", "graph_autograd_chain"]
 
@@ -133,7 +135,7 @@ class GraphedAutograd:
         options: Options,
     ):
         self.fn = fn
-        self.name = _capture._name(fn)
+        self.name = callable_name(fn)
         self.options = options
         self.modules = modules_of(fn, options.modules)
         self._training = tuple(m.training for m in self.modules)
@@ -174,6 +176,7 @@ class GraphedAutograd:
         )
         self.eval_graph: Graphed[Any] | None = None
         self.pool: Any = None
+        self._lock = threading.RLock()
         self.forwards = 0
         self._backwards = 0
 
@@ -248,6 +251,10 @@ class GraphedAutograd:
                 torch._foreach_copy_(dst, src)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:  # one call at a time: the static inputs and outputs are shared
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if tuple(m.training for m in self.modules) != self._training:
             return self._other_mode(args, kwargs)
         if self._guard is not None and (reason := self._guard.stale()) is not None:
@@ -301,7 +308,7 @@ class GraphedAutograd:
         if not ok:
             return signature.check(args, kwargs)  # raises the precise mismatch
         for i, frozen in zip(signature.frozen_index, signature.frozen_values):
-            if leaves[i] != frozen:
+            if not same_value(leaves[i], frozen):
                 return signature.check(args, kwargs)
         return leaves
 
@@ -332,7 +339,7 @@ class GraphedAutograd:
 
 def _capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
     device = stages[0]._device
-    stream = options.stream or _capture.default_stream(device)
+    stream = options.stream or recorder.default_stream(device)
     shared = options.pool
     pool = shared.handle if isinstance(shared, Pool) else shared
     if pool is None:
@@ -348,7 +355,7 @@ def _capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
             stage._warm_up_once()
 
     with torch.cuda.device(device), torch.enable_grad():
-        _capture.warm_up(warm_up_all, (), {}, options.warmup, stream)
+        recorder.warm_up(warm_up_all, (), {}, options.warmup, stream)
         with torch.no_grad():  # warm-up must not move BatchNorm statistics
             for b, s in zip(buffers, saved):
                 b.copy_(s)
@@ -365,7 +372,7 @@ def _capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
 
 
 def _record(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any, options: Options) -> Any:
-    recording = _capture.capture(
+    recording = recorder.capture(
         fn, (), {}, stream=stream, pool=pool, capture_error_mode=options.capture_error_mode
     )
     if isinstance(options.pool, Pool):

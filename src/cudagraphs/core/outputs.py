@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
 import optree
 import torch
 
-__all__ = ["OUTPUT_POLICIES", "OutputPolicy", "make_emitter"]
-
-OutputPolicy = Literal["alias", "guarded", "clone"]
-OUTPUT_POLICIES: tuple[str, ...] = ("alias", "guarded", "clone")
+__all__ = ["make_emitter"]
 
 STALE_MESSAGE = (
     "StaleOutputError: this tensor is an output of a cudagraphs replay that a later replay "

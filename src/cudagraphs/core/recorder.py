@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import time
-import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,25 +21,25 @@ from typing import Any
 
 import torch
 
-from .errors import CaptureError, explain
+from ..errors import CaptureError, explain
+from .frames import callable_name, user_location
 
 __all__ = [
-    "CAPTURE_ERROR_MODES",
     "Recording",
     "capture",
     "classify_failure",
     "default_stream",
+    "graphable",
     "uncached_autocast",
     "warm_up",
 ]
 
-CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(__file__)
-
-
 _streams: dict[int, torch.cuda.Stream] = {}
+
+
+def graphable(tensor: torch.Tensor) -> bool:
+    """Whether a tensor can be a graph input: it lives in CUDA memory."""
+    return tensor.is_cuda
 
 
 def default_stream(device: torch.device) -> torch.cuda.Stream:
@@ -171,7 +169,7 @@ def capture(
     detail = f"{type(primary).__name__}: {str(primary).strip().splitlines()[0][:300]}"
     raise CaptureError(
         explain(
-            f"capturing {_name(fn)} into a CUDA graph failed ({kind}){where}: {what}",
+            f"capturing {callable_name(fn)} into a CUDA graph failed ({kind}){where}: {what}",
             f"the first error was {detail}",
             fix,
         ),
@@ -289,19 +287,3 @@ def classify_failure(
         "(does it behave differently while torch.cuda.is_current_stream_capturing()?)",
         "fix the error shown below, or pass fallback='eager' to run this function eagerly",
     )
-
-
-def user_location(error: BaseException) -> str | None:
-    """``file:line in function`` of the innermost frame of user code in the traceback."""
-    found = None
-    for frame in traceback.extract_tb(error.__traceback__):
-        filename = os.path.abspath(frame.filename)
-        if filename.startswith((_TORCH_DIR, _OWN_DIR)) or "<frozen" in filename:
-            continue
-        found = f"{frame.filename}:{frame.lineno} in {frame.name}"
-    return found
-
-
-def _name(fn: Callable[..., Any]) -> str:
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    return f"{name}()"

@@ -19,7 +19,7 @@ from typing import Any
 import optree
 import torch
 
-from .errors import InputMismatchError, StaleOutputError, explain
+from ..errors import InputMismatchError, StaleOutputError, explain
 
 __all__ = ["NAMESPACE", "Signature", "flatten", "leaf_paths", "same_value"]
 

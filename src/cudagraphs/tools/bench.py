@@ -21,12 +21,12 @@ import torch
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from .bench_report import BenchReport, ModeResult, Spread
-from .errors import ConfigError, explain
+from ..core.tree import NAMESPACE
+from ..diagnose.verify import random_like
+from ..errors import ConfigError, explain
 from .profile import profile as run_profile
+from .report import BenchReport, ModeResult, Spread
 from .timing import sync
-from .tree import NAMESPACE
-from .verify import random_like
 
 __all__ = ["MODES", "bench"]
 
@@ -208,7 +208,7 @@ def _set_up(
 def _build(
     mode: str, fn: Callable[..., Any], example: Any, compile_mode: str
 ) -> Callable[..., Any]:
-    from .api import graph
+    from ..api import graph
 
     args, kwargs = example
     if mode == "eager":

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, explain
+from ..errors import ConfigError, explain
 
 __all__ = ["OptimizerWatch", "make_graph_safe", "optimizer_tensors"]
 

@@ -22,6 +22,7 @@ they need no recapture and replays see the new values.
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,38 +31,64 @@ from torch import nn
 
 from .addresses import AddressCheck
 
-__all__ = ["AddressGuard", "closure_tensors", "modules_of"]
+__all__ = ["AddressGuard", "closure_tensors", "hooks_installed", "modules_of"]
 
 _generation = 0  # bumped whenever any module registers or reassigns a parameter or buffer
-_hooks_installed = False
+_live_guards: weakref.WeakSet[AddressGuard] = weakref.WeakSet()
+_hook_handles: list[Any] = []
+_original_apply = nn.Module._apply
 
 
 def _bump(*_: Any) -> None:
+    # Dynamo traces module code that registers buffers (transformers does, inside forward) and
+    # would trace this hook too: a global it mutates becomes a guard that fails on every call,
+    # so compiled code would recompile each time. While compiling, do nothing: the compiled
+    # code cannot move a guarded tensor without running eagerly code that bumps for real.
+    if torch.compiler.is_compiling():
+        return
     global _generation
     _generation += 1
 
 
+def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return _original_apply(self, *args, **kwargs)
+    finally:
+        _bump()
+
+
 def _install_hooks() -> None:
-    global _hooks_installed
-    if _hooks_installed:
+    """Watch module reassignments while at least one guard exists; never otherwise."""
+    if _hook_handles:
         return
     from torch.nn.modules import module as module_module
 
-    module_module.register_module_parameter_registration_hook(_bump)
-    module_module.register_module_buffer_registration_hook(_bump)
-    module_module.register_module_module_registration_hook(_bump)
+    _hook_handles.extend(
+        (
+            module_module.register_module_parameter_registration_hook(_bump),
+            module_module.register_module_buffer_registration_hook(_bump),
+            module_module.register_module_module_registration_hook(_bump),
+        )
+    )
     # Module._apply (behind .to(), .cuda(), .half() ...) writes new buffer objects straight into
     # _buffers, past the registration hooks: count it as a reassignment too.
-    original_apply = nn.Module._apply
-
-    def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return original_apply(self, *args, **kwargs)
-        finally:
-            _bump()
-
     nn.Module._apply = _apply  # type: ignore[method-assign]
-    _hooks_installed = True
+
+
+def _remove_hooks() -> None:
+    """The last guard is gone: leave torch.nn exactly as it was."""
+    if any(True for _ in _live_guards) or not _hook_handles:  # iteration skips the dead
+        return
+    for handle in _hook_handles:
+        handle.remove()
+    _hook_handles.clear()
+    if nn.Module._apply is _apply:
+        nn.Module._apply = _original_apply  # type: ignore[method-assign]
+
+
+def hooks_installed() -> bool:
+    """Whether the module-reassignment hooks are in place (only while a guard is alive)."""
+    return bool(_hook_handles)
 
 
 def modules_of(fn: Callable[..., Any], extra: Iterable[nn.Module] = ()) -> list[nn.Module]:
@@ -140,6 +167,8 @@ class AddressGuard:
         calls by mode themselves)."""
         self._modes = modes
         _install_hooks()
+        _live_guards.add(self)
+        weakref.finalize(self, _remove_hooks)
         self.fn = fn
         self.modules = modules_of(fn, modules)
         self.closures = closure_tensors(fn, values=True)

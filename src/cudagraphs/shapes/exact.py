@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -10,10 +11,10 @@ from typing import Any
 import optree
 import torch
 
-from .errors import ConfigError, explain
-from .graphed import Graphed
-from .options import Options
-from .tree import NAMESPACE
+from ..core.graphed import Graphed
+from ..core.tree import NAMESPACE
+from ..errors import ConfigError, explain
+from ..options import Options
 
 __all__ = ["ExactShapes"]
 
@@ -40,14 +41,19 @@ class ExactShapes:
         self._graphs: OrderedDict[tuple[Any, ...], Graphed[Any]] = OrderedDict()
         self.evictions = 0
         self._warned = False
+        self._lock = threading.RLock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:  # one call at a time: the table and each graph's buffers are shared
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
         key = (spec, *(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves))
         graphed = self._graphs.get(key)
         if graphed is None:
             graphed = Graphed(self.fn, self.options)
-            graphed._initialize(args, kwargs)
+            graphed.initialize(args, kwargs)
             self._graphs[key] = graphed
             if len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)  # frees its graph and pool

@@ -19,12 +19,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..api import graph
+from ..errors import CudaGraphsError, CudaGraphsWarning
+from ..training.step import train_step
 from . import workloads
-from .api import graph
 from .bench import bench
-from .bench_report import BenchReport
-from .errors import CudaGraphsError, CudaGraphsWarning
-from .train import train_step
+from .report import BenchReport
 
 __all__ = ["run_demo"]
 

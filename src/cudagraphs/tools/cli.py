@@ -130,7 +130,7 @@ def _load_target(parser: argparse.ArgumentParser, target: str) -> tuple[Any, tup
 def _doctor(parser: argparse.ArgumentParser, target: str) -> int:
     from rich.console import Console
 
-    from .doctor import doctor
+    from ..diagnose.doctor import doctor
 
     fn, fn_args, fn_kwargs = _load_target(parser, target)
     report = doctor(fn, *fn_args, **fn_kwargs)

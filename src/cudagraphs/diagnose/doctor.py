@@ -25,8 +25,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.tree import NAMESPACE
 from .findings import KINDS, Collector, Finding, Report, user_frame
-from .tree import NAMESPACE
 
 __all__ = ["Finding", "Report", "doctor"]
 
@@ -214,7 +214,7 @@ def _patched(collector: Collector) -> Iterator[None]:
 
 def _reachable_state(fn: Callable[..., Any], args: Any) -> list[Any]:
     """Modules and optimizers whose state a run may change (restored afterwards)."""
-    from .guards import modules_of
+    from ..core.guards import modules_of
 
     owner = getattr(fn, "__self__", None)
     owned = (
@@ -246,7 +246,7 @@ def _filled(cell: Any) -> bool:
 
 
 def _external_names(fn: Callable[..., Any]) -> dict[int, str]:
-    from .guards import closure_tensors
+    from ..core.guards import closure_tensors
 
     return {_storage(t): name for name, _, t in closure_tensors(fn)}
 
@@ -263,7 +263,7 @@ def _known_storages(fn: Callable[..., Any], objects: list[Any]) -> set[int]:
 def _run(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], objects: list[Any]
 ) -> tuple[Collector, Any, dict[int, str]]:
-    from .tree import Signature
+    from ..core.tree import Signature
 
     signature, leaves = Signature.of_call(args, kwargs)
     clones = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -356,7 +356,7 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
 def _outputs_aliasing_inputs(
     fn: Callable[..., Any], collector: Collector, out: Any, inputs: dict[int, str]
 ) -> None:
-    from .tree import flatten, leaf_paths
+    from ..core.tree import flatten, leaf_paths
 
     leaves, spec = flatten(out)
     code = getattr(getattr(fn, "forward", fn), "__code__", None)

@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from .errors import ConfigError, explain
+from ..errors import ConfigError, explain
 from .profile import Profile
 
 __all__ = ["BenchReport", "ModeResult", "Spread"]

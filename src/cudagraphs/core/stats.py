@@ -19,6 +19,9 @@ class Stats:
     a guarded tensor moved; ``guarded_tensors`` is how many addresses are checked per replay, and
     ``guard_check`` how: ``"compiled"`` (a few ns per tensor), ``"torch helper"`` or
     ``"python loop"`` (no C++ compiler found: about 10x slower), ``""`` with no tensor to check.
+    ``state_writes`` counts the tensors outside the inputs that the function writes (module
+    buffers, a cache: every replay repeats those writes), and ``restored_bytes`` the bytes of
+    them that warm-up wrote and that were put back.
     """
 
     state: str
@@ -35,6 +38,8 @@ class Stats:
     recaptures: int = 0
     guarded_tensors: int = 0
     guard_check: str = ""
+    state_writes: int = 0
+    restored_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -22,6 +22,7 @@ import copy
 import itertools
 import logging
 import math
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,15 @@ from typing import Any
 import optree
 import torch
 
-from .bucket_spec import (
+from ..core.frames import callable_name
+from ..core.graphed import Graphed, State
+from ..core.pool import Pool
+from ..core.state import SideEffects
+from ..core.tree import NAMESPACE, Signature, flatten, leaf_paths
+from ..errors import ConfigError, explain
+from ..options import Options
+from .ladders import lookup_table, validate_ladder
+from .spec import (
     BucketedInput,
     BucketOverflowError,
     Buckets,
@@ -39,12 +48,6 @@ from .bucket_spec import (
     infer_output_dims,
     real_sizes,
 )
-from .errors import ConfigError, explain
-from .graphed import Graphed, State, _name
-from .ladders import lookup_table, validate_ladder
-from .options import Options
-from .pool import Pool
-from .tree import NAMESPACE, Signature, flatten, leaf_paths
 
 __all__ = ["Bucketed"]
 
@@ -115,6 +118,7 @@ class Bucketed:
             )
         self._bucket_options = options.replace(pool=self.pool)
         self._buckets: dict[tuple[int, ...], _Bucket] = {}
+        self._lock = threading.RLock()
         self._stats = BucketStats()
         # Fast-path calls counted by real size only; folded into stats when they are read.
         self._fast_counts = [0] * (self.ladders[self.symbols[0]][-1] + 1)
@@ -192,22 +196,20 @@ class Bucketed:
 
     def _eager_shapes(self, leaves: list[Any]) -> tuple[Any, list[tuple[int, ...] | None]]:
         args, kwargs = optree.tree_unflatten(self.signature.spec, leaves)
-        out = self.fn(*args, **kwargs)
+        # A probe is a run on the library's account: what it writes outside the inputs (module
+        # buffers, a cache) is put back, as after warm-up.
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        plain = [x for x in leaves if not isinstance(x, torch.Tensor)]
+        effects = SideEffects(self.fn, tensors, plain, self.options.side_effects)
+        with effects.running():
+            out = self.fn(*args, **kwargs)
+        effects.finish()
         out_leaves, _ = flatten(out)
         return out, [tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in out_leaves]
 
     def _capture_all(self) -> None:
-        combos = self._combos
-        if len(combos) == 1:
-            self._bucket(combos[0])
-            return
-        from rich.progress import Progress
-
-        with Progress(transient=True) as progress:
-            task = progress.add_task(f"capturing {len(combos)} buckets", total=len(combos))
-            for combo in combos:
-                self._bucket(combo)
-                progress.advance(task)
+        for combo in self._combos:  # largest first: the pool grows once, smaller ones reuse it
+            self._bucket(combo)
 
     def _bucket(self, combo: tuple[int, ...]) -> _Bucket:
         bucket = self._buckets.get(combo)
@@ -219,7 +221,7 @@ class Bucketed:
         with warnings.catch_warnings():
             if self._stats.capture_s:  # warn about CPU pass-through once, not per bucket
                 warnings.simplefilter("ignore")
-            graphed._initialize(args, kwargs)
+            graphed.initialize(args, kwargs)
         bucket = self._describe(combo, graphed)
         self._buckets[combo] = bucket
         stats = graphed.stats
@@ -231,7 +233,7 @@ class Bucketed:
     def _describe(self, combo: tuple[int, ...], graphed: Graphed[Any]) -> _Bucket:
         """What the call path needs to know of one bucket's graph and its static buffers."""
         static, _ = optree.tree_flatten((graphed.inputs, graphed.input_kwargs), namespace=NAMESPACE)
-        mutated = {i for i, _ in graphed._writeback}
+        mutated = set(graphed.mutated_inputs)
         return _Bucket(
             combo=combo,
             graphed=graphed,
@@ -251,6 +253,11 @@ class Bucketed:
     # ------------------------------------------------------------------ calling
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # One call at a time: buckets share static buffers, a pool and their outputs.
+        with self._lock:
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._fast and not kwargs and len(args) == len(self._fast_inputs):
             out = self._call_fast(args)
             if out is not _SLOW:
@@ -288,8 +295,7 @@ class Bucketed:
         bucket = self._buckets.get((rung,))
         if bucket is None or not bucket.fast:
             return _SLOW
-        guard = bucket.graphed._guard
-        if guard is not None and bucket.graphed._check_guard(guard):
+        if bucket.graphed.refresh():
             bucket = self._refresh(bucket)
         self._fast_counts[n] += 1
         for k, x in enumerate(args):
@@ -305,7 +311,7 @@ class Bucketed:
             if clean is None or clean[0] > n:  # rows n.. may hold an earlier call's data
                 buf.narrow(dim, n, rung - n).fill_(self.inputs[k].pad)
             bucket.clean[k] = (n,)
-        out = bucket.graphed._replay_in_place()
+        out = bucket.graphed.replay_static()
         if n == rung:
             return out
         return self._slice_outputs(out, {self.symbols[0]: n}, {self.symbols[0]: rung})
@@ -330,8 +336,7 @@ class Bucketed:
 
     def _run(self, combo: tuple[int, ...], leaves: list[Any], real: dict[str, int]) -> Any:
         bucket = self._bucket(combo)
-        guard = bucket.graphed._guard
-        if guard is not None and bucket.graphed._check_guard(guard):
+        if bucket.graphed.refresh():
             bucket = self._refresh(bucket)
         rung = dict(zip(self.symbols, combo))
         dst: list[torch.Tensor] = []
@@ -491,4 +496,4 @@ class Bucketed:
 
     def report(self, console: Any = None) -> None:
         """Print a rich table: per bucket, capture seconds, pool MiB and hits; then the totals."""
-        self.stats.print(self.symbols, f"buckets of {_name(self.fn)}", console)
+        self.stats.print(self.symbols, f"buckets of {callable_name(self.fn)}", console)

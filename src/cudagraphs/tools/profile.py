@@ -228,8 +228,8 @@ def replay_gpu_time_us(
     kernel's start to last kernel's end, the gaps between the graph's kernels included, the
     CPU's launch latency not) and its busy time (the kernels' durations summed, as the floor
     is). ``(None, None)`` if ``fn`` cannot be captured."""
-    from .api import graph
-    from .errors import CudaGraphsError
+    from ..api import graph
+    from ..errors import CudaGraphsError
 
     try:
         graphed = graph(fn, *args, **kwargs)

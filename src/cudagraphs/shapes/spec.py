@@ -14,8 +14,8 @@ from typing import Any, Literal
 import optree
 import torch
 
-from .errors import ConfigError, InputMismatchError, explain
-from .tree import Signature, flatten, leaf_paths
+from ..core.tree import Signature, flatten, leaf_paths
+from ..errors import ConfigError, InputMismatchError, explain
 
 __all__ = [
     "BucketOverflowError",

@@ -1,0 +1,398 @@
+"""State a run writes, and putting it back: the library's own runs must leave no trace.
+
+Warm-up, verification and the doctor run the function for real. A real model writes state that
+is not among its inputs (a KV cache and its position counter, BatchNorm running statistics, an
+environment, RNG offsets); every such extra run would advance it once more. This module records
+what a run writes and restores it to its exact bytes afterwards:
+
+- :class:`WriteRecorder`, a dispatch mode, sees every in-place and ``out=`` write of eager code
+  and copies the written tensor's whole storage once, before its first write (so memory grows
+  only by what is written, and views and aliases restore together). Tensors created during the
+  run and the call's own inputs are never copied.
+- Code compiled by ``torch.compile`` writes from inside its kernels, unseen by a dispatch mode
+  (and Dynamo would refuse to compile under one that did not step aside). Such writes still bump
+  the tensors' version counters, so :func:`reachable_tensors` collects what the function can
+  reach (module state, closure and global tensors, tensors inside the objects it reads, such as
+  a cache object) and :class:`Snapshot` copies a chosen set up front and checks versions after.
+- CPU and CUDA RNG states are saved and restored with the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "RngState",
+    "Snapshot",
+    "WriteRecorder",
+    "is_compiled",
+    "reachable_tensors",
+    "storage_key",
+]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The address of a tensor's storage (0 for none): one key for all views of one memory."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # a tensor subclass or meta tensor without real storage
+        return 0
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage behind ``t``."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),))
+
+
+class RngState:
+    """The CPU and every initialized CUDA device's default RNG state, to put back later."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+@dataclass
+class _Saved:
+    name: str
+    tensor: torch.Tensor  # a view of the storage: keeps it alive and gives its device
+    copy: torch.Tensor  # the storage's bytes before the first write
+
+
+@dataclass
+class Written:
+    """What a run wrote outside its inputs: one entry per storage, with a name to report."""
+
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+
+
+class _Store:
+    """Copies of storages taken before they changed, restorable in one go."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, _Saved] = {}
+
+    def save(self, key: int, name: str, t: torch.Tensor) -> None:
+        if key and key not in self.saved:
+            full = _storage_bytes(t)
+            self.saved[key] = _Saved(name, full, full.clone())
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for saved in self.saved.values():
+                saved.tensor.copy_(saved.copy)
+
+    def written(self) -> Written:
+        result = Written()
+        for saved in self.saved.values():
+            result.names.append(saved.name)
+            result.tensors.append(saved.tensor)
+            result.nbytes += saved.copy.numel()
+        return result
+
+
+class WriteRecorder(TorchDispatchMode):
+    """A dispatch mode that copies each storage an eager run writes, before the first write.
+
+    Right::
+
+        with WriteRecorder(exclude=inputs, names=names) as recorder:
+            fn(*inputs)
+        recorder.restore()          # the world as it was (RNG included)
+
+    It steps aside for compiled code (Dynamo compiles under it; the compiled kernels' writes are
+    not seen here: :class:`Snapshot` covers those).
+    """
+
+    def __init__(
+        self, exclude: Iterable[torch.Tensor] = (), names: dict[int, str] | None = None
+    ) -> None:
+        super().__init__()
+        self._store = _Store()
+        self._skip = {storage_key(t) for t in exclude}
+        self._skip.discard(0)
+        self._names = names or {}
+        self._rng = RngState()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Without this Dynamo refuses to compile under the mode and marks the code as never to
+        # be compiled again: a warm-up would silently turn torch.compile off for good.
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        for index, name in _written_arguments(func):
+            value = args[index] if index < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    key = storage_key(t)
+                    if key not in self._skip:
+                        label = self._names.get(key) or f"a tensor of shape {tuple(t.shape)}"
+                        self._store.save(key, label, t)
+        out = func(*args, **kwargs)
+        if not _returns_alias(func):
+            # Created by this run: writing into it later changes nothing outside the run.
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self._skip.add(storage_key(t))
+        return out
+
+    def written(self) -> Written:
+        return self._store.written()
+
+    def restore(self) -> None:
+        """Put back every storage written under the mode, and the RNG states."""
+        self._store.restore()
+        self._rng.restore()
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    found = _WRITES.get(func)
+    if found is None:
+        found = tuple(
+            (i, a.name)
+            for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _WRITES[func] = found
+    return found
+
+
+def _returns_alias(func: Any) -> bool:
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
+class Snapshot:
+    """Bytes of chosen tensors copied now, and their version counters, to restore and compare.
+
+    For what a dispatch mode cannot see (compiled kernels): copy the candidates up front, run,
+    and ``restore()``; ``changed()`` names the candidates whose version moved.
+    """
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._store = _Store()
+        self._versions: list[tuple[str, torch.Tensor, int]] = []
+        for name, t in named:
+            self._store.save(storage_key(t), name, t)
+            self._versions.append((name, t, t._version))
+        self._rng = RngState()
+
+    def changed(self) -> list[str]:
+        return [name for name, t, version in self._versions if t._version != version]
+
+    def restore(self) -> None:
+        self._store.restore()
+        self._rng.restore()
+
+    def written(self) -> Written:
+        """The snapshot's tensors whose version moved (what a run wrote, of these)."""
+        moved = {storage_key(t) for _, t, v in self._versions if t._version != v}
+        result = Written()
+        for key, saved in self._store.saved.items():
+            if key in moved:
+                result.names.append(saved.name)
+                result.tensors.append(saved.tensor)
+                result.nbytes += saved.copy.numel()
+        return result
+
+
+class Versions:
+    """Version counters of named tensors now, to ask later which were written."""
+
+    def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._versions = [(name, t, t._version) for name, t in named]
+
+    def changed(self, ignore: Iterable[torch.Tensor] = ()) -> list[str]:
+        skip = {storage_key(t) for t in ignore}
+        return [
+            name
+            for name, t, version in self._versions
+            if t._version != version and storage_key(t) not in skip
+        ]
+
+
+# ---------------------------------------------------------------------------------- reachable
+
+_MAX_OBJECTS = 20000
+_MAX_DEPTH = 6
+_OPAQUE = (str, bytes, int, float, bool, complex, type, type(None), torch.dtype, torch.device)
+
+
+def reachable_tensors(
+    fn: Callable[..., Any], roots: Iterable[Any] = (), exclude: Iterable[torch.Tensor] = ()
+) -> list[tuple[str, torch.Tensor]]:
+    """Tensors ``fn`` can reach, named: its module state, the tensors in its closure and the
+    globals its code names, and the tensors inside the objects those hold (a cache object's
+    layers, an optimizer's state), plus those inside ``roots`` (the call's plain arguments).
+
+    A bounded walk (depth 6, 20000 objects), one entry per storage; ``exclude`` (the inputs) is
+    left out.
+    """
+    skip = {storage_key(t) for t in exclude}
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, Any, int]] = [
+        (name, value, 0) for name, value in reversed(_named_roots(fn))
+    ]
+    stack.extend((f"argument {type(r).__name__}", r, 0) for r in roots)
+    while stack and len(seen) < _MAX_OBJECTS:
+        name, obj, depth = stack.pop()
+        if isinstance(obj, _OPAQUE) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            key = storage_key(obj)
+            if key and key not in skip and key not in found and obj.device.type != "meta":
+                found[key] = (name, obj)
+            continue
+        if depth >= _MAX_DEPTH or (callable(obj) and not isinstance(obj, torch.nn.Module)):
+            continue
+        stack.extend((f"{name}{suffix}", child, depth + 1) for suffix, child in _children(obj))
+    return list(found.values())
+
+
+def _named_roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    roots: list[tuple[str, Any]] = []
+    for candidate in (fn, getattr(fn, "__self__", None), getattr(fn, "_orig_mod", None)):
+        if isinstance(candidate, torch.nn.Module) or (
+            candidate is not None and candidate is not fn and hasattr(candidate, "__dict__")
+        ):
+            roots.append((type(candidate).__name__, candidate))
+    target = inspect.unwrap(getattr(fn, "__func__", fn))
+    code = getattr(target, "__code__", None)
+    if code is not None:
+        for name, cell in zip(code.co_freevars, getattr(target, "__closure__", None) or ()):
+            with contextlib.suppress(ValueError):
+                roots.append((name, cell.cell_contents))
+        namespace = getattr(target, "__globals__", {})
+        roots.extend((n, namespace[n]) for n in code.co_names if n in namespace)
+    return roots
+
+
+def _children(obj: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, torch.nn.Module):
+        for name, t in obj.named_parameters(recurse=False):
+            yield f".{name}", t
+        for name, t in obj.named_buffers(recurse=False):
+            yield f".{name}", t
+        for name, child in obj.named_children():
+            yield f".{name}", child
+        values = obj.__dict__.items()
+        for key, value in values:
+            if not key.startswith("_") and not isinstance(value, torch.nn.Module):
+                yield f".{key}", value
+        return
+    if isinstance(obj, torch.optim.Optimizer):
+        for k, state in enumerate(obj.state.values()):
+            yield f".state[{k}]", state
+        yield ".param_groups", obj.param_groups
+        return
+    if isinstance(obj, dict):
+        for key, value in list(obj.items())[:1000]:
+            yield f"[{key!r}]", value
+        return
+    if isinstance(obj, (list, tuple)):
+        for k, value in enumerate(obj[:1000]):
+            yield f"[{k}]", value
+        return
+    if inspect.ismodule(obj) or not hasattr(obj, "__dict__"):
+        return
+    for key, value in list(vars(obj).items())[:1000]:
+        yield f".{key}", value
+
+
+def is_compiled(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is, or directly calls through, a ``torch.compile``'d callable."""
+    candidates = [fn, getattr(fn, "__self__", None)]
+    candidates.extend(value for _, value in _named_roots(fn))
+    return any(
+        hasattr(c, "_torchdynamo_orig_callable") or type(c).__name__ == "OptimizedModule"
+        for c in candidates
+        if c is not None
+    )
+
+
+# ---------------------------------------------------------------------------------- the policy
+
+
+class SideEffects:
+    """Runs made on the library's own account (warm-up, probes), undone afterwards.
+
+    ``policy`` is the ``side_effects`` option: ``"restore"`` puts every written tensor and the
+    RNG states back, ``"keep"`` leaves them (the runs count, as before), ``"raise"`` puts them
+    back and then raises :class:`~cudagraphs.errors.StateWriteError`. Use :meth:`running` around
+    the runs, then :meth:`finish`.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        inputs: Iterable[torch.Tensor],
+        roots: Iterable[Any],
+        policy: str,
+    ) -> None:
+        self.policy = policy
+        self.written = Written()
+        self.unrestored: list[str] = []
+        if policy == "keep":
+            return
+        inputs = list(inputs)
+        reachable = reachable_tensors(fn, roots, exclude=inputs)
+        self._versions = Versions(reachable)
+        # Compiled kernels write unseen by the dispatch mode: copy their reachable state up
+        # front (parameters excepted: only optimizer steps write those, and train_step warms
+        # up with real steps instead).
+        self._snapshot = (
+            Snapshot((n, t) for n, t in reachable if not isinstance(t, torch.nn.Parameter))
+            if is_compiled(fn)
+            else None
+        )
+        names = {storage_key(t): n for n, t in reachable}
+        self._recorder = WriteRecorder(exclude=inputs, names=names)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        if self.policy == "keep":
+            yield
+            return
+        with self._recorder:
+            yield
+
+    def finish(self) -> Written:
+        """Restore (unless ``keep``); return what the runs wrote. Raises under ``raise``."""
+        if self.policy == "keep":
+            return self.written
+        written = self._recorder.written()
+        seen = set(map(storage_key, written.tensors))
+        if self._snapshot is not None:
+            extra = self._snapshot.written()
+            for name, t in zip(extra.names, extra.tensors):
+                if storage_key(t) not in seen:
+                    written.names.append(name)
+                    written.tensors.append(t)
+                    seen.add(storage_key(t))
+            written.nbytes += extra.nbytes
+            self._snapshot.restore()
+        self._recorder.restore()
+        self.unrestored = self._versions.changed(ignore=written.tensors)
+        self.written = written
+        return written

@@ -1,0 +1,1 @@
+"""Diagnostics: the doctor and its findings, verification against eager."""

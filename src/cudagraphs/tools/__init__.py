@@ -1,0 +1,1 @@
+"""Tools on top of the library: profile, bench and its report, timing, the CLI, the demo."""

@@ -1,0 +1,1 @@
+"""Training: whole-step capture, graph-safe optimizers, graphed autograd."""
