@@ -30,11 +30,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "RngState",
+    "SideEffects",
+    "Versions",
+    "Written",
     "Snapshot",
     "WriteRecorder",
     "is_compiled",
+    "named_roots",
     "reachable_tensors",
     "storage_key",
+    "written_arguments",
 ]
 
 
@@ -137,7 +142,7 @@ class WriteRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for index, name in _written_arguments(func):
+        for index, name in written_arguments(func):
             value = args[index] if index < len(args) else kwargs.get(name)
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, torch.Tensor):
@@ -163,15 +168,25 @@ class WriteRecorder(TorchDispatchMode):
 
 
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+# Ops that update running statistics in place although their schemas do not mark the arguments
+# as written (BatchNorm's eager kernels): named here so their writes are seen too.
+_UNMARKED_WRITES = {
+    "aten::native_batch_norm": (3, 4),
+    "aten::cudnn_batch_norm": (3, 4),
+    "aten::miopen_batch_norm": (3, 4),
+}
 
 
-def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of every argument an aten op writes in place (or into, ``out=``)."""
     found = _WRITES.get(func)
     if found is None:
+        arguments = func._schema.arguments
+        unmarked = _UNMARKED_WRITES.get(func._schema.name, ())
         found = tuple(
             (i, a.name)
-            for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
+            for i, a in enumerate(arguments)
+            if (a.alias_info is not None and a.alias_info.is_write) or i in unmarked
         )
         _WRITES[func] = found
     return found
@@ -251,7 +266,7 @@ def reachable_tensors(
     found: dict[int, tuple[str, torch.Tensor]] = {}
     seen: set[int] = set()
     stack: list[tuple[str, Any, int]] = [
-        (name, value, 0) for name, value in reversed(_named_roots(fn))
+        (name, value, 0) for name, value in reversed(named_roots(fn))
     ]
     stack.extend((f"argument {type(r).__name__}", r, 0) for r in roots)
     while stack and len(seen) < _MAX_OBJECTS:
@@ -270,7 +285,9 @@ def reachable_tensors(
     return list(found.values())
 
 
-def _named_roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+def named_roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
+    """What ``fn`` reads beyond its arguments: its module or bound ``self``, its closure cells and
+    the globals its own code names, each with the name it has there."""
     roots: list[tuple[str, Any]] = []
     for candidate in (fn, getattr(fn, "__self__", None), getattr(fn, "_orig_mod", None)):
         if isinstance(candidate, torch.nn.Module) or (
@@ -323,7 +340,7 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
 def is_compiled(fn: Callable[..., Any]) -> bool:
     """Whether ``fn`` is, or directly calls through, a ``torch.compile``'d callable."""
     candidates = [fn, getattr(fn, "__self__", None)]
-    candidates.extend(value for _, value in _named_roots(fn))
+    candidates.extend(value for _, value in named_roots(fn))
     return any(
         hasattr(c, "_torchdynamo_orig_callable") or type(c).__name__ == "OptimizedModule"
         for c in candidates

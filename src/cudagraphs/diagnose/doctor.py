@@ -8,13 +8,12 @@ run on fresh inputs of the same shapes reveals control flow that depends on valu
 state. Each finding names the first frame outside torch and cudagraphs, says what goes wrong
 and how to fix it. It works on the CPU too, reporting what would break on CUDA.
 
-Global state is restored afterwards: RNG states, and the state dicts of the modules and
-optimizers the function reaches (its own, its bound ``self``'s, its arguments', its closure's).
+Every tensor a run writes outside its inputs (module buffers, a KV cache, closure tensors,
+optimizer state) is put back to its exact bytes afterwards, and so are the RNG states.
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -25,8 +24,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.tree import NAMESPACE
-from .findings import KINDS, Collector, Finding, Report, user_frame
+from ..core.frames import user_frame
+from ..core.guards import closure_tensors, modules_of
+from ..core.state import RngState, SideEffects, reachable_tensors, storage_key, written_arguments
+from ..core.tree import NAMESPACE, Signature, flatten, leaf_paths
+from .findings import KINDS, Collector, Finding, Report
+from .verify import random_like
 
 __all__ = ["Finding", "Report", "doctor"]
 
@@ -101,13 +104,24 @@ _DYNAMIC_OPS = {
 
 class _DispatchWatch(TorchDispatchMode):
     def __init__(
-        self, collector: Collector, inputs: dict[int, str], known: set[int], names: dict[int, str]
+        self,
+        collector: Collector,
+        inputs: dict[int, str],
+        known: set[int],
+        names: dict[int, str],
+        state: dict[int, str],
     ):
         super().__init__()
         self.collector = collector
         self.inputs = inputs  # storage pointer -> input path
         self.known = known  # storage pointers of inputs, parameters, buffers, created tensors
         self.names = names  # storage pointer -> closure/global name
+        self.state = state  # storage pointer -> name, for every tensor the function can reach
+        self.created: set[int] = set()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # else Dynamo marks a compiled function's code as never to compile again
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -138,14 +152,16 @@ class _DispatchWatch(TorchDispatchMode):
             generator.device
         ):
             c.add("generator", name)
-        for index, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = args[index] if index < len(args) else kwargs.get(argument.name)
+        for index, argument_name in written_arguments(func):
+            value = args[index] if index < len(args) else kwargs.get(argument_name)
             if isinstance(value, torch.Tensor):
-                path = self.inputs.get(_storage(value))
+                key = _storage(value)
+                path = self.inputs.get(key)
                 if path is not None:
                     c.add("input-mutation", name, where=path)
+                elif key and key not in self.created:
+                    label = self.state.get(key) or f"a tensor of shape {tuple(value.shape)}"
+                    c.add("state-write", name, where=label)
         for t in tensors:
             key = _storage(t)
             if key and key not in self.known:
@@ -153,9 +169,12 @@ class _DispatchWatch(TorchDispatchMode):
                 c.add("closure-tensor", name, where=label)
                 self.known.add(key)  # report each external tensor once
         out = func(*args, **kwargs)
+        aliasing = any(r.alias_info is not None for r in func._schema.returns)
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.known.add(_storage(t))
+                if not aliasing:
+                    self.created.add(_storage(t))
         return out
 
 
@@ -214,7 +233,6 @@ def _patched(collector: Collector) -> Iterator[None]:
 
 def _reachable_state(fn: Callable[..., Any], args: Any) -> list[Any]:
     """Modules and optimizers whose state a run may change (restored afterwards)."""
-    from ..core.guards import modules_of
 
     owner = getattr(fn, "__self__", None)
     owned = (
@@ -246,7 +264,6 @@ def _filled(cell: Any) -> bool:
 
 
 def _external_names(fn: Callable[..., Any]) -> dict[int, str]:
-    from ..core.guards import closure_tensors
 
     return {_storage(t): name for name, _, t in closure_tensors(fn)}
 
@@ -263,22 +280,44 @@ def _known_storages(fn: Callable[..., Any], objects: list[Any]) -> set[int]:
 def _run(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], objects: list[Any]
 ) -> tuple[Collector, Any, dict[int, str]]:
-    from ..core.tree import Signature
-
+    """One eager run on clones of the inputs, watched; what it writes outside them is put back."""
     signature, leaves = Signature.of_call(args, kwargs)
     clones = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
     inputs = {_storage(clones[i]): signature.paths[i] for i in signature.tensor_index}
     known = _known_storages(fn, objects) | set(inputs)
     collector = Collector()
     call_args, call_kwargs = optree.tree_unflatten(signature.spec, clones)
-    with ExitStack() as stack:
-        stack.enter_context(_patched(collector))
-        if torch.cuda.is_available():
-            stack.enter_context(_sync_debug(collector))
-        stack.enter_context(_FunctionWatch(collector))
-        stack.enter_context(_DispatchWatch(collector, inputs, known, _external_names(fn)))
-        out = fn(*call_args, **call_kwargs)
+    tensors = [clones[i] for i in signature.tensor_index]
+    plain = [clones[i] for i in signature.frozen_index]
+    state = {storage_key(t): name for name, t in reachable_tensors(fn, plain, exclude=tensors)}
+    effects = SideEffects(fn, tensors, plain, "restore")
+    try:
+        with ExitStack() as stack:
+            stack.enter_context(_patched(collector))
+            stack.enter_context(_as_if_capturing())
+            if torch.cuda.is_available():
+                stack.enter_context(_sync_debug(collector))
+            stack.enter_context(effects.running())
+            stack.enter_context(_FunctionWatch(collector))
+            stack.enter_context(
+                _DispatchWatch(collector, inputs, known, _external_names(fn), state)
+            )
+            out = fn(*call_args, **call_kwargs)
+    finally:
+        effects.finish()
     return collector, out, inputs
+
+
+@contextmanager
+def _as_if_capturing() -> Iterator[None]:
+    """Code on the capture path asks whether a stream is capturing (transformers skips its
+    host syncs then); judge that path, the one a graph records, not the eager one."""
+    original = torch.cuda.is_current_stream_capturing
+    torch.cuda.is_current_stream_capturing = lambda: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.is_current_stream_capturing = original  # type: ignore[assignment]
 
 
 @contextmanager
@@ -314,23 +353,27 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
         print(report)              # or rich.print(report) for a table
         assert not report.blocking
 
-    The function runs twice, eagerly, on clones of the inputs and then on fresh random inputs of
-    the same shapes; the caller's tensors, RNG states and module/optimizer states are restored.
+    The function runs twice, eagerly, on clones of the inputs and then on fresh random floats
+    of the same shapes (integer and boolean inputs keep their values); each run is judged as on
+    the capture path (``torch.cuda.is_current_stream_capturing()`` answers True), and whatever
+    it writes outside its inputs (module buffers, a cache, closure tensors) and the RNG states
+    are put back afterwards. Writes to such state are listed (``state-write``).
     """
-    from .verify import random_like
 
-    objects = _reachable_state(fn, (args, kwargs))
-    saved = [copy.deepcopy(o.state_dict()) for o in objects]
-    rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    rng = RngState()  # the fresh inputs below draw from it too
     try:
+        objects = _reachable_state(fn, (args, kwargs))
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
         first, out, inputs = _run(fn, args, kwargs, objects)
         findings = dict(first.findings)
         _outputs_aliasing_inputs(fn, first, out, inputs)
         findings.update(first.findings)
+        # Fresh floats only: integer and boolean inputs (token ids, positions, indices, masks) keep
+        # the example's values, since invented ones could index out of range.
         fresh_args, fresh_kwargs = optree.tree_map(
-            lambda x: random_like(x) if isinstance(x, torch.Tensor) else x,
+            lambda x: (
+                random_like(x) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+            ),
             (args, kwargs),
             namespace=NAMESPACE,
         )
@@ -344,11 +387,7 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
                 "control-flow", severity, filename, lineno, message.format(what=what), fix
             )
     finally:
-        for obj, state in zip(objects, saved):
-            obj.load_state_dict(state)
-        torch.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+        rng.restore()
     ordered = sorted(findings.values(), key=lambda f: (f.filename, f.lineno, f.kind))
     return Report(function=name, findings=ordered)
 
@@ -356,7 +395,6 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
 def _outputs_aliasing_inputs(
     fn: Callable[..., Any], collector: Collector, out: Any, inputs: dict[int, str]
 ) -> None:
-    from ..core.tree import flatten, leaf_paths
 
     leaves, spec = flatten(out)
     code = getattr(getattr(fn, "forward", fn), "__code__", None)

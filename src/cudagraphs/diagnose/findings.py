@@ -8,24 +8,12 @@ the first frame outside torch and cudagraphs, and keeps one per (kind, line).
 from __future__ import annotations
 
 import os
-import sys
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import optree
-import torch
+from ..core.frames import user_frame
 
-__all__ = ["KINDS", "Collector", "Finding", "Report", "user_frame"]
-
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_OWN_DIR = os.path.dirname(os.path.abspath(__file__))
-_SKIP_DIRS = (
-    _TORCH_DIR,
-    _OWN_DIR,
-    os.path.dirname(optree.__file__),
-    os.path.dirname(warnings.__file__),
-)
+__all__ = ["KINDS", "Collector", "Finding", "Report"]
 
 #: severity: "error" breaks capture, "wrong" gives silently wrong replays, "warning" needs care.
 KINDS: dict[str, tuple[str, str, str]] = {
@@ -70,6 +58,13 @@ KINDS: dict[str, tuple[str, str, str]] = {
         "{what} reads tensor {where} by address; it is neither an input nor a parameter or buffer "
         "of the modules involved, so rebinding it after capture is not seen by the graph",
         "pass it as an input, or register it as a module buffer and update it in place",
+    ),
+    "state-write": (
+        "warning",
+        "{what} writes {where}, a tensor outside the inputs: every replay repeats this write, as "
+        "every eager call does (warm-up's writes are put back by cudagraphs)",
+        "nothing to do if this is state the model keeps (a KV cache, running statistics); "
+        "otherwise return the new value instead of writing it in place",
     ),
     "optimizer": (
         "error",
@@ -165,16 +160,6 @@ class Report:
                 f"  [{f.severity}] {f.kind} at {f.location}: {f.message}\n      fix: {f.fix}"
             )
         return "\n".join(lines)
-
-
-def user_frame() -> tuple[str, int]:
-    frame = sys._getframe(1)
-    while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(_SKIP_DIRS) and not filename.startswith("<frozen"):
-            return frame.f_code.co_filename, frame.f_lineno
-        frame = frame.f_back
-    return "<unknown>", 0
 
 
 class Collector:

@@ -1,31 +1,37 @@
 """``verify=True``: replay a new graph against eager on fresh random inputs.
 
 Right after capture, draw K inputs of the captured shapes (floats around the example's mean and
-spread, integers within the example's range, booleans at random), run the function eagerly and
-through the graph on equal copies, and compare every output leaf with a tolerance that fits its
-dtype. A function whose eager output is itself random (two eager runs on one input differ:
-dropout, sampling) is compared on shapes and dtypes only, and the note says so.
+spread, integers within the example's range, booleans at random), and run the function eagerly
+twice and through the graph, each from the same state: what a run writes outside its inputs
+(module buffers, a KV cache and its counter) and the RNG states are put back after it. Every
+output leaf is compared with a tolerance that fits its dtype.
 
-Eager runs have the function's side effects (module buffers, RNG draws), as any call would.
+A function that changes plain Python state it reads (a counter in its closure, ``self.step``)
+is refused: the graph froze that value at capture. A function whose two eager runs from one
+state and RNG still differ (randomness from elsewhere) is compared on shapes and dtypes only,
+with a :class:`~cudagraphs.CudaGraphsWarning` naming the output. Verification leaves the state
+as it found it.
 """
 
 from __future__ import annotations
 
-import logging
+import inspect
+import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
 
+from ..core.frames import callable_name, user_stacklevel
+from ..core.state import SideEffects, Snapshot, Written, named_roots
 from ..core.tree import NAMESPACE, leaf_paths
-from ..errors import VerificationError, explain
+from ..errors import CudaGraphsWarning, VerificationError, explain
 
 if TYPE_CHECKING:
     from ..core.graphed import Graphed
 
-__all__ = ["random_like", "tolerance", "verify_against_eager"]
-
-log = logging.getLogger("cudagraphs")
+__all__ = ["python_values", "random_like", "tolerance", "verify_against_eager"]
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -64,36 +70,109 @@ def verify_against_eager(graphed: Graphed[Any], rounds: int) -> None:
     """Raise :class:`VerificationError` if a replay differs from eager; see the module doc."""
     leaves, spec = optree.tree_flatten((graphed.inputs, graphed.input_kwargs), namespace=NAMESPACE)
     fn = graphed.fn
+    inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
+    plain = [x for x in leaves if not isinstance(x, torch.Tensor)]
     for _ in range(rounds):
         fresh = [random_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
         args, kwargs = optree.tree_unflatten(spec, fresh)
-        eager_args, eager_kwargs = _clone_tree((args, kwargs))
-        expected = _clone_tree(fn(*eager_args, **eager_kwargs))
-        again_args, again_kwargs = _clone_tree((args, kwargs))
-        again = fn(*again_args, **again_kwargs)
-        got = _clone_tree(graphed(*_clone_tree(args), **_clone_tree(kwargs)))
-        random = not _equal(expected, again)
-        if random:
-            log.info(
-                "cudagraphs: verify: %s gives different eager outputs on one input (random: "
-                "dropout, sampling); comparing shapes and dtypes only",
-                fn,
+        before = python_values(fn)
+        expected, written = _eager_from_here(fn, args, kwargs, inputs, plain)
+        changed = [name for name, value in python_values(fn).items() if before.get(name) != value]
+        if changed:
+            raise VerificationError(
+                explain(
+                    f"{callable_name(fn)} changes Python state on each call: "
+                    + ", ".join(changed[:5]),
+                    "a graph runs the Python code once, at capture, and freezes what it read "
+                    "(a counter used as an index stays at its value from capture)",
+                    "keep such state in a tensor on the device and update it in place "
+                    "(counter.add_(1)), or pass it as a tensor input",
+                )
             )
-        _compare(expected, got, shapes_only=random)
+        again, _ = _eager_from_here(fn, args, kwargs, inputs, plain)
+        # The replay's writes happen inside the graph, unseen by a dispatch mode: copy what the
+        # eager run wrote, replay, and put it back.
+        snapshot = Snapshot(zip(written.names, written.tensors))
+        got = _clone_tree(graphed(*_clone_tree(args), **_clone_tree(kwargs)))
+        snapshot.restore()
+        differs = _first_difference(expected, again)
+        if differs is not None:
+            warnings.warn(
+                f"cudagraphs: verify: {callable_name(fn)} gives different outputs on one input from "
+                f"one state and RNG ({differs}): comparing shapes and dtypes only. A graph replays "
+                "such randomness with its own draws.",
+                CudaGraphsWarning,
+                stacklevel=user_stacklevel(),
+            )
+        _compare(expected, got, shapes_only=differs is not None)
 
 
-def _equal(a: Any, b: Any) -> bool:
+def _eager_from_here(
+    fn: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    inputs: list[torch.Tensor],
+    plain: list[Any],
+) -> tuple[Any, Written]:
+    """One eager run on clones of the arguments; what it writes and the RNG are put back."""
+    effects = SideEffects(fn, inputs, plain, "restore")
+    call_args, call_kwargs = _clone_tree((args, kwargs))
+    with effects.running():
+        output = _clone_tree(fn(*call_args, **call_kwargs))
+    return output, effects.finish()
+
+
+def python_values(fn: Callable[..., Any]) -> dict[str, Any]:
+    """Plain values ``fn`` reads outside its arguments (closure, globals, module attributes, and
+    lists, tuples and dicts of them), by name: what a graph freezes at capture."""
+    found: dict[str, Any] = {}
+    for name, value in named_roots(fn):
+        _plain_values(name, value, found, depth=0)
+    return found
+
+
+_PLAIN = (bool, int, float, str)
+
+
+def _plain_values(name: str, value: Any, found: dict[str, Any], depth: int) -> None:
+    if isinstance(value, _PLAIN):
+        found[name] = value
+    elif depth > 2 or len(found) > 5000:
+        return
+    elif isinstance(value, (list, tuple)):
+        for k, item in enumerate(value[:100]):
+            _plain_values(f"{name}[{k}]", item, found, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in list(value.items())[:100]:
+            _plain_values(f"{name}[{key!r}]", item, found, depth + 1)
+    elif isinstance(value, torch.nn.Module):
+        for module_name, module in value.named_modules(prefix=name):
+            for key, item in vars(module).items():
+                if not key.startswith("_") and isinstance(item, _PLAIN) and key != "training":
+                    found[f"{module_name}.{key}"] = item
+    elif hasattr(value, "__dict__") and not callable(value) and not inspect.ismodule(value):
+        for key, item in list(vars(value).items())[:100]:
+            if not key.startswith("_"):
+                _plain_values(f"{name}.{key}", item, found, depth + 1)
+
+
+def _first_difference(a: Any, b: Any) -> str | None:
+    """The path of the first output leaf where two eager runs differ beyond tolerance."""
     la, sa = optree.tree_flatten(a, namespace=NAMESPACE)
     lb, sb = optree.tree_flatten(b, namespace=NAMESPACE)
     if sa != sb:
-        return False
-    for x, y in zip(la, lb):
+        return "the output structure"
+    for path, x, y in zip(leaf_paths(sa, root="out"), la, lb):
         if isinstance(x, torch.Tensor):
-            if not (isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y)):
-                return False
+            if not (
+                isinstance(y, torch.Tensor)
+                and x.shape == y.shape
+                and torch.allclose(x.double(), y.double(), equal_nan=True, **tolerance(x.dtype))
+            ):
+                return path
         elif x != y:
-            return False
-    return True
+            return path
+    return None
 
 
 def _compare(expected: Any, got: Any, *, shapes_only: bool) -> None:
