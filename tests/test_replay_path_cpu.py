@@ -9,53 +9,11 @@ into the static outputs, which is what a CUDA graph does, so that path runs in C
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any
-
-import optree
 import pytest
 import torch
 from torch import nn
 
 import cudagraphs as cg
-from cudagraphs.core import recorder as capture_module
-from cudagraphs.core.tree import NAMESPACE
-
-
-class StandInGraph:
-    """Replays by rerunning ``fn`` on the static inputs into the static outputs."""
-
-    def __init__(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any):
-        self.fn, self.args, self.kwargs, self.output = fn, args, kwargs, output
-        self.replays = 0
-
-    def replay(self) -> None:
-        fresh = self.fn(*self.args, **self.kwargs)
-        for static, new in zip(
-            optree.tree_leaves(self.output, namespace=NAMESPACE),
-            optree.tree_leaves(fresh, namespace=NAMESPACE),
-        ):
-            if isinstance(static, torch.Tensor) and static is not new:
-                static.copy_(new)
-        self.replays += 1
-
-    def pool(self) -> tuple[int, int]:
-        return (0, 0)
-
-
-@pytest.fixture
-def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
-    def capture(fn: Any, args: Any, kwargs: Any, **_: Any) -> capture_module.Recording:
-        output = fn(*args, **kwargs)
-        return capture_module.Recording(StandInGraph(fn, args, kwargs, output), output, 0.0, 0)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(capture_module, "graphable", lambda t: True)
-    monkeypatch.setattr(cg.Pool, "handle", property(lambda self: (0, 0)))
-    monkeypatch.setattr(torch.cuda, "device", lambda _: contextlib.nullcontext())
-    monkeypatch.setattr(capture_module, "default_stream", lambda _: None)
-    monkeypatch.setattr(capture_module, "warm_up", lambda fn, a, k, n, s: 0.0)
-    monkeypatch.setattr(capture_module, "capture", capture)
 
 
 def test_flat_fast_path_copies_checks_and_replays(stand_in: None) -> None:

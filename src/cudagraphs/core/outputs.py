@@ -136,6 +136,8 @@ class _GuardedEmitter:
 
 
 def _invalidate(live: list[Any]) -> None:
+    if not live:
+        return
     kill = torch._C._set_storage_data_ptr_access_error_msg
     for storage in live:
         kill(storage._cdata, STALE_MESSAGE)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -279,7 +280,13 @@ def reachable_tensors(
             if key and key not in skip and key not in found and obj.device.type != "meta":
                 found[key] = (name, obj)
             continue
-        if depth >= _MAX_DEPTH or (callable(obj) and not isinstance(obj, torch.nn.Module)):
+        if depth >= _MAX_DEPTH:
+            continue
+        if isinstance(obj, (types.FunctionType, types.MethodType)):
+            # A function it calls keeps its own state in its closure (or its bound object).
+            stack.extend((f"{name}{suffix}", child, depth + 1) for suffix, child in _closure(obj))
+            continue
+        if callable(obj) and not isinstance(obj, torch.nn.Module):
             continue
         stack.extend((f"{name}{suffix}", child, depth + 1) for suffix, child in _children(obj))
     return list(found.values())
@@ -303,6 +310,15 @@ def named_roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
         namespace = getattr(target, "__globals__", {})
         roots.extend((n, namespace[n]) for n in code.co_names if n in namespace)
     return roots
+
+
+def _closure(fn: Any) -> Iterator[tuple[str, Any]]:
+    if isinstance(fn, types.MethodType):
+        yield "", fn.__self__
+        return
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        with contextlib.suppress(ValueError):
+            yield f"->{name}", cell.cell_contents
 
 
 def _children(obj: Any) -> Iterator[tuple[str, Any]]:

@@ -118,7 +118,7 @@ class Bucketed:
             )
         self._bucket_options = options.replace(pool=self.pool)
         self._buckets: dict[tuple[int, ...], _Bucket] = {}
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
         self._stats = BucketStats()
         # Fast-path calls counted by real size only; folded into stats when they are read.
         self._fast_counts = [0] * (self.ladders[self.symbols[0]][-1] + 1)
@@ -254,7 +254,7 @@ class Bucketed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # One call at a time: buckets share static buffers, a pool and their outputs.
-        with self._lock:
+        with self.lock:
             return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

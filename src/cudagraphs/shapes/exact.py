@@ -41,10 +41,10 @@ class ExactShapes:
         self._graphs: OrderedDict[tuple[Any, ...], Graphed[Any]] = OrderedDict()
         self.evictions = 0
         self._warned = False
-        self._lock = threading.RLock()
+        self.lock = threading.RLock()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:  # one call at a time: the table and each graph's buffers are shared
+        with self.lock:  # one call at a time: the table and each graph's buffers are shared
             return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
