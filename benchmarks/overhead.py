@@ -147,7 +147,7 @@ def guard_cost(calls: int, windows: int) -> dict[str, Any]:
             calls=calls,
             windows=windows,
         )
-        guard = checked._guard
+        guard = checked.guard
         assert guard is not None
         n = 20000
 

@@ -17,7 +17,8 @@ from torch._dynamo.testing import CompileCounter
 
 import cudagraphs as cg
 from cudagraphs.core.guards import AddressGuard, hooks_installed
-from cudagraphs.core.state import SideEffects, Snapshot, WriteRecorder, reachable_tensors
+from cudagraphs.core.side_effects import SideEffects
+from cudagraphs.core.state import Snapshot, WriteRecorder, reachable_tensors
 
 
 class ToyCache:
@@ -280,3 +281,18 @@ def test_guard_hooks_are_invisible_to_torch_compile() -> None:
     del guard
     gc.collect()
     assert not hooks_installed()
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["examples", "lazy"])
+def test_transformers_static_cache_decode_equals_generate(stand_in: None, lazy: bool) -> None:
+    pytest.importorskip("transformers")
+    from llama_decode import graph_decode, reference_tokens, tiny_llama
+
+    model, config = tiny_llama("cpu", hidden=64, layers=2)
+    prompt = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(1))
+    expected = reference_tokens(model, prompt, 12)
+    got, cache, graphed = graph_decode(model, config, prompt, 12, lazy=lazy, outputs="clone")
+    assert graphed.state is cg.State.CAPTURED
+    assert torch.equal(got, expected)
+    # prefill (8) + 11 decode steps: as eager, the warm-up's advances put back
+    assert all(layer.cumulative_length.item() == 19 for layer in cache.layers)

@@ -12,7 +12,7 @@ from torch import nn
 
 import cudagraphs as cg
 from cudagraphs.core.guards import modules_of
-from cudagraphs.training.autograd import _Order
+from cudagraphs.training.activations import ActivationOrder
 from cudagraphs.training.optimizers import OptimizerWatch, make_graph_safe
 
 
@@ -148,7 +148,7 @@ def test_guards_find_modules_a_step_function_reads_from_its_closure() -> None:
 
 
 def test_chain_order_rules() -> None:
-    order = _Order(2)
+    order = ActivationOrder(2)
     a = order.forward(0, expects_backward=True)
     b = order.forward(1, expects_backward=True)
     order.backward(1, b, "second")
@@ -160,18 +160,18 @@ def test_chain_order_rules() -> None:
     order.forward(0, expects_backward=True)
     with pytest.raises(cg.StaleGraphError, match="overwritten"):
         order.backward(0, a, "first")  # a second forward of the same stage
-    order = _Order(2)
+    order = ActivationOrder(2)
     a = order.forward(0, expects_backward=True)
     b = order.forward(1, expects_backward=True)
     order.forward(0, expects_backward=True)
     with pytest.raises(cg.StaleGraphError):
         order.backward(1, b, "second")  # an earlier stage replayed since
-    order = _Order(2)
+    order = ActivationOrder(2)
     a = order.forward(0, expects_backward=True)
     b = order.forward(1, expects_backward=True)
     with pytest.raises(cg.StaleGraphError, match="later stage's backward is still due"):
         order.backward(0, a, "first")
-    order = _Order(2)
+    order = ActivationOrder(2)
     a = order.forward(0, expects_backward=True)
     order.forward(1, expects_backward=False)  # under no_grad: no backward expected
     order.backward(0, a, "first")

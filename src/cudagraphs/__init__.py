@@ -35,7 +35,8 @@ from .shapes.bucketed import Bucketed
 from .shapes.exact import ExactShapes
 from .shapes.ladders import powers_of_two, server_sizes
 from .shapes.spec import BucketOverflowError, Buckets, BucketStats
-from .training.autograd import GraphedAutograd, graph_autograd, graph_autograd_chain
+from .training.autograd import GraphedAutograd
+from .training.autograd_chain import graph_autograd, graph_autograd_chain
 from .training.optimizers import make_graph_safe
 from .training.step import TrainStep, train_step
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .core.graphed import Graphed, install_diagnostics
+from .core import diagnostics
+from .core.graphed import Graphed
 from .diagnose.hooks import LibraryDiagnostics
 from .errors import ConfigError, explain
 from .options import Options, split_options
@@ -16,7 +17,7 @@ from .shapes.spec import Buckets
 __all__ = ["graph"]
 
 # The core never imports the diagnostics; this layer hands them to it.
-install_diagnostics(LibraryDiagnostics())
+diagnostics.install(LibraryDiagnostics())
 
 
 def graph(

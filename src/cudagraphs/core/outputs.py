@@ -24,6 +24,7 @@ A graph writes its outputs into the same memory on every replay. Three ways to h
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +32,10 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["make_emitter"]
+from ..errors import CudaGraphsWarning
+from .frames import callable_name, user_stacklevel
+
+__all__ = ["detach_outputs", "make_emitter"]
 
 STALE_MESSAGE = (
     "StaleOutputError: this tensor is an output of a cudagraphs replay that a later replay "
@@ -142,3 +146,19 @@ def _invalidate(live: list[Any]) -> None:
     for storage in live:
         kill(storage._cdata, STALE_MESSAGE)
     live.clear()
+
+
+def detach_outputs(output: Any, fn: Callable[..., Any], *, warn: bool) -> Any:
+    """Detach tensor outputs once, at capture: a replay records no autograd history."""
+    leaves, spec = optree.tree_flatten(output, namespace="cudagraphs")
+    if warn and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
+        warnings.warn(
+            f"cudagraphs: {callable_name(fn)} returns tensors that require grad, but a graph "
+            "replay records no autograd history, so the outputs are detached. For inference wrap "
+            "the capture in torch.no_grad() or torch.inference_mode().",
+            CudaGraphsWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return optree.tree_unflatten(
+        spec, [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+    )

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CaptureError, explain
+from ..errors import CaptureError, ConfigError, explain
 from .frames import callable_name, user_location
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "classify_failure",
     "default_stream",
     "graphable",
+    "place",
     "uncached_autocast",
     "warm_up",
 ]
@@ -40,6 +41,35 @@ _streams: dict[int, torch.cuda.Stream] = {}
 def graphable(tensor: torch.Tensor) -> bool:
     """Whether a tensor can be a graph input: it lives in CUDA memory."""
     return tensor.is_cuda
+
+
+def place(paths: list[str], tensors: list[torch.Tensor]) -> torch.device | str:
+    """The CUDA device a call with these tensor inputs is captured on, or why it cannot be
+    (a reason to run eagerly). Refuses inputs split across devices."""
+    cuda = [t.device for t in tensors if graphable(t)]
+    other = [(p, t.device) for p, t in zip(paths, tensors) if not graphable(t)]
+    if cuda and other:
+        path, device = other[0]
+        raise ConfigError(
+            explain(
+                f"{path} is on {device} while other inputs are on {cuda[0]}",
+                "a CUDA graph can only read CUDA memory; a CPU input would be frozen at capture",
+                f"move {path} to {cuda[0]} before calling",
+            )
+        )
+    if len(set(cuda)) > 1:
+        raise ConfigError(
+            explain(
+                f"the inputs are on several CUDA devices: {sorted(set(map(str, cuda)))}",
+                "one graph is recorded on one device",
+                "move the inputs to one device, or capture one graph per device",
+            )
+        )
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if other:
+        return f"the inputs are on {other[0][1]}, not CUDA"
+    return cuda[0] if cuda else torch.device("cuda", torch.cuda.current_device())
 
 
 def default_stream(device: torch.device) -> torch.cuda.Stream:

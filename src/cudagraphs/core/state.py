@@ -31,7 +31,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "RngState",
-    "SideEffects",
     "Versions",
     "Written",
     "Snapshot",
@@ -362,70 +361,3 @@ def is_compiled(fn: Callable[..., Any]) -> bool:
         for c in candidates
         if c is not None
     )
-
-
-# ---------------------------------------------------------------------------------- the policy
-
-
-class SideEffects:
-    """Runs made on the library's own account (warm-up, probes), undone afterwards.
-
-    ``policy`` is the ``side_effects`` option: ``"restore"`` puts every written tensor and the
-    RNG states back, ``"keep"`` leaves them (the runs count, as before), ``"raise"`` puts them
-    back and then raises :class:`~cudagraphs.errors.StateWriteError`. Use :meth:`running` around
-    the runs, then :meth:`finish`.
-    """
-
-    def __init__(
-        self,
-        fn: Callable[..., Any],
-        inputs: Iterable[torch.Tensor],
-        roots: Iterable[Any],
-        policy: str,
-    ) -> None:
-        self.policy = policy
-        self.written = Written()
-        self.unrestored: list[str] = []
-        if policy == "keep":
-            return
-        inputs = list(inputs)
-        reachable = reachable_tensors(fn, roots, exclude=inputs)
-        self._versions = Versions(reachable)
-        # Compiled kernels write unseen by the dispatch mode: copy their reachable state up
-        # front (parameters excepted: only optimizer steps write those, and train_step warms
-        # up with real steps instead).
-        self._snapshot = (
-            Snapshot((n, t) for n, t in reachable if not isinstance(t, torch.nn.Parameter))
-            if is_compiled(fn)
-            else None
-        )
-        names = {storage_key(t): n for n, t in reachable}
-        self._recorder = WriteRecorder(exclude=inputs, names=names)
-
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        if self.policy == "keep":
-            yield
-            return
-        with self._recorder:
-            yield
-
-    def finish(self) -> Written:
-        """Restore (unless ``keep``); return what the runs wrote. Raises under ``raise``."""
-        if self.policy == "keep":
-            return self.written
-        written = self._recorder.written()
-        seen = set(map(storage_key, written.tensors))
-        if self._snapshot is not None:
-            extra = self._snapshot.written()
-            for name, t in zip(extra.names, extra.tensors):
-                if storage_key(t) not in seen:
-                    written.names.append(name)
-                    written.tensors.append(t)
-                    seen.add(storage_key(t))
-            written.nbytes += extra.nbytes
-            self._snapshot.restore()
-        self._recorder.restore()
-        self.unrestored = self._versions.changed(ignore=written.tensors)
-        self.written = written
-        return written

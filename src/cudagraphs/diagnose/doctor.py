@@ -14,221 +14,22 @@ optimizer state) is put back to its exact bytes afterwards, and so are the RNG s
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import optree
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core.frames import user_frame
 from ..core.guards import closure_tensors, modules_of
-from ..core.state import RngState, SideEffects, reachable_tensors, storage_key, written_arguments
+from ..core.side_effects import SideEffects
+from ..core.state import RngState, reachable_tensors, storage_key
 from ..core.tree import NAMESPACE, Signature, flatten, leaf_paths
 from .findings import KINDS, Collector, Finding, Report
 from .verify import random_like
+from .watches import DispatchWatch, FunctionWatch, as_if_capturing, patched_calls, sync_debug
 
 __all__ = ["Finding", "Report", "doctor"]
-
-_SYNC_METHODS = {
-    "item": ".item()",
-    "tolist": ".tolist()",
-    "numpy": ".numpy()",
-    "__bool__": "a Python `if`/`while`/`and` on a tensor (bool(tensor))",
-    "__int__": "int(tensor)",
-    "__float__": "float(tensor)",
-    "__index__": "using a tensor as a Python index",
-    "__repr__": "printing a tensor",
-    "__str__": "printing a tensor",
-    "__format__": "formatting a tensor",
-}
-_FROM_DATA = {
-    "tensor": "torch.tensor(data)",
-    "as_tensor": "torch.as_tensor(data)",
-    "from_numpy": "torch.from_numpy",
-}
-
-
-class _FunctionWatch(TorchFunctionMode):
-    def __init__(self, collector: Collector):
-        super().__init__()
-        self.collector = collector
-        self.autocast_reported = False
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in _SYNC_METHODS:
-            self.collector.add("host-sync", _SYNC_METHODS[name])
-        elif name == "cpu" or (name == "to" and _targets_cpu(args, kwargs)):
-            self.collector.add("host-sync", "copying a tensor to the CPU (.cpu() / .to('cpu'))")
-        elif name in _FROM_DATA and getattr(func, "__module__", "") == "torch":
-            self.collector.add("cpu-tensor", _FROM_DATA[name])
-        elif name == "new_tensor":
-            self.collector.add("cpu-tensor", "tensor.new_tensor(data)")
-        if not self.autocast_reported and torch.is_autocast_cache_enabled() and _autocast_on():
-            self.autocast_reported = True
-            self.collector.add("autocast-cache", name or "an op")
-        return func(*args, **kwargs)
-
-
-def _targets_cpu(args: Any, kwargs: Any) -> bool:
-    target = kwargs.get("device", args[1] if len(args) > 1 else None)
-    if isinstance(target, (str, torch.device)):
-        return (
-            torch.device(target).type == "cpu"
-            and isinstance(args[0], torch.Tensor)
-            and args[0].is_cuda
-        )
-    return False
-
-
-def _autocast_on() -> bool:
-    return any(torch.is_autocast_enabled(d) for d in ("cuda", "cpu"))
-
-
-_DYNAMIC_OPS = {
-    "aten::nonzero",
-    "aten::masked_select",
-    "aten::_unique2",
-    "aten::unique_dim",
-    "aten::unique_consecutive",
-    "aten::_unique",
-    "aten::argwhere",
-    "aten::nonzero_static",  # listed so it is *not* flagged below: it has a static size
-}
-
-
-class _DispatchWatch(TorchDispatchMode):
-    def __init__(
-        self,
-        collector: Collector,
-        inputs: dict[int, str],
-        known: set[int],
-        names: dict[int, str],
-        state: dict[int, str],
-    ):
-        super().__init__()
-        self.collector = collector
-        self.inputs = inputs  # storage pointer -> input path
-        self.known = known  # storage pointers of inputs, parameters, buffers, created tensors
-        self.names = names  # storage pointer -> closure/global name
-        self.state = state  # storage pointer -> name, for every tensor the function can reach
-        self.created: set[int] = set()
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # else Dynamo marks a compiled function's code as never to compile again
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name = func._schema.name
-        tensors = [t for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        shapes = tuple(tuple(t.shape) for t in tensors)
-        filename, lineno = user_frame()
-        self.collector.ops.append((str(func), shapes, filename, lineno))
-        c = self.collector
-        if name == "aten::_local_scalar_dense":
-            c.add("host-sync", "reading a tensor's value on the host (.item())")
-        elif name in _DYNAMIC_OPS and name != "aten::nonzero_static":
-            c.add("dynamic-shape", name.removeprefix("aten::"))
-        elif name == "aten::repeat_interleave" and kwargs.get("output_size") is None:
-            c.add("dynamic-shape", "repeat_interleave without output_size")
-        elif name == "aten::index" and any(
-            isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)
-            for i in optree.tree_leaves(args[1:])
-        ):
-            c.add("dynamic-shape", "boolean-mask indexing x[mask]")
-        devices = {t.device for t in tensors if t.device.type != "cpu"}
-        if len(devices) > 1:
-            c.add("multi-device", name, where=", ".join(sorted(map(str, devices))))
-        if devices and any(t.device.type == "cpu" and t.dim() > 0 for t in tensors):
-            c.add("cpu-tensor", f"{name} with a CPU tensor argument")
-        generator = kwargs.get("generator")
-        if isinstance(generator, torch.Generator) and generator is not _default_generator(
-            generator.device
-        ):
-            c.add("generator", name)
-        for index, argument_name in written_arguments(func):
-            value = args[index] if index < len(args) else kwargs.get(argument_name)
-            if isinstance(value, torch.Tensor):
-                key = _storage(value)
-                path = self.inputs.get(key)
-                if path is not None:
-                    c.add("input-mutation", name, where=path)
-                elif key and key not in self.created:
-                    label = self.state.get(key) or f"a tensor of shape {tuple(value.shape)}"
-                    c.add("state-write", name, where=label)
-        for t in tensors:
-            key = _storage(t)
-            if key and key not in self.known:
-                label = self.names.get(key, f"of shape {tuple(t.shape)}")
-                c.add("closure-tensor", name, where=label)
-                self.known.add(key)  # report each external tensor once
-        out = func(*args, **kwargs)
-        aliasing = any(r.alias_info is not None for r in func._schema.returns)
-        for t in optree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.known.add(_storage(t))
-                if not aliasing:
-                    self.created.add(_storage(t))
-        return out
-
-
-def _default_generator(device: torch.device) -> torch.Generator | None:
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index or 0]
-    return torch.default_generator
-
-
-def _storage(t: torch.Tensor) -> int:
-    try:
-        return t.untyped_storage().data_ptr()
-    except Exception:
-        return 0
-
-
-@contextmanager
-def _patched(collector: Collector) -> Iterator[None]:
-    """Watch explicit synchronizes, GradScaler.step and optimizer steps for the run."""
-    patches: list[tuple[Any, str, Any]] = []
-
-    def patch(owner: Any, attr: str, kind: str, what: str, call_through: bool) -> None:
-        original = getattr(owner, attr)
-
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            collector.add(kind, what)
-            if call_through:
-                return original(*args, **kwargs)
-            return None
-
-        patches.append((owner, attr, original))
-        setattr(owner, attr, wrapper)
-
-    cuda = torch.cuda.is_available()
-    patch(torch.cuda, "synchronize", "sync-call", "torch.cuda.synchronize()", cuda)
-    patch(torch.cuda.Stream, "synchronize", "sync-call", "stream.synchronize()", cuda)
-    patch(torch.cuda.Event, "synchronize", "sync-call", "event.synchronize()", cuda)
-    patch(torch.amp.GradScaler, "step", "grad-scaler", "scaler.step(optimizer)", True)
-
-    def step_hook(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if "capturable" in optimizer.defaults and not all(
-            g.get("capturable", False) for g in optimizer.param_groups
-        ):
-            collector.add("optimizer", "optimizer.step()", where=type(optimizer).__name__)
-
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-    handle = register_optimizer_step_pre_hook(step_hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-        for owner, attr, original in reversed(patches):
-            setattr(owner, attr, original)
 
 
 def _reachable_state(fn: Callable[..., Any], args: Any) -> list[Any]:
@@ -265,7 +66,7 @@ def _filled(cell: Any) -> bool:
 
 def _external_names(fn: Callable[..., Any]) -> dict[int, str]:
 
-    return {_storage(t): name for name, _, t in closure_tensors(fn)}
+    return {storage_key(t): name for name, _, t in closure_tensors(fn)}
 
 
 def _known_storages(fn: Callable[..., Any], objects: list[Any]) -> set[int]:
@@ -273,7 +74,7 @@ def _known_storages(fn: Callable[..., Any], objects: list[Any]) -> set[int]:
     for obj in objects:
         if isinstance(obj, torch.nn.Module):
             for t in [*obj.parameters(), *obj.buffers()]:
-                known.add(_storage(t))
+                known.add(storage_key(t))
     return known
 
 
@@ -283,7 +84,7 @@ def _run(
     """One eager run on clones of the inputs, watched; what it writes outside them is put back."""
     signature, leaves = Signature.of_call(args, kwargs)
     clones = [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves]
-    inputs = {_storage(clones[i]): signature.paths[i] for i in signature.tensor_index}
+    inputs = {storage_key(clones[i]): signature.paths[i] for i in signature.tensor_index}
     known = _known_storages(fn, objects) | set(inputs)
     collector = Collector()
     call_args, call_kwargs = optree.tree_unflatten(signature.spec, clones)
@@ -293,55 +94,17 @@ def _run(
     effects = SideEffects(fn, tensors, plain, "restore")
     try:
         with ExitStack() as stack:
-            stack.enter_context(_patched(collector))
-            stack.enter_context(_as_if_capturing())
+            stack.enter_context(patched_calls(collector))
+            stack.enter_context(as_if_capturing())
             if torch.cuda.is_available():
-                stack.enter_context(_sync_debug(collector))
+                stack.enter_context(sync_debug(collector))
             stack.enter_context(effects.running())
-            stack.enter_context(_FunctionWatch(collector))
-            stack.enter_context(
-                _DispatchWatch(collector, inputs, known, _external_names(fn), state)
-            )
+            stack.enter_context(FunctionWatch(collector))
+            stack.enter_context(DispatchWatch(collector, inputs, known, _external_names(fn), state))
             out = fn(*call_args, **call_kwargs)
     finally:
         effects.finish()
     return collector, out, inputs
-
-
-@contextmanager
-def _as_if_capturing() -> Iterator[None]:
-    """Code on the capture path asks whether a stream is capturing (transformers skips its
-    host syncs then); judge that path, the one a graph records, not the eager one."""
-    original = torch.cuda.is_current_stream_capturing
-    torch.cuda.is_current_stream_capturing = lambda: True  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.cuda.is_current_stream_capturing = original  # type: ignore[assignment]
-
-
-@contextmanager
-def _sync_debug(collector: Collector) -> Iterator[None]:
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    original = warnings.showwarning
-
-    def show(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
-        if "synchroniz" in str(message).lower():
-            where = user_frame()
-            if not any(key[1:] == where for key in collector.findings):  # not explained yet
-                collector.add("host-sync", "an operation that synchronized with the host")
-        else:
-            original(message, category, filename, lineno, *rest)
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = show
-        try:
-            yield
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-            warnings.showwarning = original
 
 
 def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
@@ -400,14 +163,14 @@ def _outputs_aliasing_inputs(
     code = getattr(getattr(fn, "forward", fn), "__code__", None)
     filename, lineno = (code.co_filename, code.co_firstlineno) if code else ("<outputs>", 0)
     for path, leaf in zip(leaf_paths(spec, root="out"), leaves):
-        if isinstance(leaf, torch.Tensor) and _storage(leaf) in inputs:
+        if isinstance(leaf, torch.Tensor) and storage_key(leaf) in inputs:
             severity, message, fix = KINDS["output-aliases-input"]
             collector.findings[("output-aliases-input", path, 0)] = Finding(
                 "output-aliases-input",
                 severity,
                 filename,
                 lineno,
-                message.format(what="", where=path, other=inputs[_storage(leaf)]),
+                message.format(what="", where=path, other=inputs[storage_key(leaf)]),
                 fix,
             )
 

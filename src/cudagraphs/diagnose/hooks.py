@@ -6,7 +6,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..core.graphed import Diagnostics, Graphed
+from ..core.diagnostics import Diagnostics
+from ..core.graphed import Graphed
 from ..errors import CaptureError
 from .doctor import doctor
 from .verify import verify_against_eager

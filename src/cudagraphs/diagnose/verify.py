@@ -24,7 +24,8 @@ import optree
 import torch
 
 from ..core.frames import callable_name, user_stacklevel
-from ..core.state import SideEffects, Snapshot, Written, named_roots
+from ..core.side_effects import SideEffects
+from ..core.state import Snapshot, Written, named_roots
 from ..core.tree import NAMESPACE, leaf_paths
 from ..errors import CudaGraphsWarning, VerificationError, explain
 

@@ -34,7 +34,7 @@ import torch
 from ..core.frames import callable_name
 from ..core.graphed import Graphed, State
 from ..core.pool import Pool
-from ..core.state import SideEffects
+from ..core.side_effects import SideEffects
 from ..core.tree import NAMESPACE, Signature, flatten, leaf_paths
 from ..errors import ConfigError, explain
 from ..options import Options

@@ -235,7 +235,7 @@ def replay_gpu_time_us(
         graphed = graph(fn, *args, **kwargs)
     except CudaGraphsError:
         return None, None
-    recording = graphed._graph
+    recording = graphed.graph
     if recording is None:
         return None, None
     groups = _replay_kernels(recording.replay, rounds)

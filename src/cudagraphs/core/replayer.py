@@ -1,0 +1,147 @@
+"""The one replay path: check, copy-in, invalidate, replay, write-back, outputs.
+
+A :class:`Replayer` is one captured graph with its static inputs and outputs. Plain graphs,
+buckets and exact shapes all replay through it: :meth:`Replayer.call` for a call whose
+arguments still need checking and copying, :meth:`Replayer.replay_static` for a caller that
+filled the static buffers itself. Everything the check needs is precomputed here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CudaGraphsError
+from .outputs import make_emitter
+from .tree import Signature
+
+__all__ = ["Counters", "Replayer"]
+
+
+@dataclass
+class Counters:
+    """Replays, input copies and write-backs, kept across recaptures."""
+
+    replays: int = 0
+    copies: int = 0
+    writebacks: int = 0
+
+
+class _Mismatch(Exception):
+    """Raised inside the fast check; the slow check then explains what differed."""
+
+
+class Replayer:
+    """A captured graph and what a call needs to replay it; see the module doc."""
+
+    def __init__(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        signature: Signature,
+        static: list[Any],
+        mutated: list[int],
+        output: Any,
+        policy: str,
+        counters: Counters,
+    ):
+        self.graph = graph
+        self.signature = signature
+        self.counters = counters
+        emitter = make_emitter(output, policy)
+        self.emit: Callable[[], Any] = emitter
+        self.invalidate: Callable[[], None] | None = getattr(emitter, "invalidate", None)
+        self.writeback = tuple((i, static[i]) for i in mutated)
+        self.slots = tuple(
+            (
+                i,
+                static[i],
+                static[i].data_ptr(),
+                static[i].shape,
+                static[i].dtype,
+                static[i].get_device(),
+            )
+            for i in signature.tensor_index
+        )
+        # Plain values frozen at capture. The rule (tree.same_value): the same object, or the
+        # same type and equal; ``1`` is not a captured ``True``.
+        self.frozen = tuple(zip(signature.frozen_index, signature.frozen_values))
+        self.flat = signature.is_flat  # positional leaves only: calls need no flattening
+        self.n_args = signature.spec.num_leaves
+
+    def call(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Check each leaf against the capture, copy the tensors that need it, replay.
+
+        The check is a flat loop over what capture precomputed; any doubt (a non-tensor, a
+        stale output, a value that compares oddly) goes to the slow check, which explains.
+        """
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        try:
+            for i, buf, ptr, shape, dtype, dev in self.slots:
+                x = leaves[i]
+                if x is buf:
+                    continue
+                if x.shape != shape or x.dtype != dtype or x.get_device() != dev:
+                    raise _Mismatch
+                if x.data_ptr() == ptr and x.stride() == buf.stride():
+                    continue
+                dst.append(buf)
+                src.append(x)
+            for i, value in self.frozen:
+                x = leaves[i]
+                if x is not value and (type(x) is not type(value) or x != value):
+                    raise _Mismatch
+        except Exception:
+            self.explain_mismatch(args, kwargs)
+            raise
+        if dst:
+            if len(dst) == 1:
+                dst[0].copy_(src[0])
+            else:
+                torch._foreach_copy_(dst, src)
+            self.counters.copies += len(dst)
+        out = self.replay_static()
+        if self.writeback:
+            self._write_back(leaves)
+        return out
+
+    def replay_static(self) -> Any:
+        """Replay on whatever the static input buffers hold now; return the outputs."""
+        invalidate = self.invalidate
+        if invalidate is not None:
+            invalidate()
+        self.graph.replay()
+        self.counters.replays += 1
+        return self.emit()
+
+    def release_outputs(self) -> None:
+        """Mark the outputs handed out so far dead (before the graph is replaced)."""
+        if self.invalidate is not None:
+            self.invalidate()
+
+    def _write_back(self, leaves: Any) -> None:
+        # The function mutated these inputs in place; eager would have mutated the caller's
+        # tensors, so copy the graph's result back unless the caller passed the buffer itself.
+        back_dst = []
+        back_src = []
+        for i, buf in self.writeback:
+            if leaves[i] is not buf:
+                back_dst.append(leaves[i])
+                back_src.append(buf)
+        if back_dst:
+            torch._foreach_copy_(back_dst, back_src)
+            self.counters.writebacks += len(back_dst)
+
+    def explain_mismatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Raise the precise error for a call the fast check refused."""
+        try:
+            self.signature.check(args, kwargs)
+        except CudaGraphsError as error:
+            # Raised from inside the fast check's except block: drop that internal context.
+            raise error from None
+        # The fast check is stricter than nothing only where the slow one agrees; if they ever
+        # disagree, refusing is the safe answer.
+        raise AssertionError("cudagraphs: fast and slow signature checks disagree; please report")

@@ -1,0 +1,85 @@
+"""A transformers Llama decode loop with a static KV cache, for the CPU and GPU tests.
+
+Random weights from a config (no download). transformers 5's static cache ignores the position
+it is given and advances a device counter of its own (``cumulative_length``) on every call: the
+state a graph's warm-up must not advance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import cudagraphs as cg
+
+
+def tiny_llama(
+    device: str, dtype: torch.dtype = torch.float32, hidden: int = 256, layers: int = 4
+) -> tuple[Any, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+        initializer_range=0.3,  # livelier random weights: varied tokens, so a wrong cache shows
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    return model, config
+
+
+def reference_tokens(model: Any, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """``model.generate``'s greedy continuation, exactly ``new_tokens`` long."""
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[:, prompt.shape[1] :]
+
+
+def graph_decode(
+    model: Any,
+    config: Any,
+    prompt: torch.Tensor,
+    new_tokens: int,
+    *,
+    lazy: bool = False,
+    wrap: Callable[[Any], Any] | None = None,
+    **options: Any,
+) -> tuple[torch.Tensor, Any, Any]:
+    """Prefill eagerly, then decode token by token through ``cg.graph`` (default options unless
+    given). Returns the new tokens, the cache and the graphed step."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=config, max_cache_len=prompt.shape[1] + new_tokens)
+    with torch.no_grad():
+        logits = model(prompt, past_key_values=cache, use_cache=True).logits
+        token = logits[:, -1:].argmax(-1)
+
+        def decode(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+            out = model(
+                input_ids=token, past_key_values=cache, cache_position=position, use_cache=True
+            )
+            return out.logits[:, -1:].argmax(-1)
+
+        step = wrap(decode) if wrap is not None else decode
+        position = torch.tensor([prompt.shape[1]], device=prompt.device)
+        graphed = cg.graph(step, **options) if lazy else cg.graph(step, token, position, **options)
+        tokens = [token]
+        for _ in range(new_tokens - 1):
+            token = graphed(token, position).clone()
+            position += 1
+            tokens.append(token)
+    return torch.cat(tokens, dim=1), cache, graphed

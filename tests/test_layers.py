@@ -1,0 +1,150 @@
+"""The house in layers: no import circles, small modules, no private names across packages,
+lower layers never import higher ones, and ``import cudagraphs`` stays light."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cudagraphs as cg
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "cudagraphs"
+# Each layer may import only the layers before it.
+LAYERS = ["errors", "options", "core", "shapes", "training", "diagnose", "api", "tools"]
+SAME_FLOOR = {("shapes", "training"), ("training", "shapes")}
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        ".".join(path.relative_to(SRC.parent).with_suffix("").parts): path
+        for path in SRC.rglob("*.py")
+    }
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
+    """``(imported module, names)`` for every import in the file, resolved to absolute names."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1]
+            module = ".".join([*base, node.module] if node.module else base)
+            found.append((module, [a.name for a in node.names]))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cudagraphs"):
+            found.append((node.module or "", [a.name for a in node.names]))
+    return found
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_no_module_is_over_400_lines() -> None:
+    long = {n: len(p.read_text().splitlines()) for n, p in _modules().items()}
+    assert {n: k for n, k in long.items() if k > 400} == {}
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    offenders = []
+    for name, path in _modules().items():
+        for module, names in _imports(name, path):
+            offenders += [f"{name}: from {module} import {n}" for n in names if n.startswith("_")]
+    assert offenders == []
+
+
+def test_lower_layers_never_import_higher_ones() -> None:
+    offenders = []
+    for name, path in _modules().items():
+        mine = _layer(name)
+        if mine in ("__init__", "__main__"):
+            continue
+        for module, _ in _imports(name, path):
+            theirs = _layer(module)
+            if theirs in ("__init__",) or theirs == mine or (mine, theirs) in SAME_FLOOR:
+                continue
+            if LAYERS.index(theirs) > LAYERS.index(mine):
+                offenders.append(f"{name} ({mine}) imports {module} ({theirs})")
+    assert offenders == []
+
+
+def test_no_import_circle_between_modules() -> None:
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        for module, names in _imports(name, path):
+            for target in (module, *(f"{module}.{n}" for n in names)):
+                if target in graph and target != name:
+                    graph[name].add(target)
+    visiting: list[str] = []
+    done: set[str] = set()
+
+    def visit(node: str) -> None:
+        if node in done:
+            return
+        if node in visiting:
+            pytest.fail("import circle: " + " -> ".join([*visiting[visiting.index(node) :], node]))
+        visiting.append(node)
+        for nxt in sorted(graph[node]):
+            if not nxt.endswith("__init__") and nxt != "cudagraphs":
+                visit(nxt)
+        visiting.pop()
+        done.add(node)
+
+    for node in sorted(graph):
+        visit(node)
+
+
+def test_import_cudagraphs_loads_no_tools_and_no_rich() -> None:
+    code = (
+        "import sys, cudagraphs; "
+        "heavy = [m for m in sys.modules if m.startswith(('rich', 'cudagraphs.tools'))]; "
+        "print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    assert callable(cg.bench) and cg.Profile.__name__ == "Profile"  # still there, on first use
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "suggestion"),
+    [({"warmpu": 3}, "warmup"), ({"output": "clone"}, "outputs"), ({"verfy": True}, "verify")],
+)
+def test_a_misspelt_option_says_which_one_was_meant(kwargs: dict, suggestion: str) -> None:
+    def step(x):  # type: ignore[no-untyped-def]
+        return x
+
+    with pytest.raises(cg.ConfigError, match=f"did you mean {suggestion}=") as error:
+        cg.graph(step, **kwargs)
+    assert "is not an option" in str(error.value)
+
+
+def test_a_keyword_the_function_takes_is_an_example_not_a_typo() -> None:
+    def step(x, *, output=1.0):  # type: ignore[no-untyped-def]
+        return x * output
+
+    import torch
+
+    g = cg.graph(step, torch.ones(2), output=2.0)  # CPU: a pass-through with the same checks
+    assert g.input_kwargs == {"output": 2.0}
+
+
+def test_train_step_refuses_options_it_does_not_take() -> None:
+    import torch
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(cg.ConfigError, match="did you mean warmup="):
+        cg.train_step(lambda x: x, optimizer=opt, warmpu=2)
+    with pytest.raises(cg.ConfigError, match="unknown option verify"):
+        cg.train_step(lambda x: x, optimizer=opt, verify=True)
+
+
+def test_config_error_hint_suggests_the_default() -> None:
+    with pytest.raises(cg.ConfigError, match="pass outputs='guarded' \\(the default\\)"):
+        cg.graph(lambda x: x, outputs="copy")
