@@ -239,7 +239,7 @@ def test_torch_compiled_callable_captures_and_matches() -> None:
             torch.testing.assert_close(g(x), model(x), rtol=1e-4, atol=1e-4)
 
 
-def test_decorators_capture_on_first_call() -> None:
+def test_decorators_run_warmup_calls_eagerly_then_capture() -> None:
     @cg.graph
     def double(x: torch.Tensor) -> torch.Tensor:
         return x * 2
@@ -250,9 +250,16 @@ def test_decorators_capture_on_first_call() -> None:
 
     assert double.state is cg.State.LAZY
     x = rand(5)
+    # The first `warmup` calls are the caller's real calls, answered eagerly; the next captures
+    # and is answered by its own replay: N calls, N executions.
+    for _ in range(3):
+        torch.testing.assert_close(double(x), x * 2)
+    assert double.state is cg.State.LAZY and double.stats.eager_calls == 3
     torch.testing.assert_close(double(x), x * 2)
-    torch.testing.assert_close(triple(x), x * 3)
-    assert double.state is cg.State.CAPTURED and triple.stats.replays == 1
+    assert double.state is cg.State.CAPTURED and double.stats.replays == 1
+    for _ in range(6):
+        torch.testing.assert_close(triple(x), x * 3)
+    assert triple.stats.eager_calls == 5 and triple.stats.replays == 1
 
 
 def test_decorated_method_gets_one_graph_per_instance() -> None:

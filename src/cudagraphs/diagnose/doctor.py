@@ -99,7 +99,8 @@ def _run(
             if torch.cuda.is_available():
                 stack.enter_context(sync_debug(collector))
             stack.enter_context(effects.running())
-            stack.enter_context(FunctionWatch(collector))
+            on_cuda = any(t.is_cuda for t in tensors)
+            stack.enter_context(FunctionWatch(collector, on_cuda=on_cuda))
             stack.enter_context(DispatchWatch(collector, inputs, known, _external_names(fn), state))
             out = fn(*call_args, **call_kwargs)
     finally:

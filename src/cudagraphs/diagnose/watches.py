@@ -46,9 +46,13 @@ _FROM_DATA = {
 
 
 class FunctionWatch(TorchFunctionMode):
-    def __init__(self, collector: Collector):
+    """``on_cuda``: the run's inputs are on the GPU (else the doctor judges a CPU run by what
+    would happen on CUDA)."""
+
+    def __init__(self, collector: Collector, *, on_cuda: bool):
         super().__init__()
         self.collector = collector
+        self.on_cuda = on_cuda
         self.autocast_reported = False
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -58,10 +62,21 @@ class FunctionWatch(TorchFunctionMode):
             self.collector.add("host-sync", _SYNC_METHODS[name])
         elif name == "cpu" or (name == "to" and _targets_cpu(args, kwargs)):
             self.collector.add("host-sync", "copying a tensor to the CPU (.cpu() / .to('cpu'))")
-        elif name in _FROM_DATA and getattr(func, "__module__", "") == "torch":
-            self.collector.add("cpu-tensor", _FROM_DATA[name])
-        elif name == "new_tensor":
-            self.collector.add("cpu-tensor", "tensor.new_tensor(data)")
+        elif (name in _FROM_DATA and getattr(func, "__module__", "") == "torch") or (
+            name == "new_tensor"
+        ):
+            out = func(*args, **kwargs)
+            # Host data copied to the GPU is recorded once and frozen. On a GPU run, a tensor
+            # that stays on the CPU is harmless until it reaches a CUDA op (the dispatch watch
+            # sees that); an empty one copies nothing.
+            if (
+                isinstance(out, torch.Tensor)
+                and (not self.on_cuda or out.device.type != "cpu")
+                and out.numel()
+            ):
+                what = _FROM_DATA.get(name, "tensor.new_tensor(data)")
+                self.collector.add("cpu-tensor", what)
+            return out
         if not self.autocast_reported and torch.is_autocast_cache_enabled() and _autocast_on():
             self.autocast_reported = True
             self.collector.add("autocast-cache", name or "an op")
