@@ -57,6 +57,8 @@ class StandInGraph:
 
 
 class _NoStream:
+    device = None
+
     def wait_stream(self, other: Any) -> None:
         pass
 

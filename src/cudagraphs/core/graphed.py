@@ -95,6 +95,7 @@ class Graphed(Generic[R]):
         self.device: torch.device | None = None
         self.eager_warmups_left = options.warmup  # lazy form: real calls before the capture
         self.lock = threading.RLock()
+        self._adopt_inputs = False
         self._counters = Counters()
         self._eager_calls = 0
         self._warmup_s = 0.0
@@ -193,11 +194,7 @@ class Graphed(Generic[R]):
         answered with its own result. It counts: N calls are N executions."""
         assert self.device is not None
         stream = self.options.stream or recorder.default_stream(self.device)
-        current = torch.cuda.current_stream(self.device)
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream), recorder.uncached_autocast():
-            output = self.fn(*args, **kwargs)
-        current.wait_stream(stream)
+        output = recorder.run_on_side_stream(self.fn, args, kwargs, stream)
         self._eager_calls += 1
         return self.prepare_eager_output(output)
 
@@ -208,14 +205,22 @@ class Graphed(Generic[R]):
     # ------------------------------------------------------------------ capture
 
     def initialize(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: int | None = None
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        warmup: int | None = None,
+        adopt_inputs: bool = False,
     ) -> None:
         """Leave LAZY: capture on these example arguments, or become an eager pass-through.
 
         ``warmup`` eager runs on clones of the examples come first (default: the option), and
-        what they write outside the inputs is put back (``side_effects``).
+        what they write outside the inputs is put back (``side_effects``). ``adopt_inputs``:
+        the example tensors themselves become the static inputs (a layer above owns them, as
+        buckets own views of one buffer) instead of clones.
         """
         with self.lock:
+            self._adopt_inputs = adopt_inputs
             if self.signature is None:
                 self._classify(args, kwargs)
             if self.state is State.EAGER:
@@ -281,10 +286,11 @@ class Graphed(Generic[R]):
         # Static input buffers: clones of the examples, so the examples themselves are never
         # touched by warm-up. Normal (not inference) tensors, so in-place mutation by the
         # function shows in their version counters.
-        with torch.inference_mode(False), torch.no_grad():
-            static = list(leaves)
-            for i in signature.tensor_index:
-                static[i] = leaves[i].detach().clone()
+        static = list(leaves)
+        if not self._adopt_inputs:
+            with torch.inference_mode(False), torch.no_grad():
+                for i in signature.tensor_index:
+                    static[i] = leaves[i].detach().clone()
         args, kwargs = optree.tree_unflatten(signature.spec, static)
         stream = options.stream or recorder.default_stream(device)
         inputs = [static[i] for i in signature.tensor_index]
@@ -329,13 +335,6 @@ class Graphed(Generic[R]):
             recording.graph, signature, static, mutated, output, options.outputs, self._counters
         )
         self.mutated_inputs = tuple(mutated)
-        if mutated:
-            log.info(
-                "cudagraphs: %s mutates %s in place; replays copy the result back to the "
-                "caller's tensors",
-                callable_name(self.fn),
-                ", ".join(signature.paths[i] for i in mutated),
-            )
         self.device = device
         self.guard = self.make_guard() if options.guard == "replay" else None
         self.state = State.CAPTURED

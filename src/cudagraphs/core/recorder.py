@@ -31,6 +31,7 @@ __all__ = [
     "default_stream",
     "graphable",
     "place",
+    "run_on_side_stream",
     "uncached_autocast",
     "warm_up",
 ]
@@ -97,6 +98,19 @@ def uncached_autocast() -> Any:
             yield
     else:
         yield
+
+
+def run_on_side_stream(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], stream: Any
+) -> Any:
+    """One eager call on the capture stream, ordered after the caller's work and before what
+    follows (no host sync): a warm-up call whose result is the caller's answer."""
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream), uncached_autocast():
+        output = fn(*args, **kwargs)
+    current.wait_stream(stream)
+    return output
 
 
 def warm_up(

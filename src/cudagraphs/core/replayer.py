@@ -8,6 +8,7 @@ filled the static buffers itself. Everything the check needs is precomputed here
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from .outputs import make_emitter
 from .tree import Signature
 
 __all__ = ["Counters", "Replayer"]
+
+log = logging.getLogger("cudagraphs")
 
 
 @dataclass
@@ -54,6 +57,12 @@ class Replayer:
         self.emit: Callable[[], Any] = emitter
         self.invalidate: Callable[[], None] | None = getattr(emitter, "invalidate", None)
         self.writeback = tuple((i, static[i]) for i in mutated)
+        if mutated:
+            log.info(
+                "cudagraphs: the function mutates %s in place; replays copy the result back to "
+                "the caller's tensors",
+                ", ".join(signature.paths[i] for i in mutated),
+            )
         self.slots = tuple(
             (
                 i,

@@ -79,6 +79,8 @@ class BucketStats:
     padded_elements: int = 0
     overflows: int = 0
     eager_calls: int = 0
+    #: growth of torch.cuda.memory_reserved() while all buckets were captured (what a user sees)
+    reserved_bytes: int = 0
 
     @property
     def padding_waste(self) -> float:
@@ -107,7 +109,8 @@ class BucketStats:
             )
         console.print(table)
         console.print(
-            f"pool total {self.pool_total_bytes / 2**20:.1f} MiB; padding waste "
+            f"pool total {self.pool_total_bytes / 2**20:.1f} MiB; memory reserved by the "
+            f"buckets {self.reserved_bytes / 2**20:.1f} MiB; padding waste "
             f"{self.padding_waste:.1%}; overflows {self.overflows}"
         )
 
