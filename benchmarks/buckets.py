@@ -4,8 +4,9 @@
    (its own dynamic-shape handling: a dynamic kernel, one recorded graph per distinct size) and
    ``cg.graph(..., buckets=powers_of_two(128))``. Each mode is checked against eager first.
 2. At each rung: a bucketed call against a single-shape ``cg.graph`` captured for that size.
-3. Memory: the 4-layer transformer (seq 64) on 8 batch buckets 1..128 in one pool, against the
-   largest bucket captured alone.
+3. Memory as a user sees it (growth of ``torch.cuda.memory_reserved()``): the 4-layer
+   transformer, torchvision resnet18 and mobilenet_v3_small on batch buckets 1..32, against the
+   largest bucket captured alone (``bucket_memory.py``, a fresh process per measurement).
 
     python benchmarks/buckets.py [--json PATH] [--plot PATH] [--markdown PATH]
 """
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import bucket_memory
 import common
 import torch
 from rich.console import Console
@@ -24,7 +26,7 @@ from rich.progress import track
 
 import cudagraphs as cg
 from cudagraphs.tools.timing import measure_side_by_side
-from cudagraphs.tools.workloads import brief_mlp, transformer
+from cudagraphs.tools.workloads import brief_mlp
 
 
 def latency_sweep(calls: int, windows: int) -> dict[str, Any]:
@@ -74,25 +76,9 @@ def latency_sweep(calls: int, windows: int) -> dict[str, Any]:
 
 
 def memory() -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = transformer().cuda().eval()
-    with torch.no_grad():
-        torch.cuda.empty_cache()
-        alone = cg.graph(model, torch.randn(128, 64, 256, device="cuda"))
-        largest = alone.stats.pool_bytes
-        del alone
-        torch.cuda.empty_cache()
-        g = cg.graph(
-            model, torch.randn(128, 64, 256, device="cuda"), buckets={"B": cg.powers_of_two(128)}
-        )
-        per_bucket = {combo[0]: g.stats.pool_bytes[combo] for combo in g.stats.pool_bytes}
-        seconds = {combo[0]: g.stats.capture_s[combo] for combo in g.stats.capture_s}
-    return {
-        "largest_alone_bytes": largest,
-        "shared_pool_bytes": sum(per_bucket.values()),
-        "per_bucket_bytes": per_bucket,
-        "per_bucket_capture_s": seconds,
-    }
+    """Growth of memory_reserved() for all buckets against the largest alone, per model, each
+    measured in a fresh process (bucket_memory.py)."""
+    return bucket_memory.run_all()
 
 
 def render(results: dict[str, Any], console: Console) -> str:
@@ -129,20 +115,12 @@ def render(results: dict[str, Any], console: Console) -> str:
             f"{e['bucketed_latency_us'] / e['single_latency_us']:.2f}× / "
             f"{e['bucketed_throughput_us'] / e['single_throughput_us']:.2f}× |"
         )
-    ratio = mem["shared_pool_bytes"] / mem["largest_alone_bytes"]
     lines += [
         "",
-        "**Memory: transformer (seq 64), 8 batch buckets 1..128 in one pool**",
+        "**Memory as a user sees it: growth of torch.cuda.memory_reserved(), batch rungs 1..32 "
+        "against the largest rung alone** (fresh process per measurement)",
         "",
-        "| bucket | capture s | pool MiB added |",
-        "|---|---|---|",
-        *(
-            f"| B={b} | {mem['per_bucket_capture_s'][b]:.3f} | {mem['per_bucket_bytes'][b] / 2**20:.1f} |"
-            for b in sorted(mem["per_bucket_bytes"], reverse=True)
-        ),
-        "",
-        f"Shared pool total {mem['shared_pool_bytes'] / 2**20:.1f} MiB; largest bucket captured "
-        f"alone {mem['largest_alone_bytes'] / 2**20:.1f} MiB; ratio {ratio:.2f}×.",
+        bucket_memory.render(mem),
         "",
     ]
     text = "\n".join(lines)

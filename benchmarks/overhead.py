@@ -161,6 +161,14 @@ def guard_cost(calls: int, windows: int) -> dict[str, Any]:
             return sorted(samples)[len(samples) // 2] * 1e6
 
         check_us = per_call_us(guard.stale)
+        # The lock that serializes calls from several threads, uncontended: acquire + release.
+        lock = checked.lock
+
+        def locked() -> None:
+            with lock:
+                pass
+
+        lock_us = per_call_us(locked) - per_call_us(lambda: None)
         # For scale, the same comparison each other way, in the same run: torch's pybind helper
         # (what the guard falls back to without a compiler) and a plain Python loop.
         tensors, ptrs = guard.tensors, guard.ptrs
@@ -181,6 +189,7 @@ def guard_cost(calls: int, windows: int) -> dict[str, Any]:
     return {
         "tensors": guard.count,
         "check_us": check_us,
+        "lock_us": lock_us,
         "python_loop_us": loop_us,
         "backend": guard.addresses.backend,
         "helper_backend": helper.backend,
@@ -239,6 +248,8 @@ def render(results: dict[str, Any], console: Console) -> str:
             f"- the check alone ({guard.get('backend', 'torch helper')} address loop): "
             f"{guard['check_us']:.2f} µs per call "
             f"({guard['check_us'] * 1000 / guard['tensors']:.0f} ns per guarded tensor)",
+            f"- the call lock that serializes threads, uncontended: {guard['lock_us']:.3f} µs "
+            "per call (acquire and release)",
             *(
                 [
                     f"- the {guard['data_ptrs']} addresses alone, other ways, same run: "
