@@ -15,9 +15,13 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m cudagraphs",
         description="CUDA graphs in PyTorch, safe, fast and easy.",
     )
+    parser.add_argument("--version", action="version", version=f"cudagraphs {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
-        "demo", help="run the brief's workloads eagerly and graphed, check and time them"
+        "demo",
+        help="run small launch-bound workloads eagerly and graphed, check and time them",
+        description="An MLP, a transformer, a training step and an RL rollout, each checked "
+        "against eager and timed side by side; without CUDA it shows what still works.",
     )
     demo.add_argument("--calls", type=int, default=30, help="calls per timing window (default 30)")
     demo.add_argument("--windows", type=int, default=3, help="timing windows (default 3)")
@@ -43,7 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated subset of: eager,compile,reduce-overhead,cudagraphs,"
         "cudagraphs+compile (default: all)",
     )
-    bench.add_argument("--compile-mode", default="max-autotune-no-cudagraphs")
+    bench.add_argument(
+        "--compile-mode",
+        default="max-autotune-no-cudagraphs",
+        help="torch.compile mode for the compiled modes (default max-autotune-no-cudagraphs)",
+    )
     bench.add_argument("--calls", type=int, default=50, help="calls per window (default 50)")
     bench.add_argument("--windows", type=int, default=5, help="timing windows (default 5)")
     bench.add_argument("--no-check", action="store_true", help="do not compare outputs with eager")
@@ -51,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
     args = parser.parse_args(argv)
     if args.command == "doctor":
-        return _doctor(parser, args.target)
+        return _doctor(doctor, args.target)
     if args.command == "bench":
-        return _bench(parser, args)
+        return _bench(bench, args)
     if args.command == "demo":
         if args.calls < 1 or args.windows < 1:
-            parser.error("--calls and --windows must be at least 1")
+            demo.error("--calls and --windows must be at least 1")
         from .demo import run_demo
 
         return run_demo(calls=args.calls, windows=args.windows)
@@ -105,26 +113,73 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _load_target(parser: argparse.ArgumentParser, target: str) -> tuple[Any, tuple, dict]:
-    """Import FILE.py and call FUNC() for ``(callable, args[, kwargs])``."""
+    """Import FILE.py and call FUNC() for ``(callable, args[, kwargs])``; every mistake is one
+    line through ``parser.error`` (exit code 2, the subcommand's usage, no traceback)."""
     import importlib.util
+    import inspect
 
     path, _, name = target.rpartition(":")
     if not path or not name:
         parser.error(f"target must be FILE.py:FUNC, got {target!r}")
+    if not path.endswith(".py"):
+        parser.error(f"{path}: not a .py file; give the Python file that defines {name}")
     if not Path(path).is_file():
         parser.error(f"{path}: no such file")
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(Path(path).resolve().parent))
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as error:
+        parser.error(f"{path}:{error.lineno}: syntax error: {error.msg}; fix the file")
+    except Exception as error:
+        parser.error(f"importing {path} raised {_one_line(error)}; fix the file")
     factory = getattr(module, name, None)
     if not callable(factory):
         parser.error(f"{path} has no function {name!r}")
-    made = factory()
-    if not isinstance(made, tuple) or len(made) not in (2, 3) or not callable(made[0]):
-        parser.error(f"{name}() must return (callable, args) or (callable, args, kwargs)")
-    return made[0], tuple(made[1]), dict(made[2]) if len(made) == 3 else {}
+    required = [
+        p.name
+        for p in inspect.signature(factory).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if required:
+        parser.error(
+            f"{name}({', '.join(required)}) takes arguments, so it is the function itself, not a "
+            f"maker; add `def make(): return {name}, (example inputs...)` to {path} and pass "
+            f"{path}:make"
+        )
+    try:
+        made = factory()
+    except Exception as error:
+        parser.error(f"{name}() raised {_one_line(error)}")
+    if isinstance(made, tuple) and len(made) in (2, 3) and callable(made[0]):
+        return made[0], tuple(made[1]), dict(made[2]) if len(made) == 3 else {}
+    if not isinstance(made, tuple):
+        # A function of no arguments that returned its result: run it as it is.
+        print(
+            f"{name}() takes no arguments and returned {type(made).__name__}: running {name} itself"
+        )
+        return factory, (), {}
+    parser.error(
+        f"{name}() must return (callable, args) or (callable, args, kwargs), got a tuple of "
+        f"{len(made)} ({', '.join(type(m).__name__ for m in made)})"
+    )
+    raise AssertionError("unreachable")  # parser.error exits
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cudagraphs")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _doctor(parser: argparse.ArgumentParser, target: str) -> int:
