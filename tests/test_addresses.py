@@ -29,8 +29,8 @@ def make(request):
     return lambda tensors: AddressCheck(tensors, native=native)
 
 
-def test_compiled_loop_builds_where_a_compiler_exists():
-    # CI and the GPU machine both have g++ and Python.h; a silent fallback would hide a slow guard.
+def test_compiled_loop_is_built_at_install_where_a_compiler_exists():
+    # CI installs with g++ and Python.h present; a silent fallback would hide a slow guard.
     assert addresses.compiled_module() is not None, addresses._failure
     assert AddressCheck(_tensors()).backend == "compiled"
 
@@ -120,12 +120,57 @@ def _backend_in_fresh_process(**env: str) -> str:
 
 
 @pytest.mark.parametrize(
-    "env",
-    [{"CUDAGRAPHS_NO_COMPILE": "1"}, {"CXX": "/nonexistent/c++"}],
-    ids=["opted out", "no compiler"],
+    "code",
+    [
+        "import os; os.environ['CUDAGRAPHS_NO_COMPILE'] = '1'",
+        "import sys; sys.modules['cudagraphs.core._addresses'] = None",  # not built at install
+    ],
+    ids=["opted out", "not built"],
 )
-def test_falls_back_when_it_cannot_compile(env, tmp_path):
-    backend = _backend_in_fresh_process(CUDAGRAPHS_CACHE_DIR=str(tmp_path), **env)
+def test_falls_back_without_the_compiled_loop(code):
+    program = (
+        f"{code}; import torch; from cudagraphs.core.addresses import AddressCheck; "
+        "print(AddressCheck([torch.zeros(1)]).backend)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, check=True
+    )
     has_helper = hasattr(torch._C, "_tensors_data_ptrs_at_indices_equal")  # CUDA builds only
-    expected = "torch helper" if has_helper else "python loop"
-    assert backend == expected
+    assert result.stdout.strip() == ("torch helper" if has_helper else "python loop")
+
+
+def test_a_library_planted_in_a_shared_folder_is_never_loaded(tmp_path):
+    # Where an earlier version cached its runtime-built module: a predictable name in the
+    # world-writable temporary folder (and the cache variable it honoured). Plant both.
+    shared = tmp_path / "tmp" / f"cudagraphs-{os.getuid()}"
+    shared.mkdir(parents=True)
+    planted = [shared / f"_cudagraphs_addresses_{'0' * 12}.so", tmp_path / "cache" / "x.so"]
+    planted[1].parent.mkdir()
+    for path in planted:
+        path.write_bytes(b"not a library: loading this would run another user's code")
+    home = tmp_path / "home"
+    home.mkdir(mode=0o500)  # read-only home: the old code fell back to the shared folder
+    program = (
+        "import sys, torch\n"
+        "seen = []\n"
+        "sys.addaudithook(lambda event, args: seen.append(repr(args)))\n"
+        "from cudagraphs.core.addresses import AddressCheck, compiled_module\n"
+        "check = AddressCheck([torch.zeros(1)])\n"
+        "module = compiled_module()\n"
+        "print(check.backend, getattr(module, '__file__', None))\n"
+        f"print(any({str(tmp_path)!r} in s for s in seen))\n"
+    )
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "TMPDIR": str(tmp_path / "tmp"),
+        "CUDAGRAPHS_CACHE_DIR": str(planted[1].parent),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=env, check=True
+    )
+    backend_line, touched = result.stdout.strip().splitlines()
+    backend, _, where = backend_line.partition(" ")
+    assert touched == "False", "a planted path was opened or imported"
+    if backend == "compiled":  # from the installed package, nowhere else
+        assert where.startswith(os.path.dirname(addresses.__file__)), where
