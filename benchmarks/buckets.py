@@ -1,6 +1,6 @@
 """Shape buckets: latency per real batch size, overhead at exact rungs, shared-pool memory.
 
-1. The brief's MLP at every real batch size 1..128: eager, ``torch.compile(mode="reduce-overhead")``
+1. The 256-256-16 MLP at every real batch size 1..128: eager, ``torch.compile(mode="reduce-overhead")``
    (its own dynamic-shape handling: a dynamic kernel, one recorded graph per distinct size) and
    ``cg.graph(..., buckets=powers_of_two(128))``. Each mode is checked against eager first.
 2. At each rung: a bucketed call against a single-shape ``cg.graph`` captured for that size.
@@ -26,12 +26,12 @@ from rich.progress import track
 
 import cudagraphs as cg
 from cudagraphs.tools.timing import measure_side_by_side
-from cudagraphs.tools.workloads import brief_mlp
+from cudagraphs.tools.workloads import mlp_256
 
 
 def latency_sweep(calls: int, windows: int) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = brief_mlp().cuda().eval()
+    model = mlp_256().cuda().eval()
     ladder = cg.powers_of_two(128)
     sweep: dict[str, Any] = {"sizes": [], "eager": [], "reduce-overhead": [], "cg buckets": []}
     with torch.no_grad():
@@ -87,7 +87,7 @@ def render(results: dict[str, Any], console: Console) -> str:
         f"Hardware: {results['hardware']}, torch {results['torch']}. Latency = synchronize after "
         "each call; medians of interleaved windows.",
         "",
-        "**Latency per real batch size (brief MLP), µs** (every size checked against eager first)",
+        "**Latency per real batch size (MLP 256-256-16), µs** (every size checked against eager first)",
         "",
         "| batch | eager | reduce-overhead | cg buckets |",
         "|---|---|---|---|",
@@ -140,7 +140,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.plot(sweep["sizes"], sweep[mode], label=mode, linewidth=1.5)
     ax.set_xlabel("real batch size")
     ax.set_ylabel("latency per call (µs, sync after each)")
-    ax.set_title(f"brief MLP, {results['hardware']}")
+    ax.set_title(f"MLP 256-256-16, {results['hardware']}")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()

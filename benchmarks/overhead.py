@@ -1,12 +1,12 @@
 """Per-call overhead of cudagraphs against eager, reduce-overhead and hand-rolled graphs.
 
 For each model: eager, ``torch.compile(mode="reduce-overhead")``, a bare ``CUDAGraph`` with
-copy+replay, the brief's ``GraphModel`` class, and ``cg.graph`` under each output policy. Every
+copy+replay, the hand-rolled ``GraphModel`` class, and ``cg.graph`` under each output policy. Every
 mode is first checked against eager on fresh random inputs; then all are timed side by side in
 one run (interleaved windows, medians), in latency (sync after each call) and throughput (one
 sync per window). Ratios are the figures to read; absolute times move between runs.
 
-    python benchmarks/overhead.py [--models brief_mlp,transformer] [--json PATH] [--markdown PATH]
+    python benchmarks/overhead.py [--models mlp_256,transformer] [--json PATH] [--markdown PATH]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from cudagraphs.tools.workloads import MODELS, hand_written_graph
 
 
 class GraphModel:
-    """The brief's hand-rolled class, verbatim in spirit: warm up, capture, replay."""
+    """The usual hand-rolled class, verbatim in spirit: warm up, capture, replay."""
 
     def __init__(self, model: torch.nn.Module, x: torch.Tensor):
         self.model = model.cuda().eval()
@@ -51,7 +51,7 @@ MODES = (
     "eager",
     "reduce-overhead",
     "bare copy+replay",
-    "brief GraphModel",
+    "hand-rolled GraphModel",
     "cg alias",
     "cg guarded",
     "cg clone",
@@ -65,14 +65,14 @@ def build_modes(
     if "reduce-overhead" in selected:
         modes["reduce-overhead"] = torch.compile(model, mode="reduce-overhead")
     modes["bare copy+replay"] = hand_written_graph(model, example)
-    if "brief GraphModel" in selected:
-        brief = GraphModel(model, example.clone())
+    if "hand-rolled GraphModel" in selected:
+        hand_rolled = GraphModel(model, example.clone())
 
-        def brief_call(x: torch.Tensor) -> torch.Tensor:
-            brief.x.copy_(x)
-            return brief()
+        def hand_rolled_call(x: torch.Tensor) -> torch.Tensor:
+            hand_rolled.x.copy_(x)
+            return hand_rolled()
 
-        modes["brief GraphModel"] = brief_call
+        modes["hand-rolled GraphModel"] = hand_rolled_call
     for policy in ("alias", "guarded", "clone"):
         if f"cg {policy}" in selected:
             modes[f"cg {policy}"] = cg.graph(model, example, outputs=policy)
@@ -275,10 +275,10 @@ def render(results: dict[str, Any], console: Console) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__, "overhead", calls=200, windows=7)
-    choices = [*MODELS, "brief_mlp+tf32"]
+    choices = [*MODELS, "mlp_256+tf32"]
     parser.add_argument(
         "--models",
-        default="brief_mlp,brief_mlp+tf32,transformer,deep_mlp",
+        default="mlp_256,mlp_256+tf32,transformer,deep_mlp",
         help="comma-separated: " + ", ".join(choices),
     )
     parser.add_argument(

@@ -1,6 +1,6 @@
-"""The brief's four uses, each run through ``cg.bench`` (side by side, checked, profiled).
+"""four launch-bound uses, each run through ``cg.bench`` (side by side, checked, profiled).
 
-1. inference serving: the brief's MLP and a 4-layer transformer, and two small convolutional
+1. inference serving: the 256-256-16 MLP and a 4-layer transformer, and two small convolutional
    networks at batch 1 (where Inductor's fusion matters, so ``cudagraphs+compile`` -- our replay
    over ``torch.compile(mode=...)`` -- is compared with ``reduce-overhead``);
 2. RL rollout: 128 policy + environment steps captured whole (eager vs cudagraphs);
@@ -99,7 +99,7 @@ def rollout() -> tuple[Any, tuple, dict]:
 WORKLOADS: dict[
     str, tuple[str, Callable[[], tuple[Any, tuple, dict]], tuple[str, ...], dict[str, Any]]
 ] = {
-    "mlp": ("inference", inference(workloads.brief_mlp, (128, 256)), ALL, {}),
+    "mlp": ("inference", inference(workloads.mlp_256, (128, 256)), ALL, {}),
     "transformer": ("inference", inference(workloads.transformer, (8, 64, 256)), ALL, {}),
     "convnet": ("inference, batch 1", inference(plain_convnet, (1, 3, 64, 64)), ALL, {}),
     "resnet": ("inference, batch 1", inference(residual_convnet, (1, 3, 64, 64)), ALL, {}),

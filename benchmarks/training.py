@@ -2,7 +2,7 @@
 
 Workloads (fixed shapes, as a training loop with ``drop_last=True`` has):
 
-- ``mlp_adam``: the brief's MLP (256 -> 256 -> 16) with cross-entropy and Adam, batch 256, fp32;
+- ``mlp_adam``: the 256-256-16 MLP (256 -> 256 -> 16) with cross-entropy and Adam, batch 256, fp32;
 - ``transformer_lm_bf16``: a 4-layer causal transformer language model (d=256, 4 heads,
   vocabulary 2048) with AdamW under bf16 autocast, batch 8 x 128 tokens.
 

@@ -1,4 +1,4 @@
-"""Quickstart: the brief's MLP, graphed; the three output policies; the errors you get instead
+"""Quickstart: the 256-256-16 MLP, graphed; the three output policies; the errors you get instead
 of wrong answers. Runs on a GPU; on a CPU-only machine it runs the eager pass-through.
 
     python examples/quickstart.py

@@ -1,6 +1,6 @@
 """RL rollout: a small policy network and a toy physics environment, 16 steps captured whole.
 
-The brief's second use: small networks called thousands of times. The state lives in a dict
+An RL rollout loop: small networks called thousands of times. The state lives in a dict
 that the rollout updates in place; cudagraphs copies the in-place update back into the caller's
 tensors, exactly as eager would. Sampling noise is drawn inside the graph and differs on every
 replay. Runs on a GPU; on a CPU-only machine it runs the eager pass-through.

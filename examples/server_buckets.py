@@ -1,6 +1,6 @@
 """Inference server: requests of any batch size 1..64 served by 7 captured graphs in one pool.
 
-The brief's first use. Batches are padded up to the nearest captured size (powers of two),
+An inference server. Batches are padded up to the nearest captured size (powers of two),
 replayed, and sliced back; above 64 the batch is split into chunks of 64. Every size is checked
 against eager here. Runs on a GPU; on a CPU-only machine the same padding and slicing run eagerly.
 

@@ -1,6 +1,6 @@
 """Training with CUDA graphs, two ways: the whole step as one graph, or graphed modules.
 
-The brief's third use: a fixed-shape training step. ``cg.train_step`` captures forward, loss,
+A custom training loop: a fixed-shape training step. ``cg.train_step`` captures forward, loss,
 backward, gradient clipping and the optimizer step as one graph (the optimizer is switched to
 its fused form and the learning rate lives on the GPU, so the scheduler keeps working). The
 first three steps run eagerly (they are real steps), then every step is one graph launch.

@@ -9,14 +9,14 @@ import torch
 from rich.console import Console
 
 import cudagraphs as cg
-from cudagraphs.tools.workloads import brief_mlp
+from cudagraphs.tools.workloads import mlp_256
 
 pytestmark = pytest.mark.cuda
 
 
 def test_profile_counts_kernels_and_measures_the_replay() -> None:
     torch.manual_seed(0)
-    model = brief_mlp().cuda().eval()
+    model = mlp_256().cuda().eval()
     with torch.no_grad():
         p = cg.profile(model, torch.randn(128, 256, device="cuda"), replay=True)
     assert p.kernels_per_call >= 2  # two GEMMs at least

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cudagraphs as cg
-from cudagraphs.tools.workloads import brief_mlp, transformer
+from cudagraphs.tools.workloads import mlp_256, transformer
 
 pytestmark = pytest.mark.cuda
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.cuda
 def test_mlp_batch_buckets_match_eager_for_every_bucket() -> None:
     torch.manual_seed(0)
     rng = random.Random(0)
-    model = brief_mlp().cuda().eval()
+    model = mlp_256().cuda().eval()
     ladder = cg.powers_of_two(128)
     with torch.no_grad():
         g = cg.graph(model, torch.randn(128, 256, device="cuda"), buckets={"B": ladder})
@@ -85,7 +85,7 @@ def test_guarded_outputs_of_a_bucket_go_stale_on_its_next_replay() -> None:
 
 
 def test_exact_shapes_on_gpu_evict_and_stay_correct() -> None:
-    model = brief_mlp().cuda().eval()
+    model = mlp_256().cuda().eval()
     with torch.no_grad():
         g = cg.graph(model, torch.randn(4, 256, device="cuda"), buckets="exact", max_graphs=2)
         for n in (4, 8, 4, 16, 8):

@@ -36,7 +36,7 @@ def test_demo_without_cuda_explains_and_exits_zero() -> None:
 def test_demo_on_gpu_prints_the_table() -> None:
     proc = cli("demo", "--calls", "20", "--windows", "2")
     assert proc.returncode == 0, proc.stderr
-    assert "brief MLP" in proc.stdout and "transformer" in proc.stdout
+    assert "MLP 256-256-16" in proc.stdout and "transformer" in proc.stdout
     assert "StaleOutputError" in proc.stdout
 
 

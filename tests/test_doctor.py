@@ -11,7 +11,7 @@ import torch
 from doctor_cases import constructs
 
 import cudagraphs as cg
-from cudagraphs.tools.workloads import brief_mlp, transformer
+from cudagraphs.tools.workloads import mlp_256, transformer
 
 CASES = [
     ("item", "host-sync"),
@@ -74,7 +74,7 @@ def test_ruff_printing_case_does_not_print_during_the_doctor_run_twice() -> None
 
 @pytest.mark.parametrize(
     "make, shape",
-    [(brief_mlp, (128, 256)), (transformer, (2, 16, 256))],
+    [(mlp_256, (128, 256)), (transformer, (2, 16, 256))],
 )
 def test_clean_workloads_have_no_findings(make: object, shape: tuple[int, ...]) -> None:
     model = make().eval()  # type: ignore[operator]
@@ -91,12 +91,12 @@ def test_a_transformer_layer_is_clean() -> None:
     assert not report.findings, str(report)
 
 
-def test_the_brief_full_capture_pattern_is_clean() -> None:
-    model = brief_mlp().eval()
+def test_the_usual_full_capture_pattern_is_clean() -> None:
+    model = mlp_256().eval()
     y = torch.empty(128, 16)
 
     def step(x: torch.Tensor) -> torch.Tensor:
-        return y.copy_(model(x))  # the brief writes into a pre-allocated output
+        return y.copy_(model(x))  # the usual pattern writes into a pre-allocated output
 
     report = cg.doctor(step, torch.randn(128, 256))
     # y is a global pre-allocated buffer: reported as read by address (a warning), nothing worse.

@@ -101,7 +101,7 @@ def test_alias_is_overwritten_and_clone_is_not() -> None:
 
 
 def test_passing_static_inputs_skips_the_copy() -> None:
-    model = MODELS["brief_mlp"][0]().cuda().eval()
+    model = MODELS["mlp_256"][0]().cuda().eval()
     with torch.no_grad():
         g = cg.graph(model, rand(128, 256))
         x = rand(128, 256)
@@ -122,7 +122,7 @@ def test_passing_static_inputs_skips_the_copy() -> None:
     ],
 )
 def test_bad_inputs_raise_named_errors(args: tuple, error: str) -> None:
-    model = MODELS["brief_mlp"][0]().cuda().eval()
+    model = MODELS["mlp_256"][0]().cuda().eval()
     with torch.no_grad():
         g = cg.graph(model, rand(128, 256))
         args = tuple(
@@ -230,7 +230,7 @@ def test_fallback_eager_logs_once_and_runs_eagerly(caplog: pytest.LogCaptureFixt
 
 
 def test_torch_compiled_callable_captures_and_matches() -> None:
-    model = MODELS["brief_mlp"][0]().cuda().eval()
+    model = MODELS["mlp_256"][0]().cuda().eval()
     compiled = torch.compile(model)
     with torch.no_grad():
         g = cg.graph(compiled, rand(128, 256), warmup=3)
@@ -279,7 +279,7 @@ def test_decorated_method_gets_one_graph_per_instance() -> None:
 
 
 def test_bound_method_and_shared_pool() -> None:
-    model = MODELS["brief_mlp"][0]().cuda().eval()
+    model = MODELS["mlp_256"][0]().cuda().eval()
     with torch.no_grad():
         first = cg.graph(model.forward, rand(128, 256))
         second = cg.graph(model, rand(64, 256), pool=first)
@@ -336,7 +336,7 @@ def test_frozen_python_constant_is_checked() -> None:
 def test_replay_survives_cublas_workspace_clearing_and_empty_cache() -> None:
     # Regression: reduce-overhead clears cuBLAS workspaces on every recording. A graph whose
     # workspace lived outside its pool then replayed into freed memory (illegal memory access).
-    model = MODELS["brief_mlp"][0]().cuda().eval()
+    model = MODELS["mlp_256"][0]().cuda().eval()
     with torch.no_grad():
         g = cg.graph(model, rand(128, 256))
         torch._C._cuda_clearCublasWorkspaces()
@@ -349,7 +349,7 @@ def test_replay_survives_cublas_workspace_clearing_and_empty_cache() -> None:
 
 
 def test_graph_coexists_with_reduce_overhead() -> None:
-    model = MODELS["brief_mlp"][0]().cuda().eval()
+    model = MODELS["mlp_256"][0]().cuda().eval()
     compiled = torch.compile(model, mode="reduce-overhead")
     with torch.no_grad():
         g = cg.graph(model, rand(128, 256))

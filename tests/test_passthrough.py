@@ -15,7 +15,7 @@ needs_cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="exercises
 
 
 def test_cpu_inputs_run_eagerly_with_one_warning() -> None:
-    model = MODELS["brief_mlp"][0]().eval()
+    model = MODELS["mlp_256"][0]().eval()
     with pytest.warns(cg.CudaGraphsWarning, match="runs eagerly") as record:
         g = cg.graph(model, torch.randn(128, 256))
     assert len(record) == 1

@@ -155,15 +155,15 @@ def _load_target(parser: argparse.ArgumentParser, target: str) -> tuple[Any, tup
         parser.error(f"{name}() raised {_one_line(error)}")
     if isinstance(made, tuple) and len(made) in (2, 3) and callable(made[0]):
         return made[0], tuple(made[1]), dict(made[2]) if len(made) == 3 else {}
-    if not isinstance(made, tuple):
-        # A function of no arguments that returned its result: run it as it is.
-        print(
-            f"{name}() takes no arguments and returned {type(made).__name__}: running {name} itself"
-        )
-        return factory, (), {}
+    got = (
+        f"a tuple of {len(made)} ({', '.join(type(m).__name__ for m in made)})"
+        if isinstance(made, tuple)
+        else f"a {type(made).__name__}"
+    )
     parser.error(
-        f"{name}() must return (callable, args) or (callable, args, kwargs), got a tuple of "
-        f"{len(made)} ({', '.join(type(m).__name__ for m in made)})"
+        f"{name}() must return (callable, args) or (callable, args, kwargs), got {got}; a maker "
+        f"builds the inputs, e.g. `def make(): return model, (torch.randn(8, 16),)`; if {name} "
+        f"is itself the function to run, add `def make(): return {name}, ()`"
     )
     raise AssertionError("unreachable")  # parser.error exits
 

@@ -1,6 +1,6 @@
-"""``python -m cudagraphs demo``: the brief's four uses, benchmarked and profiled, in one table.
+"""``python -m cudagraphs demo``: four launch-bound uses, benchmarked and profiled, in one table.
 
-On a CUDA machine: the brief's MLP and a transformer (inference; eager, a hand-written graph and
+On a CUDA machine: the 256-256-16 MLP and a transformer (inference; eager, a hand-written graph and
 ``cg.graph``), a training step (eager against ``cg.train_step``) and an RL rollout of 128 policy
 and environment steps captured whole. Each is checked, timed side by side with
 :func:`cudagraphs.bench` and profiled with :func:`cudagraphs.profile`; a summary table ends it,
@@ -62,7 +62,7 @@ def _cpu_demo(console: Console, calls: int, windows: int) -> int:
         "cg.bench and cg.profile (eager only), and the safety checks."
     )
     torch.manual_seed(0)
-    model = workloads.brief_mlp().eval()
+    model = workloads.mlp_256().eval()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", CudaGraphsWarning)
         g = graph(model, torch.randn(128, 256))
@@ -76,7 +76,7 @@ def _cpu_demo(console: Console, calls: int, windows: int) -> int:
         calls=calls,
         windows=windows,
         console=console,
-        name="brief MLP",
+        name="MLP 256-256-16",
     )
     console.print(report)
     console.print(f"  cg.profile says: {report.profile.recommendation if report.profile else '-'}")
@@ -149,10 +149,10 @@ def run_demo(console: Console | None = None, *, calls: int = 30, windows: int = 
     reports: list[tuple[str, str, BenchReport]] = []
     for title, graphed, build in (
         (
-            "brief MLP",
+            "MLP 256-256-16",
             "cudagraphs",
             lambda: _inference(
-                "brief MLP 256-256-16", workloads.brief_mlp, (128, 256), calls, windows, console
+                "MLP 256-256-16", workloads.mlp_256, (128, 256), calls, windows, console
             ),
         ),
         (
@@ -196,6 +196,6 @@ def run_demo(console: Console | None = None, *, calls: int = 30, windows: int = 
         )
     console.print(summary)
     with torch.no_grad():
-        _safety(console, workloads.brief_mlp().cuda().eval(), (128, 256), "cuda")
+        _safety(console, workloads.mlp_256().cuda().eval(), (128, 256), "cuda")
     console.print(f"\ndemo finished in {time.perf_counter() - started:.0f} s")
     return 0

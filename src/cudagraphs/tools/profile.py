@@ -1,6 +1,6 @@
 """``cg.profile``: is this workload launch-bound, and what would a graph save?
 
-The brief's last lesson: profile first. If the GPU is busy most of the time, graphs won't save
+Profile first. If the GPU is busy most of the time, graphs won't save
 you; if it sits idle between small kernels while the CPU launches the next one, they will.
 :func:`profile` runs the function eagerly under ``torch.profiler`` and measures:
 

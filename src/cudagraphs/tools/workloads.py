@@ -1,4 +1,4 @@
-"""The brief's workloads, shared by the demo, the benchmarks and the tests."""
+"""Small launch-bound workloads, shared by the demo, the benchmarks and the tests."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 
-def brief_mlp() -> nn.Module:
-    """The brief's MLP: 256 -> 256 -> 16, used at batch 128."""
+def mlp_256() -> nn.Module:
+    """The 256-256-16 MLP: 256 -> 256 -> 16, used at batch 128."""
     return nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 16))
 
 
@@ -29,7 +29,7 @@ def deep_mlp() -> nn.Module:
 
 #: name -> (constructor, example input shape)
 MODELS = {
-    "brief_mlp": (brief_mlp, (128, 256)),
+    "mlp_256": (mlp_256, (128, 256)),
     "transformer": (transformer, (8, 64, 256)),
     "deep_mlp": (deep_mlp, (64, 512)),
 }
@@ -38,7 +38,7 @@ MODELS = {
 def hand_written_graph(
     model: Callable[[torch.Tensor], torch.Tensor], example: torch.Tensor
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The brief's pattern written by hand, the baseline cudagraphs is measured against:
+    """The usual pattern written by hand, the baseline cudagraphs is measured against:
     warm-up on a side stream, capture, then copy into the static input and replay."""
     static_x = example.clone()
     side = torch.cuda.Stream()
@@ -63,7 +63,7 @@ def hand_written_graph(
 def rl_rollout(
     n_envs: int = 256, steps: int = 128, device: str = "cuda"
 ) -> tuple[Callable[[dict[str, torch.Tensor]], torch.Tensor], dict[str, torch.Tensor]]:
-    """The brief's RL use: a small policy and a toy physics environment, ``steps`` steps per
+    """An RL rollout: a small policy and a toy physics environment, ``steps`` steps per
     call, the state advanced in place. Returns ``(rollout, example_state)``."""
     policy = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 2)).to(device).eval()
 
@@ -88,9 +88,9 @@ def rl_rollout(
 def mlp_training_step(
     device: str = "cuda", batch: int = 256, model: nn.Module | None = None
 ) -> tuple[Callable[..., torch.Tensor], nn.Module, torch.optim.Optimizer, tuple[torch.Tensor, ...]]:
-    """The brief's MLP with cross-entropy and Adam: ``(step, model, optimizer, (x, y))``.
+    """The 256-256-16 MLP with cross-entropy and Adam: ``(step, model, optimizer, (x, y))``.
     Pass ``model`` (a copy of another step's) to train a twin from the same start."""
-    model = (model if model is not None else brief_mlp()).to(device)
+    model = (model if model is not None else mlp_256()).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
