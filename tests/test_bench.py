@@ -332,3 +332,13 @@ def test_cli_bench_target_errors(tmp_path: Path, capsys, target: str, message: s
     with pytest.raises(SystemExit):
         main(["bench", target.format(dir=tmp_path)])
     assert message in capsys.readouterr().err
+
+
+def test_markdown_table_keeps_one_column_per_header() -> None:
+    import re
+
+    report = cg.bench(lambda x: x * 2, torch.randn(4), modes=["eager"], calls=2, windows=1)
+    lines = [line for line in report.markdown().splitlines() if line.startswith("|")]
+    columns = {len(re.split(r"(?<!\\)\|", line)) for line in lines}
+    assert len(columns) == 1, lines[:3]  # max |err| is escaped, not a column break
+    assert "max \\|err\\|" in lines[0]

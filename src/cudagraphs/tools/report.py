@@ -158,10 +158,10 @@ class BenchReport:
         lines = [
             f"**{self.name}** on {self.device} (torch {self.torch_version}): {self.caption()}",
             "",
-            "| " + " | ".join(self.HEADER) + " |",
+            "| " + " | ".join(map(_cell, self.HEADER)) + " |",
             "|" + "---|" * len(self.HEADER),
         ]
-        lines += ["| " + " | ".join(row) + " |" for row in self.rows()]
+        lines += ["| " + " | ".join(map(_cell, row)) + " |" for row in self.rows()]
         if legend:
             lines += ["", self.LEGEND + "."]
         if self.profile is not None:
@@ -213,6 +213,11 @@ class BenchReport:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         return path
+
+
+def _cell(text: str) -> str:
+    """A markdown table cell: a literal ``|`` (as in ``max |err|``) must not split the column."""
+    return text.replace("|", "\\|")
 
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:
