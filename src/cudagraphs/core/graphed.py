@@ -19,6 +19,7 @@ needs is precomputed at capture, and positional-only calls skip pytree flattenin
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
@@ -43,7 +44,7 @@ from .frames import callable_name, user_stacklevel
 from .guards import AddressGuard
 from .outputs import detach_outputs
 from .replayer import Counters, Replayer
-from .stats import Stats
+from .stats import Costs, Stats
 from .tree import NAMESPACE, Signature
 
 __all__ = ["Graphed", "State"]
@@ -94,21 +95,14 @@ class Graphed(Generic[R]):
         self.state_writes: list[str] = []
         self.device: torch.device | None = None
         self.eager_warmups_left = options.warmup  # lazy form: real calls before the capture
+        # Re-entrant: a server clones an output under it (`with g.lock: y = g(x).clone()`).
         self.lock = threading.RLock()
         self._adopt_inputs = False
         self._counters = Counters()
-        self._eager_calls = 0
-        self._warmup_s = 0.0
-        self._capture_s = 0.0
-        self._pool_bytes = 0
-        self._static_input_bytes = 0
-        self._recaptures = 0
-        self._restored_bytes = 0
+        self._costs = Costs()
         self._bound: weakref.WeakKeyDictionary[Any, Graphed[Any]] | None = None
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
-
-    # ------------------------------------------------------------------ calling
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         with self.lock:
@@ -160,7 +154,7 @@ class Graphed(Generic[R]):
         self.replayer = None  # release the old recording before making the new one
         with torch.cuda.device(self.device):
             self._capture(self.signature, leaves, self.device, warmup=self.recapture_warmup)
-        self._recaptures += 1
+        self._costs.recaptures += 1
 
     def _call_general(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
         state = self.state
@@ -174,12 +168,12 @@ class Graphed(Generic[R]):
             if self.eager_warmups_left > 0:
                 self.eager_warmups_left -= 1
                 return self.eager_warmup_call(args, kwargs)
-            self.initialize(args, kwargs, warmup=0)
+            self._initialize(args, kwargs, warmup=0)
             return self._call_general(args, kwargs)
         if state is State.EAGER:
             assert self.signature is not None
             self.signature.check(args, kwargs)
-            self._eager_calls += 1
+            self._costs.eager_calls += 1
             return self.fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
         replayer = self.replayer
@@ -195,14 +189,12 @@ class Graphed(Generic[R]):
         assert self.device is not None
         stream = self.options.stream or recorder.default_stream(self.device)
         output = recorder.run_on_side_stream(self.fn, args, kwargs, stream)
-        self._eager_calls += 1
+        self._costs.eager_calls += 1
         return self.prepare_eager_output(output)
 
     def prepare_eager_output(self, output: Any) -> Any:
         """What an eager call hands back (a training step detaches its loss here)."""
         return output
-
-    # ------------------------------------------------------------------ capture
 
     def initialize(
         self,
@@ -220,26 +212,37 @@ class Graphed(Generic[R]):
         buckets own views of one buffer) instead of clones.
         """
         with self.lock:
-            self._adopt_inputs = adopt_inputs
-            if self.signature is None:
-                self._classify(args, kwargs)
-            if self.state is State.EAGER:
-                return
-            assert self.signature is not None and self.device is not None
-            _, leaves = Signature.of_call(args, kwargs)
-            try:
-                with torch.cuda.device(self.device):
-                    self._capture(
-                        self.signature,
-                        leaves,
-                        self.device,
-                        warmup=self.options.warmup if warmup is None else warmup,
-                    )
-            except CaptureError as error:
-                diagnostics.current().explain_capture_error(error, self.fn, args, kwargs)
-                if self.options.fallback == "raise":
-                    raise
-                self._become_eager(str(error), warn=False)
+            self._initialize(args, kwargs, warmup=warmup, adopt_inputs=adopt_inputs)
+
+    def _initialize(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        warmup: int | None = None,
+        adopt_inputs: bool = False,
+    ) -> None:
+        """The body of :meth:`initialize`, run with ``lock`` held."""
+        self._adopt_inputs = adopt_inputs
+        if self.signature is None:
+            self._classify(args, kwargs)
+        if self.state is State.EAGER:
+            return
+        assert self.signature is not None and self.device is not None
+        _, leaves = Signature.of_call(args, kwargs)
+        try:
+            with torch.cuda.device(self.device):
+                self._capture(
+                    self.signature,
+                    leaves,
+                    self.device,
+                    warmup=self.options.warmup if warmup is None else warmup,
+                )
+        except CaptureError as error:
+            diagnostics.current().explain_capture_error(error, self.fn, args, kwargs)
+            if self.options.fallback == "raise":
+                raise
+            self._become_eager(str(error), warn=False)
 
     def _classify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The first call's signature and device: graphable on one CUDA device, or eager."""
@@ -302,9 +305,9 @@ class Graphed(Generic[R]):
                 options.side_effects if warmup else "keep",
             )
             with effects.running():
-                self._warmup_s = recorder.warm_up(self.fn, args, kwargs, warmup, stream)
+                self._costs.warmup_s = recorder.warm_up(self.fn, args, kwargs, warmup, stream)
             written = effects.finish()
-            self._restored_bytes += written.nbytes
+            self._costs.restored_bytes += written.nbytes
             side_effects.report(effects, self.fn)
             versions = [x._version for x in inputs]
             shared = options.pool
@@ -325,9 +328,9 @@ class Graphed(Generic[R]):
         ]
         if written.names:
             self.state_writes = written.names
-        self._capture_s = recording.capture_s
-        self._pool_bytes = recording.pool_bytes
-        self._static_input_bytes = sum(x.nbytes for x in inputs)
+        self._costs.capture_s = recording.capture_s
+        self._costs.pool_bytes = recording.pool_bytes
+        self._costs.static_input_bytes = sum(x.nbytes for x in inputs)
         self.pool = recording.graph.pool()
         self.inputs, self.input_kwargs = args, kwargs
         output = detach_outputs(recording.output, self.fn, warn=self.warn_grad_outputs)
@@ -353,29 +356,21 @@ class Graphed(Generic[R]):
         guard = AddressGuard(self.fn, self.options.modules)
         return guard if guard.count else None
 
-    # ------------------------------------------------------------------ the rest
-
     @property
     def stats(self) -> Stats:
         n_inputs = len(self.signature.tensor_index) if self.signature else 0
         counters = self._counters
         return Stats(
             state=self.state.value,
-            calls=counters.replays + self._eager_calls,
+            calls=counters.replays + self._costs.eager_calls,
             replays=counters.replays,
-            eager_calls=self._eager_calls,
             copies=counters.copies,
             copies_skipped=counters.replays * n_inputs - counters.copies,
             writebacks=counters.writebacks,
-            warmup_s=self._warmup_s,
-            capture_s=self._capture_s,
-            pool_bytes=self._pool_bytes,
-            static_input_bytes=self._static_input_bytes,
-            recaptures=self._recaptures,
             guarded_tensors=self.guard.count if self.guard is not None else 0,
             guard_check=self.guard.addresses.backend if self.guard is not None else "",
             state_writes=len(self.state_writes),
-            restored_bytes=self._restored_bytes,
+            **dataclasses.asdict(self._costs),
         )
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:

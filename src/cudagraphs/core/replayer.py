@@ -64,15 +64,8 @@ class Replayer:
                 ", ".join(signature.paths[i] for i in mutated),
             )
         self.slots = tuple(
-            (
-                i,
-                static[i],
-                static[i].data_ptr(),
-                static[i].shape,
-                static[i].dtype,
-                static[i].get_device(),
-            )
-            for i in signature.tensor_index
+            (i, x, x.data_ptr(), x.shape, x.dtype, x.get_device(), x.stride())
+            for i, x in ((i, static[i]) for i in signature.tensor_index)
         )
         # Plain values frozen at capture. The rule (tree.same_value): the same object, or the
         # same type and equal; ``1`` is not a captured ``True``.
@@ -89,13 +82,13 @@ class Replayer:
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         try:
-            for i, buf, ptr, shape, dtype, dev in self.slots:
+            for i, buf, ptr, shape, dtype, dev, stride in self.slots:
                 x = leaves[i]
                 if x is buf:
                     continue
                 if x.shape != shape or x.dtype != dtype or x.get_device() != dev:
                     raise _Mismatch
-                if x.data_ptr() == ptr and x.stride() == buf.stride():
+                if x.data_ptr() == ptr and x.stride() == stride:
                     continue
                 dst.append(buf)
                 src.append(x)

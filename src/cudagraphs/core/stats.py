@@ -5,7 +5,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Stats"]
+__all__ = ["Costs", "Stats"]
+
+
+@dataclass
+class Costs:
+    """What a graphed callable spent outside replays, kept up to date as it goes."""
+
+    eager_calls: int = 0
+    warmup_s: float = 0.0
+    capture_s: float = 0.0
+    pool_bytes: int = 0
+    static_input_bytes: int = 0
+    recaptures: int = 0
+    restored_bytes: int = 0
 
 
 @dataclass(frozen=True)

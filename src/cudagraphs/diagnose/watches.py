@@ -9,6 +9,8 @@ debug mode, and make the run look like a capture to code that asks.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,8 @@ from ..core.state import storage_key, written_arguments
 from .findings import Collector
 
 __all__ = ["DispatchWatch", "FunctionWatch", "as_if_capturing", "patched_calls", "sync_debug"]
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 _SYNC_METHODS = {
@@ -235,9 +239,15 @@ def patched_calls(collector: Collector) -> Iterator[None]:
 @contextmanager
 def as_if_capturing() -> Iterator[None]:
     """Code on the capture path asks whether a stream is capturing (transformers skips its
-    host syncs then); judge that path, the one a graph records, not the eager one."""
+    host syncs then); judge that path, the one a graph records, not the eager one. PyTorch's
+    own callers (an optimizer's capture health check) get the true answer: the run is eager."""
     original = torch.cuda.is_current_stream_capturing
-    torch.cuda.is_current_stream_capturing = lambda: True  # type: ignore[assignment]
+
+    def capturing() -> bool:
+        caller = sys._getframe(1).f_code.co_filename
+        return original() if caller.startswith(_TORCH_DIR) else True
+
+    torch.cuda.is_current_stream_capturing = capturing  # type: ignore[assignment]
     try:
         yield
     finally:
