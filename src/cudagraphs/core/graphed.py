@@ -168,7 +168,7 @@ class Graphed(Generic[R]):
             if self.eager_warmups_left > 0:
                 self.eager_warmups_left -= 1
                 return self.eager_warmup_call(args, kwargs)
-            self._initialize(args, kwargs, warmup=0)
+            self.initialize(args, kwargs, warmup=0)
             return self._call_general(args, kwargs)
         if state is State.EAGER:
             assert self.signature is not None
@@ -212,37 +212,26 @@ class Graphed(Generic[R]):
         buckets own views of one buffer) instead of clones.
         """
         with self.lock:
-            self._initialize(args, kwargs, warmup=warmup, adopt_inputs=adopt_inputs)
-
-    def _initialize(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        warmup: int | None = None,
-        adopt_inputs: bool = False,
-    ) -> None:
-        """The body of :meth:`initialize`, run with ``lock`` held."""
-        self._adopt_inputs = adopt_inputs
-        if self.signature is None:
-            self._classify(args, kwargs)
-        if self.state is State.EAGER:
-            return
-        assert self.signature is not None and self.device is not None
-        _, leaves = Signature.of_call(args, kwargs)
-        try:
-            with torch.cuda.device(self.device):
-                self._capture(
-                    self.signature,
-                    leaves,
-                    self.device,
-                    warmup=self.options.warmup if warmup is None else warmup,
-                )
-        except CaptureError as error:
-            diagnostics.current().explain_capture_error(error, self.fn, args, kwargs)
-            if self.options.fallback == "raise":
-                raise
-            self._become_eager(str(error), warn=False)
+            self._adopt_inputs = adopt_inputs
+            if self.signature is None:
+                self._classify(args, kwargs)
+            if self.state is State.EAGER:
+                return
+            assert self.signature is not None and self.device is not None
+            _, leaves = Signature.of_call(args, kwargs)
+            try:
+                with torch.cuda.device(self.device):
+                    self._capture(
+                        self.signature,
+                        leaves,
+                        self.device,
+                        warmup=self.options.warmup if warmup is None else warmup,
+                    )
+            except CaptureError as error:
+                diagnostics.current().explain_capture_error(error, self.fn, args, kwargs)
+                if self.options.fallback == "raise":
+                    raise
+                self._become_eager(str(error), warn=False)
 
     def _classify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The first call's signature and device: graphable on one CUDA device, or eager."""
