@@ -110,9 +110,14 @@ class Graphed(Generic[R]):
             if guard is not None and (reason := guard.stale()) is not None:
                 self._on_stale(reason)
             replayer = self.replayer
-            if replayer is None or not replayer.flat or kwargs or len(args) != replayer.n_args:
-                return self._call_general(args, kwargs)
-            return replayer.call(args, args, kwargs)  # positional leaves: no flattening
+            if (
+                replayer is not None
+                and len(args) == replayer.n_args
+                and replayer.flat
+                and not kwargs
+            ):
+                return replayer.call(args, args, kwargs)  # positional leaves: no flattening
+            return self._call_general(args, kwargs)
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:

@@ -201,6 +201,7 @@ class AddressGuard:
         # train()/eval() after capture would silently keep the recorded mode (dropout, BN).
         self.training = [(m, m.training) for m in self.modules] if self._modes else []
         self.generation = _generation
+        self.simple = not self.closure_ids and not self.watches  # addresses and modes only
 
     @property
     def count(self) -> int:
@@ -209,6 +210,16 @@ class AddressGuard:
 
     def stale(self) -> str | None:
         """``None`` if every guarded address is unchanged; else which tensor moved, in words."""
+        # The common answer first, in as few steps as possible: it runs before every replay.
+        if self.unchanged() and self.generation == _generation and self.simple:
+            for module, training in self.training:
+                if module.training is not training:
+                    break
+            else:
+                return None
+        return self._why_stale()
+
+    def _why_stale(self) -> str | None:
         if self.tensors and not self.unchanged():
             moved = self.addresses.moved() or [0]
             return f"{self.names[moved[0]]} now lives at new memory (param.data = ..., or module.to(...))"

@@ -72,13 +72,52 @@ class Replayer:
         self.frozen = tuple(zip(signature.frozen_index, signature.frozen_values))
         self.flat = signature.is_flat  # positional leaves only: calls need no flattening
         self.n_args = signature.spec.num_leaves
+        # One positional tensor, no frozen values: the shorter path in ``call``.
+        self.single = (
+            self.slots[0][1:]
+            if self.flat and self.n_args == 1 and len(self.slots) == 1 and not self.frozen
+            else None
+        )
 
     def call(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Check each leaf against the capture, copy the tensors that need it, replay.
 
         The check is a flat loop over what capture precomputed; any doubt (a non-tensor, a
         stale output, a value that compares oddly) goes to the slow check, which explains.
+        A call with one tensor and nothing else (the common case) takes a shorter path:
+        every step there is per-call latency in front of the replay.
         """
+        # Only what must precede the replay comes before it: everything after it overlaps
+        # with the GPU's work, and a latency-bound caller waits for the GPU anyway.
+        if self.single is not None:
+            x = leaves[0]
+            buf, ptr, shape, dtype, dev, stride = self.single
+            copied = 0
+            if x is not buf:
+                try:
+                    if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
+                        raise _Mismatch
+                except Exception:
+                    self.explain_mismatch(args, kwargs)
+                    raise
+                if x.data_ptr() != ptr or x.stride() != stride:
+                    buf.copy_(x)
+                    copied = 1
+        else:
+            copied = self._copy_in(leaves, args, kwargs)
+        invalidate = self.invalidate
+        if invalidate is not None:
+            invalidate()
+        self.graph.replay()
+        counters = self.counters
+        counters.replays += 1
+        counters.copies += copied
+        if self.writeback:
+            self._write_back(leaves)
+        return self.emit()
+
+    def _copy_in(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        """Check every leaf and copy the tensors that are not already in place; how many."""
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         try:
@@ -86,7 +125,7 @@ class Replayer:
                 x = leaves[i]
                 if x is buf:
                     continue
-                if x.shape != shape or x.dtype != dtype or x.get_device() != dev:
+                if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
                     raise _Mismatch
                 if x.data_ptr() == ptr and x.stride() == stride:
                     continue
@@ -100,21 +139,17 @@ class Replayer:
             self.explain_mismatch(args, kwargs)
             raise
         if dst:
-            if len(dst) == 1:
-                dst[0].copy_(src[0])
-            else:
+            # One multi-tensor kernel for several inputs: fewer launches in front of the replay.
+            if len(dst) > 1:
                 torch._foreach_copy_(dst, src)
-            self.counters.copies += len(dst)
-        out = self.replay_static()
-        if self.writeback:
-            self._write_back(leaves)
-        return out
+            else:
+                dst[0].copy_(src[0])
+        return len(dst)
 
     def replay_static(self) -> Any:
         """Replay on whatever the static input buffers hold now; return the outputs."""
-        invalidate = self.invalidate
-        if invalidate is not None:
-            invalidate()
+        if self.invalidate is not None:
+            self.invalidate()
         self.graph.replay()
         self.counters.replays += 1
         return self.emit()
