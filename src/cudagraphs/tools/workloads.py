@@ -105,3 +105,45 @@ def mlp_training_step(
         torch.randint(0, 16, (batch,), device=device),
     )
     return step, model, opt, example
+
+
+#: Llama shapes for the decoding example, benchmark and tests: name -> LlamaConfig arguments.
+LLAMA_SHAPES: dict[str, dict[str, int]] = {
+    "llama-tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
+    "llama-512": dict(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=32000,
+    ),
+    "llama-2048": dict(  # the TinyLlama-1.1B shape: about 2.2 GB of bf16 weights
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+}
+
+
+def random_llama(
+    name: str, device: str = "cpu", dtype: torch.dtype = torch.float32, init: float = 0.3
+) -> nn.Module:
+    """A transformers Llama of one of :data:`LLAMA_SHAPES`, random weights (no download), in
+    eval mode. ``init``: the weights' standard deviation; livelier than the default 0.02, so
+    greedy decoding has clear winners instead of near-ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**LLAMA_SHAPES[name], max_position_embeddings=4096, initializer_range=init)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()

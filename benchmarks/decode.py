@@ -1,0 +1,323 @@
+"""LLM decoding, side by side: what users would pick against cudagraphs' Decoder.
+
+Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random weights:
+  hf eager              model.generate (dynamic cache)
+  hf static             model.generate(cache_implementation="static") (transformers compiles it)
+  eager loop            a decode loop over a StaticCache, one forward per token
+  reduce-overhead loop  the same loop through torch.compile(mode="reduce-overhead")
+  cg                    cudagraphs.integrations.transformers.Decoder (graphs of eager kernels)
+  cg K=16               the same, 16 decode steps per graph launch
+  cg compile            Decoder(compile=True): graphs over torch.compile'd kernels
+  cg compile K=4/K=16   the same, 4 or 16 steps per launch
+
+For each: tokens/s (median of --reps runs, interleaved), ms per token (median and worst run),
+set-up seconds (compile, capture, first call), growth of torch.cuda.memory_reserved() beyond
+the weights, share of the weight-streaming roofline (every step reads every weight once), and
+agreement of the tokens with ``hf eager``. ``--rung-memory`` instead measures, in fresh
+processes, the graph memory of all batch rungs against the largest alone, and runs a request
+mix of every batch size 1..max with no recapture.
+
+    python benchmarks/decode.py --model llama-512 --batches 1,4,16,64 [--dtype bfloat16]
+    python benchmarks/decode.py --model llama-512 --rung-memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
+ALL_MODES = (
+    "hf eager", "hf static", "eager loop", "reduce-overhead loop",
+    "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16",
+)  # fmt: skip
+
+
+class Loop:
+    """A decode loop over a transformers StaticCache, eager or through torch.compile."""
+
+    def __init__(self, model: Any, batch: int, length: int, compile_mode: str | None):
+        from transformers import StaticCache
+
+        self.model, self.compiled = model, compile_mode is not None
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+
+        def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+            logits = model(
+                input_ids=token, past_key_values=self.cache, cache_position=position, use_cache=True
+            ).logits
+            return logits[:, -1].argmax(-1, keepdim=True)
+
+        self.step = torch.compile(step, mode=compile_mode) if compile_mode else step
+
+    def __call__(self, prompt: torch.Tensor, new: int) -> torch.Tensor:
+        self.cache.reset()
+        length = prompt.shape[1]
+        positions = torch.arange(length, device=prompt.device)
+        logits = self.model(prompt, past_key_values=self.cache, cache_position=positions).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        tokens = [prompt, token]
+        for i in range(new - 1):
+            if self.compiled:
+                torch.compiler.cudagraph_mark_step_begin()
+            position = torch.tensor([length + i], device=prompt.device)
+            token = self.step(token, position).clone()
+            tokens.append(token)
+        return torch.cat(tokens, dim=1)
+
+
+def make_mode(name: str, model: Any, batch: int, length: int) -> Callable[[torch.Tensor, int], Any]:
+    from cudagraphs.integrations.transformers import Decoder
+
+    def hf(**extra: Any) -> Callable[[torch.Tensor, int], Any]:
+        return lambda prompt, new: model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+            min_new_tokens=new, do_sample=False, pad_token_id=0, **extra,
+        )  # fmt: skip
+
+    if name == "hf eager":
+        return hf()
+    if name == "hf static":
+        return hf(cache_implementation="static")
+    if name in ("eager loop", "reduce-overhead loop"):
+        return Loop(model, batch, length, "reduce-overhead" if "reduce" in name else None)
+    steps = int(name.split("K=")[1]) if "K=" in name else 1
+    decoder = Decoder(
+        model, max_batch=batch, max_length=length, batch_sizes=[batch], steps_per_graph=steps,
+        compile="compile" in name, check_every=1 << 30,
+    )  # fmt: skip
+    return lambda prompt, new: decoder.generate(prompt, max_new_tokens=new, eos_token_id=None)
+
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"  # the CPU: a smoke run of the script itself
+
+
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
+def reserved() -> int:
+    return torch.cuda.memory_reserved() if CUDA else 0
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, time.perf_counter() - start
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes a decode step streams: every weight but the input embedding (only rows gathered)."""
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or tied)
+
+
+def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    length = args.prompt + args.new
+    torch.manual_seed(batch)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, args.prompt), device=DEVICE)
+    calls, rows = {}, {}
+    for name in modes:  # set-up one mode at a time: its memory growth is its own
+        gc.collect()
+        if CUDA:
+            torch.cuda.empty_cache()
+        before = reserved()
+        start = time.perf_counter()
+        call = make_mode(name, model, batch, length)
+        tokens, _ = timed(lambda call=call: call(prompt, args.new))
+        setup = time.perf_counter() - start  # construction plus the first call
+        calls[name] = call
+        rows[name] = {
+            "setup_s": setup,
+            "memory_growth_mib": (reserved() - before) / 2**20,
+            "tokens": tokens[:, args.prompt :],
+            "seconds": [],
+        }
+        print(f"  batch {batch:3d} {name:22s} set-up {setup:7.1f} s", flush=True)
+    for _ in range(args.reps):  # interleaved: every mode once per round
+        for name, call in calls.items():
+            _, seconds = timed(lambda call=call: call(prompt, args.new))
+            rows[name]["seconds"].append(seconds)
+    reference = rows[modes[0]]["tokens"]
+    roofline = batch * HBM_BYTES_PER_S / weight_bytes(model)
+    out = {}
+    for name, row in rows.items():
+        median = statistics.median(row["seconds"])
+        tokens_per_s = batch * args.new / median
+        out[name] = {
+            "tokens_per_s": tokens_per_s,
+            "ms_per_token_median": 1e3 * median / args.new,
+            "ms_per_token_worst": 1e3 * max(row["seconds"]) / args.new,
+            "setup_s": row["setup_s"],
+            "memory_growth_mib": row["memory_growth_mib"],
+            "roofline_share": tokens_per_s / roofline,
+            "token_agreement": float((row["tokens"] == reference).float().mean()),
+            "tokens_equal": bool(torch.equal(row["tokens"], reference)),
+        }
+    del calls
+    torch.compiler.reset()
+    return out
+
+
+def rung_memory(args: argparse.Namespace) -> dict[str, Any]:
+    """Fresh processes: graph memory of all rungs vs the largest alone; a 1..max request mix."""
+    results = {}
+    for label, only_largest in (("all rungs", False), ("largest alone", True)):
+        cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
+               "--max-batch", str(args.max_batch), "--_rung-child", str(int(only_largest))]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        results[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+    results["ratio"] = results["all rungs"]["graph_bytes"] / results["largest alone"]["graph_bytes"]
+    return results
+
+
+def rung_child(args: argparse.Namespace, only_largest: bool) -> None:
+    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.tools.workloads import random_llama
+
+    model = random_llama(args.model, "cuda", getattr(torch, args.dtype))
+    sizes = [args.max_batch] if only_largest else None
+    decoder = Decoder(model, max_batch=args.max_batch, max_length=64, batch_sizes=sizes)
+    graphs = len(decoder.graphs)
+    mix = {}
+    if not only_largest:
+        for batch in range(1, args.max_batch + 1):
+            prompt = torch.randint(0, model.config.vocab_size, (batch, 8), device="cuda")
+            decoder.generate(prompt, max_new_tokens=8, eos_token_id=None)
+        mix = {"requests": args.max_batch, "graphs_after": len(decoder.graphs)}
+    print(json.dumps({
+        "graph_bytes": decoder.stats.graph_bytes, "graphs": graphs, "setup_s": decoder.stats.setup_s,
+        "recaptures": sum(g.stats.recaptures for g in decoder.graphs.values()), **mix,
+    }))  # fmt: skip
+
+
+def markdown(results: dict[str, Any]) -> list[str]:
+    lines = [
+        f"Hardware: {results['hardware']}, torch {results['torch']}, transformers "
+        f"{results['transformers']}; {results['model']} ({results['parameters'] / 1e9:.2f} B "
+        f"parameters, {results['dtype']}), prompt {results['prompt']}, {results['new']} new "
+        f"tokens, greedy; medians of {results['reps']} interleaved runs.",
+        "",
+    ]
+    for batch, modes in results["batches"].items():
+        lines += [
+            f"**batch {batch}**",
+            "",
+            "| mode | tokens/s | ms/token (median / worst) | set-up s | memory growth MiB "
+            "| roofline share | tokens equal hf eager |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, r in modes.items():
+            agreement = "yes" if r["tokens_equal"] else f"{100 * r['token_agreement']:.1f}%"
+            lines.append(
+                f"| {name} | {r['tokens_per_s']:.1f} | {r['ms_per_token_median']:.2f} / "
+                f"{r['ms_per_token_worst']:.2f} | {r['setup_s']:.1f} | "
+                f"{r['memory_growth_mib']:.0f} | {100 * r['roofline_share']:.1f}% | "
+                f"{agreement} |"
+            )
+        lines.append("")
+    return lines
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    batches = [int(b) for b in results["batches"]]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in next(iter(results["batches"].values())):
+        ax.plot(
+            batches,
+            [results["batches"][str(b)][name]["tokens_per_s"] for b in batches],
+            "o-",
+            label=name,
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch",
+        ylabel="tokens/s",
+        title=f"{results['model']} {results['dtype']} decode",
+    )
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="llama-512", help="llama-tiny, llama-512 or llama-2048")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument(
+        "--modes", default=",".join(ALL_MODES), help="comma-separated, first is the reference"
+    )
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rung-memory", action="store_true")
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--_rung-child", dest="rung_child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.rung_child is not None:
+        return rung_child(args, bool(int(args.rung_child)))
+    import transformers
+
+    from cudagraphs.tools.workloads import random_llama
+
+    head = {"hardware": torch.cuda.get_device_name() if CUDA else "CPU", "torch": torch.__version__,
+            "transformers": transformers.__version__, "model": args.model, "dtype": args.dtype}  # fmt: skip
+    if args.rung_memory:
+        results = {**head, "max_batch": args.max_batch, **rung_memory(args)}
+        print(json.dumps(results, indent=1))
+    else:
+        model = random_llama(args.model, DEVICE, getattr(torch, args.dtype))
+        modes = [m.strip() for m in args.modes.split(",")]
+        results = {**head, "parameters": sum(p.numel() for p in model.parameters()),
+                   "prompt": args.prompt, "new": args.new, "reps": args.reps, "batches": {}}  # fmt: skip
+        with torch.no_grad():
+            for batch in (int(b) for b in args.batches.split(",")):
+                results["batches"][str(batch)] = run_batch(model, modes, batch, args)
+                print(
+                    "\n".join(
+                        markdown(
+                            {**results, "batches": {str(batch): results["batches"][str(batch)]}}
+                        )
+                    ),
+                    flush=True,
+                )
+        if args.markdown:
+            args.markdown.write_text("\n".join(markdown(results)) + "\n")
+        if args.plot:
+            plot(results, args.plot)
+    path = args.json or RESULTS / f"decode-{args.model}{'-rungs' if args.rung_memory else ''}.json"
+    path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

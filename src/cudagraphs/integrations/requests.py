@@ -1,0 +1,162 @@
+"""What the decoder accepts: models it can graph and requests it can serve, checked up front
+with errors that say what, why and the fix; and ``generate``'s end-of-sequence rules."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, explain
+
+__all__ = [
+    "MAX_EOS",
+    "check_model",
+    "check_request",
+    "describe",
+    "positive_int",
+    "stop_ids",
+    "trim_finished",
+]
+
+MAX_EOS = 8  # end-of-sequence ids one graph can test against (unused slots hold -1)
+
+
+def check_model(model: Any) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "generate") or not hasattr(config, "vocab_size"):
+        raise ConfigError(
+            explain(
+                f"Decoder needs a transformers causal LM, got {type(model).__name__}",
+                "it decodes through the model's forward with a transformers StaticCache",
+                "pass e.g. AutoModelForCausalLM.from_config(config) or .from_pretrained(...)",
+            )
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(
+            explain(
+                f"{type(model).__name__} is an encoder-decoder model",
+                "the decoder graphs one decoder-only forward per step over one StaticCache",
+                "use a decoder-only causal LM (Llama, Mistral, Qwen2, GPT-2, ...)",
+            )
+        )
+    if model.training:
+        raise ConfigError(
+            explain(
+                f"{type(model).__name__} is in training mode",
+                "dropout would be recorded with one fixed mask and replayed on every token",
+                "call model.eval() before building the Decoder",
+            )
+        )
+
+
+def positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(
+            explain(
+                f"{name} must be a positive int, got {value!r}",
+                "it sizes buffers or counts steps",
+                f"pass {name}=1 or more",
+            )
+        )
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dim()}-D tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def check_request(
+    input_ids: Any,
+    max_new_tokens: Any,
+    attention_mask: torch.Tensor | None,
+    *,
+    device: torch.device,
+    max_batch: int,
+    max_length: int,
+) -> tuple[int, int]:
+    """``(batch, prompt length)`` of a request the decoder can serve; else ConfigError."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ConfigError(
+            explain(
+                f"input_ids must be a 2-D tensor [batch, length], got {describe(input_ids)}",
+                "each row is one prompt",
+                "pass tokenizer(texts, return_tensors='pt').input_ids.to(device)",
+            )
+        )
+    if input_ids.dtype != torch.long or input_ids.device != device:
+        raise ConfigError(
+            explain(
+                f"input_ids must be int64 on {device}, got {input_ids.dtype} on {input_ids.device}",
+                "the prompt is written into the decoder's buffers on the model's device",
+                f"pass input_ids.to({str(device)!r}, torch.long)",
+            )
+        )
+    batch, length = input_ids.shape
+    positive_int("max_new_tokens", max_new_tokens)
+    if not 1 <= batch <= max_batch or length < 1:
+        raise ConfigError(
+            explain(
+                f"input_ids has batch {batch} and length {length}; this decoder takes "
+                f"batches of 1..{max_batch} and non-empty prompts",
+                "the largest batch rung bounds the batch (its cache is allocated once)",
+                "split the request, or build the Decoder with a larger max_batch",
+            )
+        )
+    if length + max_new_tokens > max_length:
+        raise ConfigError(
+            explain(
+                f"prompt length {length} + max_new_tokens {max_new_tokens} exceeds "
+                f"max_length={max_length}",
+                "the KV cache was allocated for max_length positions",
+                "ask for fewer new tokens, or build the Decoder with a larger max_length",
+            )
+        )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ConfigError(
+            explain(
+                "attention_mask has zeros: prompts of different lengths (padding)",
+                "every row of one request decodes at the same cache position",
+                "group prompts of equal length into one request, or call generate per prompt",
+            )
+        )
+    return batch, length
+
+
+def stop_ids(model: Any, eos_token_id: Any, pad_token_id: int | None) -> tuple[list[int], int]:
+    """End-of-sequence ids and the pad id: the caller's, else the model's generation config."""
+    config = getattr(model, "generation_config", None)
+    if eos_token_id == -1:
+        eos_token_id = getattr(config, "eos_token_id", None)
+    eos = (
+        []
+        if eos_token_id is None
+        else [eos_token_id]
+        if isinstance(eos_token_id, int)
+        else list(eos_token_id)
+    )
+    if len(eos) > MAX_EOS or not all(isinstance(e, int) and e >= 0 for e in eos):
+        raise ConfigError(
+            explain(
+                f"eos_token_id must be up to {MAX_EOS} non-negative ints, got {eos_token_id!r}",
+                "the graph compares each new token with a fixed-size list of ids",
+                "pass eos_token_id=tokenizer.eos_token_id, or None to never stop early",
+            )
+        )
+    if pad_token_id is None:
+        pad_token_id = getattr(config, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = eos[0] if eos else 0
+    return eos, int(pad_token_id)
+
+
+def trim_finished(out: torch.Tensor, length: int, eos: list[int]) -> torch.Tensor:
+    """Cut after the step at which every row had emitted an end-of-sequence id (as generate)."""
+    new = out[:, length:]
+    hit = torch.isin(new, torch.tensor(eos, device=out.device))
+    ended = hit.any(dim=1)
+    if not bool(ended.all()):
+        return out
+    last = int(hit.int().argmax(dim=1).max()) + 1
+    return out[:, : length + last]

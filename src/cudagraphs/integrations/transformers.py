@@ -1,0 +1,298 @@
+"""Token-by-token decoding of a transformers causal LM through CUDA graphs.
+
+:class:`Decoder` prepares one ``StaticCache`` sized for the largest batch, prefills each request
+eagerly, and decodes with captured graphs: one per batch-size rung (all in one memory pool, each
+on a view of the one cache), each running ``steps_per_graph`` decode steps per launch with the
+next token chosen inside the graph (greedy, or sampled with temperature, top-k and top-p from
+the device generator) and fed back on the device. The host replays, and looks at the device
+only every ``check_every`` tokens, to stop once every sequence has ended.
+
+Right::
+
+    from cudagraphs.integrations.transformers import Decoder
+
+    decoder = Decoder(model, max_batch=16, max_length=512)     # captures every rung now
+    out = decoder.generate(input_ids, max_new_tokens=128)      # == model.generate(...) greedy
+
+Wrong: a decode loop that calls ``model(...)`` through ``cg.graph`` with a fresh
+``DynamicCache`` per request: the cache grows (new shapes, new addresses), so every token would
+need a new capture.
+
+transformers is an optional dependency: ``pip install cudagraphs[transformers]``.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..api import graph
+from ..core.pool import Pool
+from ..errors import ConfigError, explain
+from ..shapes.ladders import powers_of_two
+from .kv_cache import RungCaches, cache_keyword
+from .requests import MAX_EOS, check_model, check_request, positive_int, stop_ids, trim_finished
+from .sampling import SamplingParams, greedy, sample, stop_finished
+
+__all__ = ["DecodeStats", "Decoder"]
+
+
+@dataclass
+class DecodeStats:
+    """What the decoder has done: set-up cost, graphs, replays, recaptures, memory."""
+
+    setup_s: float = 0.0
+    capture_s: dict[str, float] = field(default_factory=dict)
+    replays: dict[str, int] = field(default_factory=dict)
+    recaptures: int = 0
+    graph_bytes: int = 0  # growth of torch.cuda.memory_reserved() over all captures
+    cache_bytes: int = 0
+    checks: int = 0  # host looks at the device (one sync each)
+
+
+class Decoder:
+    """Greedy or sampled decoding of a causal LM with captured decode steps; see the module doc.
+
+    Args:
+        model: a transformers causal LM in eval mode (``model.eval()``), on one device.
+        max_batch: the largest batch ``generate`` will take.
+        max_length: the longest prompt plus new tokens.
+        batch_sizes: the batch rungs to capture (default: powers of two up to ``max_batch``,
+            and ``max_batch``); a batch is padded up to the next rung.
+        steps_per_graph: decode steps per graph launch (1, 4, 16, ...): fewer launches and no
+            Python between the steps of one launch.
+        compile: ``True`` (or a ``torch.compile`` mode such as
+            ``"max-autotune-no-cudagraphs"``) to graph over ``torch.compile``'d kernels.
+        check_every: look at the device for finished sequences every this many tokens (one
+            sync each); ``generate`` stops at the first check after every sequence ended.
+        do_sample: also capture the sampling graphs now (else on the first sampled request).
+        warmup: eager runs before each capture.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_batch: int,
+        max_length: int,
+        batch_sizes: Sequence[int] | None = None,
+        steps_per_graph: int = 1,
+        compile: bool | str = False,
+        check_every: int = 16,
+        do_sample: bool = False,
+        warmup: int = 2,
+    ):
+        start = time.perf_counter()
+        check_model(model)
+        for name, value in (
+            ("max_batch", max_batch),
+            ("max_length", max_length),
+            ("steps_per_graph", steps_per_graph),
+            ("check_every", check_every),
+        ):
+            positive_int(name, value)
+        self.model = model
+        self.cache_arg = cache_keyword(model)
+        self.device = next(model.parameters()).device
+        self.rungs = sorted(set(batch_sizes or [*powers_of_two(max_batch), max_batch]))
+        if self.rungs[0] < 1 or self.rungs[-1] != max_batch:
+            raise ConfigError(
+                explain(
+                    f"batch_sizes must be positive and end at max_batch={max_batch}, got "
+                    f"{list(batch_sizes or [])}",
+                    "a batch is padded up to the next rung, so the largest rung bounds the batch",
+                    f"pass batch_sizes=[1, 2, 4, ..., {max_batch}] or leave it out",
+                )
+            )
+        self.max_length = max_length
+        self.steps = steps_per_graph
+        self.check_every = max(1, check_every // steps_per_graph)  # in graph launches
+        self.warmup = warmup
+        self.lock = threading.RLock()  # one request at a time: the rungs share cache and pool
+        self.stats = DecodeStats()
+        self.forward = self._forward
+        if compile:
+            self.forward = _compiled(self._forward, compile, len(self.rungs))
+        # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
+        # run past its last token (those steps are thrown away).
+        cache_len = max_length + steps_per_graph - 1
+        self.caches = RungCaches(model, self.rungs, cache_len)
+        self.stats.cache_bytes = self.caches.bytes
+        self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
+        self.params = SamplingParams.make(model.config.vocab_size, self.device)
+        self.eos = torch.full((MAX_EOS,), -1, dtype=torch.long, device=self.device)
+        self.pad = torch.zeros((), dtype=torch.long, device=self.device)
+        self.pool = Pool()
+        self.graphs: dict[tuple[int, str], Any] = {}
+        self.prepare("sample" if do_sample else "greedy")
+        self.stats.setup_s = time.perf_counter() - start
+
+    def prepare(self, mode: str) -> None:
+        """Capture every rung's graph for ``mode`` (``"greedy"`` or ``"sample"``) now."""
+        with self.lock:
+            missing = [n for n in self.rungs if (n, mode) not in self.graphs]
+            if not missing:
+                return
+            cuda = self.device.type == "cuda"
+            before = torch.cuda.memory_reserved(self.device) if cuda else 0
+            # Warm-up draws random numbers; the caller's seeded stream must not see them.
+            with torch.random.fork_rng(devices=[self.device] if cuda else []):
+                for n in reversed(missing):  # the largest first: the pool grows once
+                    start = time.perf_counter()
+                    self.graphs[n, mode] = self._capture(n, mode)
+                    self.stats.capture_s[f"{mode} batch {n}"] = time.perf_counter() - start
+            if cuda:
+                torch.cuda.empty_cache()  # warm-up activations: not the graphs' memory
+                self.stats.graph_bytes += torch.cuda.memory_reserved(self.device) - before
+
+    def _forward(self, token: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = self.model(
+            input_ids=token, cache_position=position, use_cache=True, **{self.cache_arg: cache}
+        )
+        return out.logits[:, -1, :]
+
+    def _chooser(self, mode: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        if mode == "greedy":
+            return greedy
+        params = self.params
+        return lambda logits: sample(logits, params)
+
+    def _capture(self, n: int, mode: str) -> Any:
+        forward, choose, cache = self.forward, self._chooser(mode), self.caches[n]
+        history, eos, pad, steps = self.history[:n], self.eos, self.pad, self.steps
+
+        def decode_steps(
+            token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor
+        ) -> None:
+            # Everything stays on the device: the token is fed back and the position advanced
+            # in place, so one launch runs all the steps.
+            for _ in range(steps):
+                logits = forward(token, position, cache)
+                chosen = stop_finished(choose(logits), finished, eos, pad)
+                position.add_(1)
+                history.scatter_(1, position.view(1, 1).expand(n, 1), chosen)
+                token.copy_(chosen)
+
+        decode_steps.__qualname__ = decode_steps.__name__ = f"decode_{mode}_batch{n}"
+        token = torch.zeros(n, 1, dtype=torch.long, device=self.device)
+        position = torch.zeros(1, dtype=torch.long, device=self.device)
+        finished = torch.zeros(n, dtype=torch.bool, device=self.device)
+        with torch.no_grad():
+            return graph(
+                decode_steps,
+                token,
+                position,
+                finished,
+                pool=self.pool,
+                warmup=self.warmup,
+                # The decoder owns the cache and the buffers and resets them per request, so
+                # warm-up's writes need no putting back (that would copy the whole cache).
+                side_effects="keep",
+                outputs="alias",
+            )
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | Sequence[int] | None = -1,
+        pad_token_id: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Prompt plus new tokens, ``[batch, length]``, as ``model.generate`` returns them.
+
+        ``eos_token_id`` defaults to the model's generation config (``None``: never stop
+        early); finished rows are filled with ``pad_token_id`` (default: the config's, else
+        the first end-of-sequence id), and decoding stops once every row has finished.
+        Greedy output equals ``model.generate(input_ids, max_new_tokens=..., do_sample=False)``.
+        """
+        batch, length = check_request(
+            input_ids,
+            max_new_tokens,
+            attention_mask,
+            device=self.device,
+            max_batch=self.rungs[-1],
+            max_length=self.max_length,
+        )
+        eos, pad = stop_ids(self.model, eos_token_id, pad_token_id)
+        mode = "sample" if do_sample else "greedy"
+        with self.lock, torch.no_grad():
+            if do_sample:
+                self.params.set(temperature, top_k, top_p)
+            self.prepare(mode)
+            n = next(r for r in self.rungs if r >= batch)
+            graphed = self.graphs[n, mode]
+            token, position, finished = graphed.inputs
+            self._prefill(input_ids, n, mode, eos, pad, token, position, finished)
+            launches = math.ceil((max_new_tokens - 1) / self.steps)
+            launch = 0
+            for launch in range(1, launches + 1):
+                graphed(token, position, finished)
+                if eos and launch % self.check_every == 0 and launch < launches:
+                    self.stats.checks += 1
+                    if bool(finished.all()):
+                        break
+            key = f"{mode} batch {n}"
+            self.stats.replays[key] = self.stats.replays.get(key, 0) + launch
+            out = self.history[:batch, : length + max_new_tokens].clone()
+        return trim_finished(out, length, eos) if eos else out
+
+    def _prefill(
+        self,
+        input_ids: torch.Tensor,
+        n: int,
+        mode: str,
+        eos: list[int],
+        pad: int,
+        token: torch.Tensor,
+        position: torch.Tensor,
+        finished: torch.Tensor,
+    ) -> None:
+        batch, length = input_ids.shape
+        cache = self.caches[n]
+        cache.reset()
+        # Rows past the batch repeat the first prompt: a valid input whose results are dropped.
+        prompt = torch.cat([input_ids, input_ids[:1].expand(n - batch, length)])
+        positions = torch.arange(length, device=self.device)
+        out = self.model(
+            input_ids=prompt, cache_position=positions, use_cache=True, **{self.cache_arg: cache}
+        )
+        self.eos.fill_(-1)
+        self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
+        self.pad.fill_(pad)
+        finished.zero_()
+        finished[batch:] = True
+        first = stop_finished(
+            self._chooser(mode)(out.logits[:, -1, :]), finished, self.eos, self.pad
+        )
+        token.copy_(first)
+        position.fill_(length)
+        self.history[:n, :length] = prompt
+        self.history[:n, length] = first[:, 0]
+
+    def __repr__(self) -> str:
+        return (
+            f"<cudagraphs Decoder {type(self.model).__name__} rungs={self.rungs} "
+            f"steps_per_graph={self.steps} graphs={len(self.graphs)}>"
+        )
+
+
+def _compiled(fn: Callable[..., Any], compile: bool | str, rungs: int) -> Callable[..., Any]:
+    mode = None if compile is True else compile
+    config = torch._dynamo.config
+    # One compiled variant per batch rung (its own shapes and cache): keep them all.
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, limit) and getattr(config, limit) < 2 * rungs + 8:
+            setattr(config, limit, 2 * rungs + 8)
+    return torch.compile(fn, mode=mode, dynamic=False)

@@ -1,0 +1,202 @@
+"""The transformers decoding integration: tokens equal ``model.generate``, sampling follows
+transformers' filters, refusals say why. On CPU the graphs are the eager pass-through, so
+what is checked here is the decoding logic (multi-step feedback, rungs, stopping, sampling);
+the same tests run on the GPU through real captures (``test_decoder_cuda.py``)."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import cudagraphs as cg
+
+transformers = pytest.importorskip("transformers")
+
+from llama_decode import tiny_llama  # noqa: E402
+
+from cudagraphs.integrations.sampling import SamplingParams, sample  # noqa: E402
+from cudagraphs.integrations.transformers import Decoder  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::cudagraphs.CudaGraphsWarning")
+
+
+@pytest.fixture(scope="module")
+def llama() -> tuple[object, object]:
+    return tiny_llama("cpu", hidden=64, layers=2)
+
+
+def generate(model, prompt: torch.Tensor, new: int, **kwargs: object) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=new,
+            do_sample=False,
+            **kwargs,
+        )
+
+
+@pytest.mark.parametrize("steps", [1, 4, 16])
+def test_greedy_tokens_equal_generate_at_every_rung(llama, steps: int) -> None:
+    model, _ = llama
+    decoder = Decoder(model, max_batch=8, max_length=64, steps_per_graph=steps)
+    torch.manual_seed(1)
+    for batch in (1, 3, 8):  # 3 pads up to the rung of 4
+        prompt = torch.randint(0, 512, (batch, 7))
+        expected = generate(model, prompt, 30, min_new_tokens=30)
+        assert torch.equal(decoder.generate(prompt, max_new_tokens=30, eos_token_id=None), expected)
+    assert decoder.stats.recaptures == 0
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_rows_that_end_at_different_steps_stop_as_generate_does(llama, steps: int) -> None:
+    model, _ = llama
+    decoder = Decoder(model, max_batch=4, max_length=64, steps_per_graph=steps, check_every=4)
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 512, (4, 6))
+    free = generate(model, prompt, 24, min_new_tokens=24)[:, 6:]
+    # Two end-of-sequence ids taken from the free-running output: rows end at different steps.
+    eos = [int(free[0, 3]), int(free[2, 9])]
+    expected = generate(model, prompt, 24, eos_token_id=eos, pad_token_id=0)
+    got = decoder.generate(prompt, max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, expected)
+    assert (got[:, 6:] == 0).any(), "some row should have been padded after its end"
+
+
+def test_a_mix_of_batch_sizes_reuses_the_captured_rungs(llama) -> None:
+    model, _ = llama
+    decoder = Decoder(model, max_batch=8, max_length=32)
+    graphs = dict(decoder.graphs)
+    for batch in (5, 1, 8, 2, 7, 3):
+        decoder.generate(torch.randint(0, 512, (batch, 4)), max_new_tokens=5)
+    assert decoder.graphs == graphs and decoder.stats.recaptures == 0
+    assert set(decoder.stats.replays) == {
+        "greedy batch 1",
+        "greedy batch 2",
+        "greedy batch 4",
+        "greedy batch 8",
+    }
+
+
+def test_sampling_with_a_seed_is_reproducible(llama) -> None:
+    model, _ = llama
+    decoder = Decoder(model, max_batch=2, max_length=40, steps_per_graph=4, do_sample=True)
+    prompt = torch.randint(0, 512, (2, 5))
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(
+            decoder.generate(prompt, max_new_tokens=20, do_sample=True, top_k=40, top_p=0.9)
+        )
+    assert torch.equal(runs[0], runs[1])
+    torch.manual_seed(8)
+    assert not torch.equal(decoder.generate(prompt, max_new_tokens=20, do_sample=True), runs[0])
+
+
+def chi_squared_critical(df: int, alpha_z: float = 3.09) -> float:
+    """Wilson-Hilferty: the chi-squared quantile at the normal quantile ``alpha_z`` (0.999)."""
+    return df * (1 - 2 / (9 * df) + alpha_z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def sampled_counts(draw, vocab: int, n: int) -> torch.Tensor:
+    return torch.bincount(draw(n).flatten(), minlength=vocab).double()
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, None, None), (0.7, 8, None), (1.3, None, 0.8), (0.9, 12, 0.7)],
+)
+def test_sampled_tokens_follow_transformers_filters(
+    temperature, top_k, top_p, device="cpu"
+) -> None:
+    """Two-sample chi-squared test: our graph-safe sampler against ``torch.multinomial`` on the
+    distribution transformers' own warpers give, over 4000 draws each."""
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    vocab = 24
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(1, vocab, generator=gen) * 2).to(device)
+    params = SamplingParams.make(vocab, device)
+    params.set(temperature, top_k, top_p)
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k is not None:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p is not None:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    reference = scores.softmax(-1)[0]
+    torch.manual_seed(11)
+    ours = sampled_counts(lambda n: sample(logits.expand(n, vocab), params), vocab, 4000)
+    theirs = sampled_counts(
+        lambda n: torch.multinomial(reference, n, replacement=True), vocab, 4000
+    )
+    assert ours[reference == 0].sum() == 0, "a token the filters remove was drawn"
+    seen = (ours + theirs) > 0
+    o, t = ours[seen], theirs[seen]
+    statistic = float((((o - t) ** 2) / (o + t)).sum())
+    assert statistic < chi_squared_critical(int(seen.sum()) - 1), statistic
+
+
+def test_sampling_parameters_are_checked() -> None:
+    params = SamplingParams.make(10, "cpu")
+    with pytest.raises(cg.ConfigError, match="temperature must be > 0"):
+        params.set(0.0, None, None)
+    with pytest.raises(cg.ConfigError, match="top_k must be a positive int"):
+        params.set(1.0, 0, None)
+    with pytest.raises(cg.ConfigError, match=r"top_p must be in \(0, 1\]"):
+        params.set(1.0, None, 1.5)
+
+
+def test_requests_it_cannot_serve_are_refused_with_the_reason(llama) -> None:
+    model, _ = llama
+    decoder = Decoder(model, max_batch=2, max_length=16)
+    prompt = torch.randint(0, 512, (1, 4))
+    with pytest.raises(cg.ConfigError, match="exceeds max_length=16"):
+        decoder.generate(prompt, max_new_tokens=13)
+    with pytest.raises(cg.ConfigError, match=r"batches of 1\.\.2"):
+        decoder.generate(torch.randint(0, 512, (3, 4)), max_new_tokens=2)
+    with pytest.raises(cg.ConfigError, match="2-D tensor"):
+        decoder.generate(prompt[0], max_new_tokens=2)
+    with pytest.raises(cg.ConfigError, match="int64"):
+        decoder.generate(prompt.int(), max_new_tokens=2)
+    with pytest.raises(cg.ConfigError, match="attention_mask has zeros"):
+        mask = torch.ones_like(prompt)
+        mask[0, 0] = 0
+        decoder.generate(prompt, max_new_tokens=2, attention_mask=mask)
+    with pytest.raises(cg.ConfigError, match="max_new_tokens must be a positive int"):
+        decoder.generate(prompt, max_new_tokens=0)
+    with pytest.raises(cg.ConfigError, match="eos_token_id must be"):
+        decoder.generate(prompt, max_new_tokens=2, eos_token_id=[-3])
+
+
+def test_models_it_cannot_graph_are_refused(llama) -> None:
+    model, _ = llama
+    with pytest.raises(cg.ConfigError, match="needs a transformers causal LM"):
+        Decoder(torch.nn.Linear(2, 2), max_batch=1, max_length=8)
+    model.train()
+    try:
+        with pytest.raises(cg.ConfigError, match="training mode"):
+            Decoder(model, max_batch=1, max_length=8)
+    finally:
+        model.eval()
+    with pytest.raises(cg.ConfigError, match="batch_sizes must be positive and end at max_batch"):
+        Decoder(model, max_batch=4, max_length=8, batch_sizes=[1, 2])
+    with pytest.raises(cg.ConfigError, match="steps_per_graph must be a positive int"):
+        Decoder(model, max_batch=1, max_length=8, steps_per_graph=0)
+
+
+def test_one_new_token_needs_no_graph_launch(llama) -> None:
+    model, _ = llama
+    decoder = Decoder(model, max_batch=1, max_length=16)
+    prompt = torch.randint(0, 512, (1, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = generate(model, prompt, 1, min_new_tokens=1)
+    assert torch.equal(decoder.generate(prompt, max_new_tokens=1, eos_token_id=None), expected)
+    assert decoder.stats.replays == {"greedy batch 1": 0}

@@ -1,0 +1,123 @@
+"""The transformers decoding integration on a real GPU: captured decode steps (one per batch
+rung, one pool, single- and multi-step) give ``model.generate``'s tokens in float32, logits
+within bfloat16 rounding of eager under teacher forcing, and sampling that follows
+transformers' filters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cudagraphs as cg
+
+pytestmark = pytest.mark.cuda
+transformers = pytest.importorskip("transformers")
+
+from test_decoder import test_sampled_tokens_follow_transformers_filters as sampling_check  # noqa: E402
+
+from cudagraphs.integrations.transformers import Decoder  # noqa: E402
+from cudagraphs.tools.workloads import random_llama  # noqa: E402
+
+PROMPT, NEW = 16, 32
+
+
+def greedy_generate(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+
+@pytest.mark.parametrize(("shape", "steps"), [("llama-512", (1, 4, 16)), ("llama-2048", (1, 16))])
+def test_float32_greedy_equals_generate_at_every_batch(shape: str, steps: tuple[int, ...]) -> None:
+    model = random_llama(shape, "cuda")
+    torch.manual_seed(0)
+    prompts = {b: torch.randint(0, 32000, (b, PROMPT), device="cuda") for b in (1, 3, 16, 64)}
+    expected = {b: greedy_generate(model, p, NEW) for b, p in prompts.items()}
+    for k in steps:
+        decoder = Decoder(model, max_batch=64, max_length=PROMPT + NEW, steps_per_graph=k)
+        assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
+        for b, prompt in prompts.items():
+            got = decoder.generate(prompt, max_new_tokens=NEW, eos_token_id=None)
+            assert torch.equal(got, expected[b]), f"{shape} steps={k} batch={b}"
+        assert decoder.stats.recaptures == 0
+        del decoder
+
+
+def test_compiled_decode_steps_give_generate_tokens() -> None:
+    model = random_llama("llama-512", "cuda")
+    torch.manual_seed(1)
+    decoder = Decoder(
+        model,
+        max_batch=4,
+        max_length=PROMPT + NEW,
+        batch_sizes=[1, 4],
+        steps_per_graph=4,
+        compile=True,
+    )
+    for b in (1, 4):
+        prompt = torch.randint(0, 32000, (b, PROMPT), device="cuda")
+        got = decoder.generate(prompt, max_new_tokens=NEW, eos_token_id=None)
+        assert torch.equal(got, greedy_generate(model, prompt, NEW))
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_bfloat16_logits_match_eager_under_teacher_forcing(compile: bool) -> None:
+    """The same tokens fed to eager and to the captured step (the decoder's own forward and
+    cache view): every step's logits agree within bfloat16 rounding."""
+    model = random_llama("llama-512", "cuda", torch.bfloat16)
+    decoder = Decoder(model, max_batch=4, max_length=64, batch_sizes=[4], compile=compile)
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 32000, (4, PROMPT), device="cuda")
+    tokens = greedy_generate(model, prompt, NEW)[:, PROMPT:]
+    cache = decoder.caches[4]
+    with torch.no_grad():
+        step = cg.graph(
+            lambda t, p: decoder.forward(t, p, cache),
+            tokens[:, :1],
+            torch.tensor([PROMPT], device="cuda"),
+            side_effects="keep",
+        )
+        eager_cache = transformers.StaticCache(config=model.config, max_cache_len=64)
+        for c in (cache, eager_cache):
+            c.reset() if c is cache else None
+            model(prompt, past_key_values=c, cache_position=torch.arange(PROMPT, device="cuda"))
+        worst = 0.0
+        for i in range(NEW - 1):
+            position = torch.tensor([PROMPT + i], device="cuda")
+            got = step(tokens[:, i : i + 1], position).float()
+            want = (
+                model(tokens[:, i : i + 1], past_key_values=eager_cache, cache_position=position)
+                .logits[:, -1]
+                .float()
+            )
+            scale = want.abs().max()
+            worst = max(worst, float((got - want).abs().max() / scale))
+        assert worst < 2e-2, f"max difference {worst:.3e} of the logits' scale"
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, None, None), (0.7, 8, None), (0.9, 12, 0.7)]
+)
+def test_sampling_on_the_gpu_follows_transformers_filters(temperature, top_k, top_p) -> None:
+    sampling_check(temperature, top_k, top_p, device="cuda")
+
+
+def test_sampled_decoding_is_reproducible_and_varies_with_the_seed() -> None:
+    model = random_llama("llama-512", "cuda")
+    decoder = Decoder(model, max_batch=4, max_length=64, steps_per_graph=4, do_sample=True)
+    prompt = torch.randint(0, 32000, (4, PROMPT), device="cuda")
+    runs = []
+    for seed in (5, 5, 6):
+        torch.manual_seed(seed)
+        runs.append(
+            decoder.generate(
+                prompt, max_new_tokens=NEW, do_sample=True, temperature=0.8, top_p=0.95
+            )
+        )
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
