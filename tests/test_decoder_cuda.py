@@ -68,37 +68,37 @@ def test_compiled_decode_steps_give_generate_tokens() -> None:
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_bfloat16_logits_match_eager_under_teacher_forcing(compile: bool) -> None:
-    """The same tokens fed to eager and to the captured step (the decoder's own forward and
-    cache view): every step's logits agree within bfloat16 rounding."""
+    """The same tokens fed to the captured step (the decoder's own forward and cache view) and
+    to the same forward run without a graph: every step's logits agree within bfloat16
+    rounding. (Against plain eager, compiled kernels round differently: that difference is
+    Inductor's, with or without a graph, and is printed, not asserted.)"""
     model = random_llama("llama-512", "cuda", torch.bfloat16)
     decoder = Decoder(model, max_batch=4, max_length=64, batch_sizes=[4], compile=compile)
     torch.manual_seed(2)
     prompt = torch.randint(0, 32000, (4, PROMPT), device="cuda")
     tokens = greedy_generate(model, prompt, NEW)[:, PROMPT:]
     cache = decoder.caches[4]
+    reference = transformers.StaticCache(config=model.config, max_cache_len=64)
+    plain = transformers.StaticCache(config=model.config, max_cache_len=64)
     with torch.no_grad():
+        start = torch.tensor([PROMPT], device="cuda")
         step = cg.graph(
-            lambda t, p: decoder.forward(t, p, cache),
-            tokens[:, :1],
-            torch.tensor([PROMPT], device="cuda"),
-            side_effects="keep",
+            lambda t, p: decoder.forward(t, p, cache), tokens[:, :1], start, side_effects="keep"
         )
-        eager_cache = transformers.StaticCache(config=model.config, max_cache_len=64)
-        for c in (cache, eager_cache):
-            c.reset() if c is cache else None
+        cache.reset()
+        for c in (cache, reference, plain):
             model(prompt, past_key_values=c, cache_position=torch.arange(PROMPT, device="cuda"))
-        worst = 0.0
+        worst, worst_plain = 0.0, 0.0
         for i in range(NEW - 1):
-            position = torch.tensor([PROMPT + i], device="cuda")
-            got = step(tokens[:, i : i + 1], position).float()
-            want = (
-                model(tokens[:, i : i + 1], past_key_values=eager_cache, cache_position=position)
-                .logits[:, -1]
-                .float()
-            )
+            token, position = tokens[:, i : i + 1], start + i
+            got = step(token, position).float()
+            want = decoder.forward(token, position, reference).float()
+            eager = model(token, past_key_values=plain, cache_position=position).logits[:, -1]
             scale = want.abs().max()
             worst = max(worst, float((got - want).abs().max() / scale))
-        assert worst < 2e-2, f"max difference {worst:.3e} of the logits' scale"
+            worst_plain = max(worst_plain, float((got - eager.float()).abs().max() / scale))
+    print(f"compile={compile}: graph vs same kernels {worst:.2e}, vs plain eager {worst_plain:.2e}")
+    assert worst < 1e-2, f"max difference {worst:.3e} of the logits' scale"
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,7 @@ class Graphed(Generic[R]):
         self.inputs: tuple[Any, ...] = ()
         self.input_kwargs: dict[str, Any] = {}
         self.signature: Signature | None = None
-        self.replayer: Replayer | None = None
+        self.replayer = None
         self.guard: AddressGuard | None = None
         self.mutated_inputs: tuple[int, ...] = ()  # leaf indices the function writes in place
         self.state_writes: list[str] = []
@@ -109,15 +109,22 @@ class Graphed(Generic[R]):
             guard = self.guard
             if guard is not None and (reason := guard.stale()) is not None:
                 self._on_stale(reason)
-            replayer = self.replayer
-            if (
-                replayer is not None
-                and len(args) == replayer.n_args
-                and replayer.flat
-                and not kwargs
-            ):
-                return replayer.call(args, args, kwargs)  # positional leaves: no flattening
+            if len(args) == self._fast_arity and not kwargs:
+                return self._fast(args)  # type: ignore[misc]  # positional leaves: no flattening
             return self._call_general(args, kwargs)
+
+    @property
+    def replayer(self) -> Replayer | None:
+        """The current recording and its replay path (``None`` before capture or when eager)."""
+        return self._replayer
+
+    @replayer.setter
+    def replayer(self, replayer: Replayer | None) -> None:
+        self._replayer = replayer
+        # What __call__ takes without further looks; arity -1 matches no call.
+        usable = replayer is not None and replayer.flat
+        self._fast_arity = replayer.n_args if replayer is not None and usable else -1
+        self._fast = replayer.fast if replayer is not None and usable else None
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:

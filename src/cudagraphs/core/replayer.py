@@ -72,11 +72,9 @@ class Replayer:
         self.frozen = tuple(zip(signature.frozen_index, signature.frozen_values))
         self.flat = signature.is_flat  # positional leaves only: calls need no flattening
         self.n_args = signature.spec.num_leaves
-        # One positional tensor, no frozen values: the shorter path in ``call``.
-        self.single = (
-            self.slots[0][1:]
-            if self.flat and self.n_args == 1 and len(self.slots) == 1 and not self.frozen
-            else None
+        # The positional call path: ``fast(args)``; the specialised closure where it applies.
+        self.fast: Callable[[tuple[Any, ...]], Any] = self._make_single_call() or (
+            lambda args: self.call(args, args, {})
         )
 
     def call(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -84,30 +82,10 @@ class Replayer:
 
         The check is a flat loop over what capture precomputed; any doubt (a non-tensor, a
         stale output, a value that compares oddly) goes to the slow check, which explains.
-        A call with one tensor and nothing else (the common case) takes a shorter path:
-        every step there is per-call latency in front of the replay.
         """
-        # Only what must precede the replay comes before it: everything after it overlaps
-        # with the GPU's work, and a latency-bound caller waits for the GPU anyway.
-        if self.single is not None:
-            x = leaves[0]
-            buf, ptr, shape, dtype, dev, stride = self.single
-            copied = 0
-            if x is not buf:
-                try:
-                    if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
-                        raise _Mismatch
-                except Exception:
-                    self.explain_mismatch(args, kwargs)
-                    raise
-                if x.data_ptr() != ptr or x.stride() != stride:
-                    buf.copy_(x)
-                    copied = 1
-        else:
-            copied = self._copy_in(leaves, args, kwargs)
-        invalidate = self.invalidate
-        if invalidate is not None:
-            invalidate()
+        copied = self._copy_in(leaves, args, kwargs)
+        if self.invalidate is not None:
+            self.invalidate()
         self.graph.replay()
         counters = self.counters
         counters.replays += 1
@@ -115,6 +93,45 @@ class Replayer:
         if self.writeback:
             self._write_back(leaves)
         return self.emit()
+
+    def _make_single_call(self) -> Callable[[tuple[Any, ...]], Any] | None:
+        """For a graph of one positional tensor and nothing else (the common case): one
+        closure over everything the call needs, so a call is one frame of local reads. Only
+        what must precede the replay comes before it. ``None`` for any other signature."""
+        if not (self.flat and self.n_args == 1 and len(self.slots) == 1 and not self.frozen):
+            return None
+        if self.writeback:
+            return None
+        _, buf, ptr, shape, dtype, dev, stride = self.slots[0]
+        invalidate = self.invalidate
+        replay, emit, counters, explain = (
+            self.graph.replay,
+            self.emit,
+            self.counters,
+            self.explain_mismatch,
+        )
+
+        def call(args: tuple[Any, ...]) -> Any:
+            x = args[0]
+            copied = 0
+            if x is not buf:
+                try:
+                    if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
+                        raise _Mismatch
+                except Exception:
+                    explain(args, {})
+                    raise
+                if x.data_ptr() != ptr or x.stride() != stride:
+                    buf.copy_(x)
+                    copied = 1
+            if invalidate is not None:
+                invalidate()
+            replay()
+            counters.replays += 1
+            counters.copies += copied
+            return emit()
+
+        return call
 
     def _copy_in(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         """Check every leaf and copy the tensors that are not already in place; how many."""
