@@ -276,6 +276,7 @@ def main() -> None:
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--append", action="store_true", help="add to the batches already in --json")
     p.add_argument("--rung-memory", action="store_true")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--_rung-child", dest="rung_child", default=None, help=argparse.SUPPRESS)
@@ -300,23 +301,26 @@ def main() -> None:
         modes = [m.strip() for m in args.modes.split(",")]
         results = {**head, "parameters": sum(p.numel() for p in model.parameters()),
                    "prompt": args.prompt, "new": args.new, "reps": args.reps, "batches": {}}  # fmt: skip
+        path = args.json or RESULTS / f"decode-{args.model}.json"
+        if args.append and path.exists():  # more batches (or modes) into an earlier run's file
+            results["batches"] = json.loads(path.read_text())["batches"]
         with torch.no_grad():
             for batch in (int(b) for b in args.batches.split(",")):
                 results["batches"][str(batch)] = run_batch(model, modes, batch, args)
-                print(
-                    "\n".join(
-                        markdown(
-                            {**results, "batches": {str(batch): results["batches"][str(batch)]}}
-                        )
-                    ),
-                    flush=True,
-                )
-        if args.markdown:
-            args.markdown.write_text("\n".join(markdown(results)) + "\n")
-        if args.plot:
-            plot(results, args.plot)
-    path = args.json or RESULTS / f"decode-{args.model}{'-rungs' if args.rung_memory else ''}.json"
+                one = {**results, "batches": {str(batch): results["batches"][str(batch)]}}
+                print("\n".join(markdown(one)), flush=True)
+                save(results, path, args)  # after every batch: a cut-off run keeps what it did
+        return
+    path = args.json or RESULTS / f"decode-{args.model}-rungs.json"
     path.write_text(json.dumps(results, indent=1) + "\n")
+
+
+def save(results: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text("\n".join(markdown(results)) + "\n")
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":
