@@ -24,6 +24,7 @@ A graph writes its outputs into the same memory on every replay. Three ways to h
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -121,9 +122,13 @@ class _GuardedEmitter:
         self.live: list[Any] = []
         weakref.finalize(self, _invalidate, self.live)
 
-    def invalidate(self) -> None:
-        """Mark the latest outputs dead. Called just before the next replay is enqueued."""
-        _invalidate(self.live)
+        # What a replay calls: partials over precomputed arguments, no method frames (and no
+        # reference back to self, so the finalizer above runs as soon as the graph goes).
+        # invalidate marks the latest outputs dead; it runs just before the next replay.
+        self.invalidate: Callable[[], None] = functools.partial(_invalidate, self.live)
+        if self.single:  # one output tensor: the per-replay work in two C calls
+            (_, _, meta), (storage_args,) = self.plan[0], self.storage_args
+            self.emit = functools.partial(_emit_one, meta, storage_args, self.live)
 
     def __call__(self) -> Any:
         make_storage = torch._C._construct_storage_from_data_pointer
@@ -137,6 +142,12 @@ class _GuardedEmitter:
         for i, s, meta in self.plan:
             out[i] = make_tensor(meta, storages[s])
         return self.spec.unflatten(out)
+
+
+def _emit_one(meta: dict[str, Any], storage_args: tuple[Any, ...], live: list[Any]) -> Any:
+    storage = torch._C._construct_storage_from_data_pointer(*storage_args)
+    live.append(storage)  # emptied by the invalidation before every replay
+    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storage)
 
 
 def _invalidate(live: list[Any]) -> None:

@@ -54,7 +54,7 @@ class Replayer:
         self.signature = signature
         self.counters = counters
         emitter = make_emitter(output, policy)
-        self.emit: Callable[[], Any] = emitter
+        self.emit: Callable[[], Any] = getattr(emitter, "emit", emitter)
         self.invalidate: Callable[[], None] | None = getattr(emitter, "invalidate", None)
         self.writeback = tuple((i, static[i]) for i in mutated)
         if mutated:
