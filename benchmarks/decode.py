@@ -170,9 +170,34 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
             "roofline_share": tokens_per_s / roofline,
             "token_agreement": float((row["tokens"] == reference).float().mean()),
             "tokens_equal": bool(torch.equal(row["tokens"], reference)),
+            "token_ids": row["tokens"].tolist() if args.isolate_child else None,
         }
     del calls
     torch.compiler.reset()
+    return out
+
+
+def run_isolated(modes: list[str], batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Each mode in a fresh process of its own (set-up and timed runs), one after another.
+    Modes that use torch.compile's CUDA graphs (hf static, reduce-overhead) slow each other
+    down when they share a process, so for a fair comparison none shares one."""
+    import tempfile
+
+    out = {}
+    for name in modes:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "mode.json"
+            cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
+                   "--batches", str(batch), "--modes", name, "--prompt", str(args.prompt),
+                   "--new", str(args.new), "--reps", str(args.reps), "--json", str(path),
+                   "--_isolate-child"]  # fmt: skip
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            out[name] = json.loads(path.read_text())["batches"][str(batch)][name]
+    reference = torch.tensor(out[modes[0]]["token_ids"])
+    for row in out.values():
+        tokens = torch.tensor(row.pop("token_ids"))
+        row["token_agreement"] = float((tokens == reference).float().mean())
+        row["tokens_equal"] = bool(torch.equal(tokens, reference))
     return out
 
 
@@ -208,6 +233,16 @@ def rung_child(args: argparse.Namespace, only_largest: bool) -> None:
     }))  # fmt: skip
 
 
+def parameter_count(name: str) -> int:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from cudagraphs.tools.workloads import LLAMA_SHAPES
+
+    with torch.device("meta"):  # shapes only: nothing allocated
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_SHAPES[name]))
+    return sum(p.numel() for p in model.parameters())
+
+
 def markdown(results: dict[str, Any]) -> list[str]:
     lines = [
         f"Hardware: {results['hardware']}, torch {results['torch']}, transformers "
@@ -221,7 +256,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
             f"**batch {batch}**",
             "",
             "| mode | tokens/s | ms/token (median / worst) | set-up s | memory growth MiB "
-            "| roofline share | tokens equal hf eager |",
+            f"| roofline share | tokens equal {next(iter(modes))} |",
             "|---|---|---|---|---|---|---|",
         ]
         for name, r in modes.items():
@@ -277,6 +312,12 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--append", action="store_true", help="add to the batches already in --json")
+    p.add_argument(
+        "--isolate", action="store_true", help="each mode in a fresh process (compiled modes)"
+    )
+    p.add_argument(
+        "--_isolate-child", dest="isolate_child", action="store_true", help=argparse.SUPPRESS
+    )
     p.add_argument("--rung-memory", action="store_true")
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--_rung-child", dest="rung_child", default=None, help=argparse.SUPPRESS)
@@ -285,6 +326,7 @@ def main() -> None:
     p.add_argument("--plot", type=Path, default=None)
     args = p.parse_args()
     warnings.filterwarnings("ignore")
+    args.isolate = args.isolate and not args.isolate_child
     if args.rung_child is not None:
         return rung_child(args, bool(int(args.rung_child)))
     import transformers
@@ -297,16 +339,21 @@ def main() -> None:
         results = {**head, "max_batch": args.max_batch, **rung_memory(args)}
         print(json.dumps(results, indent=1))
     else:
-        model = random_llama(args.model, DEVICE, getattr(torch, args.dtype))
+        model = (
+            None if args.isolate else random_llama(args.model, DEVICE, getattr(torch, args.dtype))
+        )
         modes = [m.strip() for m in args.modes.split(",")]
-        results = {**head, "parameters": sum(p.numel() for p in model.parameters()),
+        results = {**head, "parameters": parameter_count(args.model),
                    "prompt": args.prompt, "new": args.new, "reps": args.reps, "batches": {}}  # fmt: skip
         path = args.json or RESULTS / f"decode-{args.model}.json"
         if args.append and path.exists():  # more batches (or modes) into an earlier run's file
             results["batches"] = json.loads(path.read_text())["batches"]
         with torch.no_grad():
             for batch in (int(b) for b in args.batches.split(",")):
-                results["batches"][str(batch)] = run_batch(model, modes, batch, args)
+                run = run_isolated if args.isolate else run_batch
+                results["batches"][str(batch)] = (
+                    run(model, modes, batch, args) if not args.isolate else run(modes, batch, args)
+                )
                 one = {**results, "batches": {str(batch): results["batches"][str(batch)]}}
                 print("\n".join(markdown(one)), flush=True)
                 save(results, path, args)  # after every batch: a cut-off run keeps what it did
