@@ -70,9 +70,10 @@ def test_compiled_decode_steps_give_generate_tokens() -> None:
 def test_bfloat16_logits_match_eager_under_teacher_forcing(compile: bool) -> None:
     """The same tokens fed to the captured step (the decoder's own forward and cache view) and
     to the same forward run without a graph: every step's logits agree within bfloat16
-    rounding. (Against plain eager, compiled kernels round differently: that difference is
-    Inductor's, with or without a graph, and is printed, not asserted.)"""
-    model = random_llama("llama-512", "cuda", torch.bfloat16)
+    rounding, and within bfloat16 tolerance of plain eager (compiled kernels round
+    differently). Weights of the usual scale (0.02): with livelier ones the network is chaotic
+    and any rounding difference grows along the cache."""
+    model = random_llama("llama-512", "cuda", torch.bfloat16, init=0.02)
     decoder = Decoder(model, max_batch=4, max_length=64, batch_sizes=[4], compile=compile)
     torch.manual_seed(2)
     prompt = torch.randint(0, 32000, (4, PROMPT), device="cuda")
@@ -98,7 +99,8 @@ def test_bfloat16_logits_match_eager_under_teacher_forcing(compile: bool) -> Non
             worst = max(worst, float((got - want).abs().max() / scale))
             worst_plain = max(worst_plain, float((got - eager.float()).abs().max() / scale))
     print(f"compile={compile}: graph vs same kernels {worst:.2e}, vs plain eager {worst_plain:.2e}")
-    assert worst < 1e-2, f"max difference {worst:.3e} of the logits' scale"
+    assert worst < 1e-2, f"graph vs same kernels: max difference {worst:.3e} of the logits' scale"
+    assert worst_plain < 3e-2, f"vs plain eager: max difference {worst_plain:.3e} of the scale"
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,17 @@ import cudagraphs as cg
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "cudagraphs"
 # Each layer may import only the layers before it.
-LAYERS = ["errors", "options", "core", "shapes", "training", "diagnose", "api", "integrations", "tools"]
+LAYERS = [
+    "errors",
+    "options",
+    "core",
+    "shapes",
+    "training",
+    "diagnose",
+    "api",
+    "integrations",
+    "tools",
+]
 SAME_FLOOR = {("shapes", "training"), ("training", "shapes")}
 
 
