@@ -33,20 +33,68 @@ def greedy_generate(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
         )
 
 
+def generate_with_scores(
+    model, prompt: torch.Tensor, new: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """generate's greedy tokens and the logits it chose them from, ``[batch, new, vocab]``."""
+    with torch.no_grad():
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    return out.sequences, torch.stack(out.scores, dim=1)
+
+
+def assert_same_tokens(got: torch.Tensor, expected: torch.Tensor, scores: torch.Tensor) -> int:
+    """Every row equals generate's, or first differs where generate itself had a near-tie
+    (its top two logits within 1e-4 of the logits' scale). Returns how many rows differ.
+
+    Why the exception: a static cache attends over its full length, generate's default cache
+    over the tokens so far, so the float32 sums run in another order (differences of about
+    1e-6 of the scale). Where two candidates are that close, either is generate's answer up to
+    rounding; after it the row continues from another token, so only the first step counts."""
+    new = scores.shape[1]
+    mine, theirs = got[:, -new:], expected[:, -new:]
+    differing = 0
+    for row in range(got.shape[0]):
+        steps = (mine[row] != theirs[row]).nonzero()
+        if len(steps) == 0:
+            continue
+        differing += 1
+        step = int(steps[0])
+        logits = scores[row, step].float()
+        gap = float(logits[theirs[row, step]] - logits[mine[row, step]])
+        scale = float(logits.abs().max())
+        assert 0 <= gap <= 1e-4 * scale, (
+            f"row {row} step {step}: generate chose {int(theirs[row, step])}, the graph "
+            f"{int(mine[row, step])}; logit gap {gap:.3e} is no near-tie (scale {scale:.3e})"
+        )
+    return differing
+
+
 @pytest.mark.parametrize(("shape", "steps"), [("llama-512", (1, 4, 16)), ("llama-2048", (1, 16))])
 def test_float32_greedy_equals_generate_at_every_batch(shape: str, steps: tuple[int, ...]) -> None:
     model = random_llama(shape, "cuda")
     torch.manual_seed(0)
     prompts = {b: torch.randint(0, 32000, (b, PROMPT), device="cuda") for b in (1, 3, 16, 64)}
-    expected = {b: greedy_generate(model, p, NEW) for b, p in prompts.items()}
+    expected = {b: generate_with_scores(model, p, NEW) for b, p in prompts.items()}
+    differing = {}
     for k in steps:
         decoder = Decoder(model, max_batch=64, max_length=PROMPT + NEW, steps_per_graph=k)
         assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
         for b, prompt in prompts.items():
             got = decoder.generate(prompt, max_new_tokens=NEW, eos_token_id=None)
-            assert torch.equal(got, expected[b]), f"{shape} steps={k} batch={b}"
+            assert got.shape == expected[b][0].shape
+            differing[k, b] = assert_same_tokens(got, *expected[b])
         assert decoder.stats.recaptures == 0
         del decoder
+    print(f"{shape}: rows that first differ at a near-tie, by (steps, batch): {differing}")
 
 
 def test_compiled_decode_steps_give_generate_tokens() -> None:

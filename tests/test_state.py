@@ -283,6 +283,22 @@ def test_guard_hooks_are_invisible_to_torch_compile() -> None:
     assert not hooks_installed()
 
 
+def test_a_dying_guard_leaves_torch_hooks_alone_until_a_library_call() -> None:
+    """Garbage collection can finalize a guard in the middle of torch.compile tracing a forward
+    that registers a buffer; Dynamo is then building a guard on our hook's entry in torch's
+    hook dict. The finalizer must not take that entry away (the compile failed with KeyError)."""
+    from torch.nn.modules import module as module_module
+
+    hooks = module_module._global_module_registration_hooks
+    guard = AddressGuard(nn.Linear(2, 2))
+    entries = dict(hooks)
+    del guard
+    gc.collect()
+    assert dict(hooks) == entries, "a finalizer changed torch's hook dict"
+    assert not hooks_installed()  # the library call removes them
+    assert len(hooks) == len(entries) - 1
+
+
 @pytest.mark.parametrize("lazy", [False, True], ids=["examples", "lazy"])
 def test_transformers_static_cache_decode_equals_generate(stand_in: None, lazy: bool) -> None:
     pytest.importorskip("transformers")

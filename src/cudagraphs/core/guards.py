@@ -31,11 +31,18 @@ from torch import nn
 
 from .addresses import AddressCheck
 
-__all__ = ["AddressGuard", "closure_tensors", "hooks_installed", "modules_of"]
+__all__ = [
+    "AddressGuard",
+    "closure_tensors",
+    "hooks_installed",
+    "modules_of",
+    "release_unused_hooks",
+]
 
 _generation = 0  # bumped whenever any module registers or reassigns a parameter or buffer
 _live_guards: weakref.WeakSet[AddressGuard] = weakref.WeakSet()
 _hook_handles: list[Any] = []
+_removal_pending = False  # the last guard died; remove the hooks at the next safe point
 _original_apply = nn.Module._apply
 
 
@@ -59,6 +66,8 @@ def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _install_hooks() -> None:
     """Watch module reassignments while at least one guard exists; never otherwise."""
+    global _removal_pending
+    _removal_pending = False  # a new guard: the hooks stay
     if _hook_handles:
         return
     from torch.nn.modules import module as module_module
@@ -76,9 +85,24 @@ def _install_hooks() -> None:
 
 
 def _remove_hooks() -> None:
-    """The last guard is gone: leave torch.nn exactly as it was."""
-    if any(True for _ in _live_guards) or not _hook_handles:  # iteration skips the dead
+    """The last guard is gone: ask for the hooks to go at the next safe point.
+
+    Never removed here: this runs from a finalizer, that is from garbage collection, which can
+    happen in the middle of torch.compile tracing a forward that registers a buffer. Dynamo has
+    then just traced our hook and is building a guard on its entry in torch's hook dict; taking
+    the entry away under it fails the compile (KeyError). Library calls remove them instead.
+    """
+    global _removal_pending
+    _removal_pending = True
+
+
+def release_unused_hooks() -> None:
+    """Leave torch.nn exactly as it was once no guard is alive (called from library entry
+    points, never from a finalizer)."""
+    global _removal_pending
+    if not _removal_pending or any(True for _ in _live_guards):  # iteration skips the dead
         return
+    _removal_pending = False
     for handle in _hook_handles:
         handle.remove()
     _hook_handles.clear()
@@ -87,7 +111,9 @@ def _remove_hooks() -> None:
 
 
 def hooks_installed() -> bool:
-    """Whether the module-reassignment hooks are in place (only while a guard is alive)."""
+    """Whether the module-reassignment hooks are in place (only while a guard is alive; the
+    last guard's hooks go at the next library call)."""
+    release_unused_hooks()
     return bool(_hook_handles)
 
 

@@ -118,10 +118,11 @@ class Replayer:
                 try:
                     if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
                         raise _Mismatch
+                    moved = x.data_ptr() != ptr or x.stride() != stride  # a stale output raises
                 except Exception:
                     explain(args, {})
                     raise
-                if x.data_ptr() != ptr or x.stride() != stride:
+                if moved:
                     buf.copy_(x)
                     copied = 1
             if invalidate is not None:
