@@ -1,10 +1,10 @@
-"""Token-by-token decoding of a transformers Llama with a static KV cache, graphed as written.
+"""LLM decoding with captured decode steps: a transformers Llama through the Decoder.
 
-The decode step writes state that is not among its inputs: the cache's keys and values and its
-position counter (transformers 5 advances a device counter of its own on every call). cg.graph
-warms up on the example and then puts every one of those writes back, so the loop below starts
-from the prefill's state and gives exactly the tokens of ``model.generate``. Random weights from
-a config (no download). On a CPU-only machine the graph is the eager pass-through.
+The Decoder prepares one static KV cache for the largest batch, prefills eagerly, and decodes
+with CUDA graphs, one per batch rung, here 4 decode steps per graph launch with the next token
+chosen and fed back on the GPU. Its greedy output is checked token for token against
+``model.generate`` and timed against a plain decode loop. Random weights from a config (no
+download). On a CPU-only machine the decode steps run eagerly, with the same tokens.
 
     python examples/llm_decode.py
 """
@@ -18,12 +18,15 @@ import cudagraphs as cg
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+    from cudagraphs.integrations.transformers import Decoder
 except ImportError:
     raise SystemExit("this example needs transformers: pip install transformers") from None
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-HIDDEN, LAYERS, PROMPT, NEW = (512, 8, 32, 64) if device == "cuda" else (128, 2, 8, 16)
+HIDDEN, LAYERS, PROMPT, NEW, BATCH = (512, 8, 32, 64, 4) if device == "cuda" else (128, 2, 8, 16, 2)
 warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' argument renames
+warnings.filterwarnings("ignore", category=cg.CudaGraphsWarning)  # CPU: eager, said once
 
 config = LlamaConfig(
     hidden_size=HIDDEN,
@@ -37,54 +40,51 @@ config = LlamaConfig(
 )
 torch.manual_seed(0)
 model = LlamaForCausalLM(config).to(device).eval()
-prompt = torch.randint(0, config.vocab_size, (1, PROMPT), device=device)
+prompt = torch.randint(0, config.vocab_size, (BATCH, PROMPT), device=device)
 
 
-def decode_loop(graphed: bool) -> tuple[torch.Tensor, float]:
-    """Prefill eagerly, then NEW - 1 decode steps, eagerly or through one captured graph."""
+def sync() -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def eager_loop() -> torch.Tensor:
+    """What one writes by hand: prefill, then one forward per token over a static cache."""
     cache = StaticCache(config=config, max_cache_len=PROMPT + NEW)
-    with torch.no_grad():
-        logits = model(prompt, past_key_values=cache, use_cache=True).logits
-        token = logits[:, -1:].argmax(-1)
-        position = torch.tensor([PROMPT], device=device)
+    logits = model(prompt, past_key_values=cache).logits
+    tokens = [prompt, logits[:, -1:].argmax(-1)]
+    for i in range(NEW - 1):
+        position = torch.tensor([PROMPT + i], device=device)
+        out = model(tokens[-1], past_key_values=cache, cache_position=position)
+        tokens.append(out.logits[:, -1:].argmax(-1))
+    return torch.cat(tokens, dim=1)
 
-        def decode(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-            out = model(input_ids=token, past_key_values=cache, cache_position=position)
-            return out.logits[:, -1:].argmax(-1)
 
-        step = cg.graph(decode, token, position) if graphed else decode
-        tokens = [token]
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(NEW - 1):
-            token = step(token, position).clone()  # a graph's output is overwritten next call
-            position += 1
-            tokens.append(token)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return torch.cat(tokens, dim=1), (NEW - 1) / (time.perf_counter() - start)
+def timed(fn):
+    sync()
+    start = time.perf_counter()
+    out = fn()
+    sync()
+    return out, BATCH * NEW / (time.perf_counter() - start)
 
 
 with torch.no_grad():
     expected = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=NEW,
-        min_new_tokens=NEW,
-        do_sample=False,
-        pad_token_id=0,
-    )[:, PROMPT:]
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore", cg.CudaGraphsWarning)  # CPU: the pass-through says so once
-    eager_tokens, eager_speed = decode_loop(graphed=False)
-    graph_tokens, graph_speed = decode_loop(graphed=True)
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
+        min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+    )  # fmt: skip
+    decoder = Decoder(model, max_batch=BATCH, max_length=PROMPT + NEW, steps_per_graph=4)
+    eager_tokens, eager_speed = timed(eager_loop)
+    graph_tokens, graph_speed = timed(
+        lambda: decoder.generate(prompt, max_new_tokens=NEW, eos_token_id=None)
+    )
 
-print(f"Llama {HIDDEN} hidden, {LAYERS} layers, random weights, on {device}")
-print(f"eager decode loop:    {eager_speed:8.1f} tokens/s")
-print(f"cg.graph decode loop: {graph_speed:8.1f} tokens/s ({graph_speed / eager_speed:.2f}x)")
+print(f"Llama {HIDDEN} hidden, {LAYERS} layers, random weights, batch {BATCH}, on {device}")
+print(f"set-up (capture of {len(decoder.graphs)} rungs): {decoder.stats.setup_s:.2f} s")
+print(f"eager decode loop: {eager_speed:9.1f} tokens/s")
+print(f"Decoder:           {graph_speed:9.1f} tokens/s ({graph_speed / eager_speed:.2f}x)")
 print(
-    f"tokens equal model.generate: eager {torch.equal(eager_tokens, expected)}, "
-    f"graph {torch.equal(graph_tokens, expected)}"
+    f"tokens equal model.generate: eager loop {torch.equal(eager_tokens, expected)}, "
+    f"Decoder {torch.equal(graph_tokens, expected)}"
 )
-assert torch.equal(graph_tokens, expected), "the graphed loop must give generate's tokens"
+assert torch.equal(graph_tokens, expected), "the Decoder must give generate's tokens"
