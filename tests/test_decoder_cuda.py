@@ -21,18 +21,6 @@ from cudagraphs.tools.workloads import random_llama  # noqa: E402
 PROMPT, NEW = 16, 32
 
 
-def greedy_generate(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
-    with torch.no_grad():
-        return model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=0,
-        )
-
-
 def generate_with_scores(
     model, prompt: torch.Tensor, new: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +37,10 @@ def generate_with_scores(
             return_dict_in_generate=True,
         )
     return out.sequences, torch.stack(out.scores, dim=1)
+
+
+def greedy_generate(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
+    return generate_with_scores(model, prompt, new)[0]
 
 
 def assert_same_tokens(got: torch.Tensor, expected: torch.Tensor, scores: torch.Tensor) -> int:
