@@ -20,17 +20,21 @@ from .core.pool import Pool
 from .core.stats import Stats
 from .diagnose.doctor import Finding, Report, doctor
 from .errors import (
+    BatcherClosed,
     CaptureError,
     ConfigError,
     CudaGraphsError,
     CudaGraphsWarning,
+    DeadlineExceeded,
     InputMismatchError,
+    Overloaded,
     StaleGraphError,
     StaleOutputError,
     StateWriteError,
     VerificationError,
 )
 from .options import OutputPolicy
+from .serve.batcher import Batcher
 from .shapes.bucketed import Bucketed
 from .shapes.exact import ExactShapes
 from .shapes.ladders import powers_of_two, server_sizes
@@ -69,6 +73,8 @@ def __getattr__(name: str) -> Any:
 __version__ = "0.1.0"
 
 __all__ = [
+    "Batcher",
+    "BatcherClosed",
     "BenchReport",
     "BucketOverflowError",
     "BucketStats",
@@ -78,12 +84,14 @@ __all__ = [
     "ConfigError",
     "CudaGraphsError",
     "CudaGraphsWarning",
+    "DeadlineExceeded",
     "ExactShapes",
     "Finding",
     "Graphed",
     "GraphedAutograd",
     "InputMismatchError",
     "ModeResult",
+    "Overloaded",
     "OutputPolicy",
     "Pool",
     "Profile",

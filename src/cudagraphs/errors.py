@@ -10,11 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BatcherClosed",
     "CaptureError",
     "ConfigError",
     "CudaGraphsError",
     "CudaGraphsWarning",
     "InputMismatchError",
+    "Overloaded",
+    "DeadlineExceeded",
     "StaleGraphError",
     "StaleOutputError",
     "StateWriteError",
@@ -94,6 +97,20 @@ class StateWriteError(CudaGraphsError):
 
 class VerificationError(CudaGraphsError):
     """``verify=True``: a replay differed from eager on fresh random inputs."""
+
+
+class Overloaded(CudaGraphsError):
+    """A batcher's queue is full: the request is refused at once instead of waiting without
+    bound (back-pressure). Retry later, or raise ``max_queue``."""
+
+
+class DeadlineExceeded(CudaGraphsError):
+    """A request waited in a batcher's queue past its deadline and was not run."""
+
+
+class BatcherClosed(CudaGraphsError):
+    """A batcher was shut down: it takes no new requests, and without draining it fails the
+    ones still queued with this error."""
 
 
 class CudaGraphsWarning(UserWarning):
