@@ -23,6 +23,7 @@ LAYERS = [
     "diagnose",
     "api",
     "integrations",
+    "serve",
     "tools",
 ]
 SAME_FLOOR = {("shapes", "training"), ("training", "shapes")}
