@@ -312,3 +312,15 @@ def test_transformers_static_cache_decode_equals_generate(stand_in: None, lazy: 
     assert torch.equal(got, expected)
     # prefill (8) + 11 decode steps: as eager, the warm-up's advances put back
     assert all(layer.cumulative_length.item() == 19 for layer in cache.layers)
+
+
+def test_a_model_built_under_inference_mode_can_be_graphed(stand_in: None) -> None:
+    """Its parameters are inference tensors, which keep no version counter: the state checks
+    must skip them instead of failing (found serving a model built under inference_mode)."""
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        x = torch.randn(4, 8)
+        g = cg.graph(model, x, outputs="alias")  # guarded outputs need CUDA, not the stand-in
+        bucketed = cg.graph(model, x, buckets={"B": [2, 4]}, outputs="alias")
+        torch.testing.assert_close(g(x), model(x))
+        torch.testing.assert_close(bucketed(x[:3]), model(x[:3]))

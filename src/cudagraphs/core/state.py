@@ -208,7 +208,8 @@ class Snapshot:
         self._versions: list[tuple[str, torch.Tensor, int]] = []
         for name, t in named:
             self._store.save(storage_key(t), name, t)
-            self._versions.append((name, t, t._version))
+            if not t.is_inference():  # inference tensors keep no version counter
+                self._versions.append((name, t, t._version))
         self._rng = RngState()
 
     def changed(self) -> list[str]:
@@ -234,7 +235,9 @@ class Versions:
     """Version counters of named tensors now, to ask later which were written."""
 
     def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._versions = [(name, t, t._version) for name, t in named]
+        # Inference tensors (a model built under torch.inference_mode()) keep no version
+        # counter; outside inference mode nothing can write them in place anyway.
+        self._versions = [(name, t, t._version) for name, t in named if not t.is_inference()]
 
     def changed(self, ignore: Iterable[torch.Tensor] = ()) -> list[str]:
         skip = {storage_key(t) for t in ignore}

@@ -19,6 +19,9 @@ Right::
 
 Wrong: calling one graph from many request handlers directly: calls serialize on its lock and
 each replays a batch of one, and outputs must be cloned under the lock.
+
+The worker runs ``fn`` under ``torch.no_grad()``: grad mode is per thread, so a caller's
+``no_grad`` or ``inference_mode`` would not reach it. The answers are ordinary tensors.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from ..errors import BatcherClosed, ConfigError, DeadlineExceeded, Overloaded, explain
 from .metrics import BatcherMetrics, MetricsRecorder, prometheus
@@ -274,8 +279,10 @@ class Batcher:
         began = time.perf_counter()
         try:
             inputs = concatenate(self.spec, [r.leaves for r in batch])
-            # Copy the rows out before any other caller of fn can replay over them.
-            with getattr(self.fn, "lock", contextlib.nullcontext()):
+            # Copy the rows out before any other caller of fn can replay over them. Grad mode is
+            # per thread, so the callers' no_grad/inference_mode does not reach this worker:
+            # a batcher serves inference, so it runs fn without autograd itself.
+            with torch.no_grad(), getattr(self.fn, "lock", contextlib.nullcontext()):
                 called = time.perf_counter()
                 output = self.fn(*inputs)
                 returned = time.perf_counter()

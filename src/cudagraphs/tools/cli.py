@@ -1,4 +1,5 @@
-"""Command line: ``python -m cudagraphs demo | bench FILE.py:FUNC | doctor FILE.py:FUNC``."""
+"""Command line: ``python -m cudagraphs demo | bench FILE.py:FUNC | doctor FILE.py:FUNC |
+serve FILE.py:MAKE``."""
 
 from __future__ import annotations
 
@@ -57,7 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-check", action="store_true", help="do not compare outputs with eager")
     bench.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
     bench.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
+    serve = commands.add_parser(
+        "serve",
+        help="serve the HTTP app that FILE.py:MAKE builds, with uvicorn",
+        description="FILE.py:MAKE names a function that takes no arguments and returns an ASGI "
+        "app (a FastAPI app, say examples/serve_http.py:make). Needs the serve extra: "
+        "pip install cudagraphs[serve].",
+    )
+    serve.add_argument("target", metavar="FILE.py:MAKE")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(serve, args)
     if args.command == "doctor":
         return _doctor(doctor, args.target)
     if args.command == "bench":
@@ -112,8 +125,8 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_target(parser: argparse.ArgumentParser, target: str) -> tuple[Any, tuple, dict]:
-    """Import FILE.py and call FUNC() for ``(callable, args[, kwargs])``; every mistake is one
+def _call_maker(parser: argparse.ArgumentParser, target: str) -> tuple[Any, str]:
+    """Import FILE.py and call its FUNC(); what it made and FUNC's name. Every mistake is one
     line through ``parser.error`` (exit code 2, the subcommand's usage, no traceback)."""
     import importlib.util
     import inspect
@@ -128,6 +141,9 @@ def _load_target(parser: argparse.ArgumentParser, target: str) -> tuple[Any, tup
     spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    # Registered like an import: libraries that resolve names through sys.modules (pydantic,
+    # for a FastAPI body model's annotations; dataclasses; pickle) then find the module.
+    sys.modules[spec.name] = module
     sys.path.insert(0, str(Path(path).resolve().parent))
     try:
         spec.loader.exec_module(module)
@@ -153,6 +169,12 @@ def _load_target(parser: argparse.ArgumentParser, target: str) -> tuple[Any, tup
         made = factory()
     except Exception as error:
         parser.error(f"{name}() raised {_one_line(error)}")
+    return made, name
+
+
+def _load_target(parser: argparse.ArgumentParser, target: str) -> tuple[Any, tuple, dict]:
+    """FUNC() of FILE.py:FUNC as ``(callable, args, kwargs)``; mistakes as in ``_call_maker``."""
+    made, name = _call_maker(parser, target)
     if isinstance(made, tuple) and len(made) in (2, 3) and callable(made[0]):
         return made[0], tuple(made[1]), dict(made[2]) if len(made) == 3 else {}
     got = (
@@ -166,6 +188,23 @@ def _load_target(parser: argparse.ArgumentParser, target: str) -> tuple[Any, tup
         f"is itself the function to run, add `def make(): return {name}, ()`"
     )
     raise AssertionError("unreachable")  # parser.error exits
+
+
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+    except ImportError:
+        parser.error("uvicorn is not installed; pip install cudagraphs[serve]")
+    app, name = _call_maker(parser, args.target)
+    if isinstance(app, tuple) or not callable(app):
+        parser.error(
+            f"{name}() must return an ASGI app (e.g. a FastAPI app), got a {type(app).__name__}; "
+            f"for timing a function use `python -m cudagraphs bench` instead"
+        )
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be 1..65535, got {args.port}")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
 
 
 def _one_line(error: BaseException) -> str:
