@@ -18,6 +18,7 @@ On a CPU-only machine the graphs are the eager pass-through; everything else is 
 
 from __future__ import annotations
 
+import asyncio
 import warnings
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
@@ -75,19 +76,57 @@ def classifier(device: str) -> tuple[Any, torch.Tensor] | None:
 
 def make() -> FastAPI:
     """The app: one batcher per model, each over a graph with one rung per power of two."""
+    return build("graphs+batcher")
+
+
+def make_eager_batched() -> FastAPI:
+    """The same app with the batcher over the eager models (for comparison)."""
+    return build("eager+batcher")
+
+
+def make_eager() -> FastAPI:
+    """The same app calling the eager models once per request, no batcher (for comparison)."""
+    return build("eager")
+
+
+class _Direct:
+    """Per-request eager calls behind the batcher's interface (``await runner(x)``)."""
+
+    def __init__(self, fn: Any, name: str):
+        self.fn, self.name = fn, name
+
+    async def __call__(self, x: torch.Tensor) -> Any:
+        def call() -> Any:
+            with torch.no_grad():
+                return self.fn(x)
+
+        return await asyncio.to_thread(call)
+
+    def prometheus(self) -> str:
+        return ""
+
+    def close(self) -> None:
+        pass
+
+
+def build(mode: str) -> FastAPI:
+    """``mode``: ``"graphs+batcher"``, ``"eager+batcher"`` or ``"eager"``."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     warnings.filterwarnings("ignore", category=cg.CudaGraphsWarning)  # CPU: eager, said once
-    batchers: dict[str, cg.Batcher] = {}
+    batchers: dict[str, Any] = {}
     with torch.inference_mode():
         for name, made in (("embed", encoder(device)), ("classify", classifier(device))):
             if made is None:
                 continue
             fn, example = made
-            graph = cg.graph(
-                fn, example, buckets={"B": cg.powers_of_two(MAX_BATCH)}, outputs="alias"
-            )
+            if mode == "eager":
+                batchers[name] = _Direct(fn, name)
+                continue
+            if mode == "graphs+batcher":
+                buckets = {"B": cg.powers_of_two(MAX_BATCH)}
+                fn = cg.graph(fn, example, buckets=buckets, outputs="alias")
             batchers[name] = cg.Batcher(
-                graph, example[:1], max_wait_ms=2.0, max_queue=256, name=name
+                fn, example[:1], max_batch=MAX_BATCH, max_wait_ms=2.0, max_queue=256, name=name
             )
 
     @asynccontextmanager
@@ -126,7 +165,9 @@ def make() -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"ok": True, "device": device, "models": sorted(batchers)}
+        reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
+        return {"ok": True, "device": device, "mode": mode, "models": sorted(batchers),
+                "memory_reserved_bytes": reserved}  # fmt: skip
 
     statuses = {
         _BadRequest: 400, cg.InputMismatchError: 400, RecursionError: 400,
