@@ -22,6 +22,7 @@ from .diagnose.doctor import Finding, Report, doctor
 from .errors import (
     BatcherClosed,
     CaptureError,
+    CollectiveMismatchError,
     ConfigError,
     CudaGraphsError,
     CudaGraphsWarning,
@@ -81,6 +82,7 @@ __all__ = [
     "Bucketed",
     "Buckets",
     "CaptureError",
+    "CollectiveMismatchError",
     "ConfigError",
     "CudaGraphsError",
     "CudaGraphsWarning",

@@ -12,6 +12,7 @@ from typing import Any
 __all__ = [
     "BatcherClosed",
     "CaptureError",
+    "CollectiveMismatchError",
     "ConfigError",
     "CudaGraphsError",
     "CudaGraphsWarning",
@@ -97,6 +98,11 @@ class StateWriteError(CudaGraphsError):
 
 class VerificationError(CudaGraphsError):
     """``verify=True``: a replay differed from eager on fresh random inputs."""
+
+
+class CollectiveMismatchError(CudaGraphsError):
+    """Ranks captured different collectives (kind, sizes, dtypes or order), so the first replay
+    would wait forever; raised on every rank, saying what differs."""
 
 
 class Overloaded(CudaGraphsError):

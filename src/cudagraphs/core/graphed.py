@@ -39,7 +39,7 @@ from ..errors import (
     explain,
 )
 from ..options import Options
-from . import diagnostics, recorder, side_effects
+from . import collectives, diagnostics, recorder, side_effects
 from .frames import callable_name, user_stacklevel
 from .guards import AddressGuard
 from .outputs import detach_outputs
@@ -312,14 +312,16 @@ class Graphed(Generic[R]):
             side_effects.report(effects, self.fn)
             versions = [x._version for x in inputs]
             shared = options.pool
-            recording = recorder.capture(
-                self.fn,
-                args,
-                kwargs,
-                stream=stream,
-                pool=shared.handle if hasattr(type(shared), "handle") else shared,
-                capture_error_mode=options.capture_error_mode,
-            )
+            # Ranks whose graphs hold different collectives would hang at the first replay.
+            with collectives.compared_across_ranks(callable_name(self.fn)):
+                recording = recorder.capture(
+                    self.fn,
+                    args,
+                    kwargs,
+                    stream=stream,
+                    pool=shared.handle if hasattr(type(shared), "handle") else shared,
+                    capture_error_mode=options.capture_error_mode,
+                )
             if hasattr(type(shared), "record"):
                 shared.record(recording.pool_bytes)
         mutated = [
