@@ -77,7 +77,44 @@ def pass_through(rank: int) -> Any:
         return [graphed(torch.full((4,), float(rank + k))).tolist() for k in range(3)]
 
 
+def ddp_train_step(rank: int) -> Any:
+    """cg.train_step over a DistributedDataParallel model (the pass-through here) against the
+    same DDP training written plainly: after 10 steps the parameters are equal on each rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(graphed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = DDP(
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        run = cg.train_step(step, optimizer=opt) if graphed else step
+        data = torch.Generator().manual_seed(rank)  # each rank its own shard
+        for _ in range(10):
+            run(torch.randn(4, 8, generator=data), torch.randn(4, 2, generator=data))
+        return [p.detach().clone() for p in model.parameters()]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager, graphed = train(False), train(True)
+    synced = [t.clone() for t in graphed]
+    for t in synced:  # DDP keeps ranks equal: rank 0's parameters, everywhere
+        dist.broadcast(t, 0)
+    return all(torch.equal(a, b) for a, b in zip(eager, graphed)), all(
+        torch.equal(a, b) for a, b in zip(graphed, synced)
+    )
+
+
 SCENARIOS = {
+    "ddp_train_step": ddp_train_step,
     "recorded": recorded_and_compared,
     "mismatched": mismatched,
     "resized": resized,
@@ -130,3 +167,9 @@ def test_the_pass_through_runs_collectives_eagerly_under_gloo() -> None:
     for rank in (0, 1):
         # ranks 0 and 1 send 2k and 2(1 + k): the sum 4k + 2, plus one.
         assert answers[rank] == [[4.0 * k + 3.0] * 4 for k in range(3)], answers[rank]
+
+
+def test_train_step_over_ddp_matches_plain_ddp_training_under_gloo() -> None:
+    answers = run_two_ranks("ddp_train_step")
+    for rank in (0, 1):
+        assert answers[rank] == (True, True), answers[rank]
