@@ -174,3 +174,40 @@ def test_the_cli_refuses_a_maker_that_returns_no_app(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     assert "must return an ASGI app" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_the_image_endpoint_with_a_stand_in_classifier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/classify as it runs where torchvision is installed, with a small conv net standing in
+    for ResNet-18 (torchvision is not installed everywhere the tests run)."""
+
+    def small_classifier(device: str):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+            torch.nn.Flatten(), torch.nn.Linear(4, 10),
+        ).to(device).eval()  # fmt: skip
+        return net, torch.randn(serve_http.MAX_BATCH, 3, 32, 32, device=device)
+
+    monkeypatch.setattr(serve_http, "classifier", small_classifier)
+    from fastapi.testclient import TestClient
+
+    with TestClient(serve_http.make()) as client:
+        images = torch.rand(2, 3, 32, 32)
+        response = client.post("/classify", json={"images": images.tolist()})
+        assert response.status_code == 200, response.text
+        net, _ = small_classifier("cpu")
+        with torch.no_grad():
+            want = net(images)
+        torch.testing.assert_close(
+            torch.tensor(response.json()["logits"]), want, rtol=1e-4, atol=1e-4
+        )
+        assert (
+            client.post("/classify", json={"images": images[:, :, :16].tolist()}).status_code == 400
+        )
+        nan = b'{"images": [[[[NaN]]]]}'
+        bad = client.post("/classify", content=nan, headers={"content-type": "application/json"})
+        assert bad.status_code == 422
+        assert client.post("/classify", json={"images": [[[1.0, 2.0], [3.0]]]}).status_code in (
+            400,
+            422,
+        )
