@@ -113,7 +113,18 @@ def ddp_train_step(rank: int) -> Any:
     )
 
 
+def tensor_parallel(rank: int) -> Any:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import tensor_parallel as example
+
+    return example.check(rank, 2, torch.device("cpu"))["max_abs_error"]
+
+
 SCENARIOS = {
+    "tensor_parallel": tensor_parallel,
     "ddp_train_step": ddp_train_step,
     "recorded": recorded_and_compared,
     "mismatched": mismatched,
@@ -173,3 +184,9 @@ def test_train_step_over_ddp_matches_plain_ddp_training_under_gloo() -> None:
     answers = run_two_ranks("ddp_train_step")
     for rank in (0, 1):
         assert answers[rank] == (True, True), answers[rank]
+
+
+def test_the_tensor_parallel_block_equals_the_single_device_block() -> None:
+    answers = run_two_ranks("tensor_parallel")
+    for rank in (0, 1):
+        assert isinstance(answers[rank], float) and answers[rank] < 1e-4, answers[rank]
