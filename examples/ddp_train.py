@@ -13,6 +13,7 @@ NCCL on GPUs (one per rank); gloo on the CPU, where the step is the eager pass-t
 from __future__ import annotations
 
 import os
+import socket
 import time
 import warnings
 
@@ -66,11 +67,19 @@ def train(graphed: bool, rank: int, device: torch.device) -> tuple[list[torch.Te
     return [p.detach().clone() for p in model.parameters()], per_step
 
 
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:  # plain `python`: one rank
         print("one rank; for data parallelism: torchrun --nproc-per-node 2 examples/ddp_train.py")
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()
+        )
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     device = (

@@ -13,6 +13,7 @@ NCCL on GPUs (one per rank); gloo on the CPU, where the graph is the eager pass-
 from __future__ import annotations
 
 import os
+import socket
 import time
 import warnings
 
@@ -124,11 +125,19 @@ def _time(fn, x: torch.Tensor, device: torch.device, calls: int = 50) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     if "RANK" not in os.environ:  # plain `python`: one rank (the split is then trivial)
         print("one rank; for a real split: torchrun --nproc-per-node 2 examples/tensor_parallel.py")
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()
+        )
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (
