@@ -165,9 +165,9 @@ def test_requests_it_cannot_serve_are_refused_with_the_reason(llama) -> None:
         decoder.generate(prompt[0], max_new_tokens=2)
     with pytest.raises(cg.ConfigError, match="int64"):
         decoder.generate(prompt.int(), max_new_tokens=2)
-    with pytest.raises(cg.ConfigError, match="attention_mask has zeros"):
+    with pytest.raises(cg.ConfigError, match="padding after a real token"):
         mask = torch.ones_like(prompt)
-        mask[0, 0] = 0
+        mask[0, -1] = 0
         decoder.generate(prompt, max_new_tokens=2, attention_mask=mask)
     with pytest.raises(cg.ConfigError, match="max_new_tokens must be a positive int"):
         decoder.generate(prompt, max_new_tokens=0)
@@ -200,3 +200,49 @@ def test_one_new_token_needs_no_graph_launch(llama) -> None:
         expected = generate(model, prompt, 1, min_new_tokens=1)
     assert torch.equal(decoder.generate(prompt, max_new_tokens=1, eos_token_id=None), expected)
     assert decoder.stats.replays == {"greedy batch 1": 0}
+
+
+def left_padded(
+    lengths: list[int], total: int, pad: int = 0, vocab: int = 512
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of the given lengths, padded on the left to ``total`` (as tokenizers do)."""
+    ids = torch.full((len(lengths), total), pad, dtype=torch.long)
+    mask = torch.zeros(len(lengths), total, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, total - n :] = torch.randint(1, vocab, (n,))
+        mask[row, total - n :] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_prompts_of_different_lengths_decode_as_generate_does(llama, steps: int) -> None:
+    model, _ = llama
+    assert model.config._attn_implementation == "sdpa"
+    decoder = Decoder(model, max_batch=4, max_length=48, steps_per_graph=steps)
+    torch.manual_seed(4)
+    ids, mask = left_padded([9, 3, 6], total=9)
+    with torch.no_grad():
+        expected = model.generate(
+            ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+    got = decoder.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
+    assert torch.equal(got, expected)
+    # The same prompts one at a time, unpadded, give the same continuations.
+    for row, n in enumerate([9, 3, 6]):
+        alone = decoder.generate(ids[row : row + 1, 9 - n :], max_new_tokens=20, eos_token_id=None)
+        assert torch.equal(alone[0, n:], got[row, 9:])
+    assert any("greedy+padded" in k for k in decoder.stats.replays)
+
+
+def test_padding_that_is_not_on_the_left_is_refused(llama) -> None:
+    model, _ = llama
+    decoder = Decoder(model, max_batch=2, max_length=16)
+    ids = torch.randint(1, 512, (2, 4))
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    with pytest.raises(cg.ConfigError, match="pad on the left"):
+        decoder.generate(ids, attention_mask=mask, max_new_tokens=2)
+    with pytest.raises(
+        cg.ConfigError, match="attention_mask must be a tensor of the prompts' shape"
+    ):
+        decoder.generate(ids, attention_mask=mask[:, :3], max_new_tokens=2)

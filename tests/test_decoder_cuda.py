@@ -13,6 +13,7 @@ import cudagraphs as cg
 pytestmark = pytest.mark.cuda
 transformers = pytest.importorskip("transformers")
 
+from test_decoder import left_padded  # noqa: E402
 from test_decoder import test_sampled_tokens_follow_transformers_filters as sampling_check  # noqa: E402
 
 from cudagraphs.integrations.transformers import Decoder  # noqa: E402
@@ -163,3 +164,20 @@ def test_sampled_decoding_is_reproducible_and_varies_with_the_seed() -> None:
             )
         )
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+
+
+def test_left_padded_prompts_decode_as_generate_does_on_the_gpu() -> None:
+    model = random_llama("llama-512", "cuda")
+    torch.manual_seed(3)
+    ids, mask = left_padded([16, 5, 11, 1], total=16, vocab=32000)
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
+            pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    for k in (1, 4):
+        decoder = Decoder(model, max_batch=4, max_length=PROMPT + NEW, steps_per_graph=k)
+        got = decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
+        assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
+        assert assert_same_tokens(got, out.sequences, torch.stack(out.scores, dim=1)) <= 1

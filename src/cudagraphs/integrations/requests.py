@@ -11,6 +11,8 @@ from ..errors import ConfigError, explain
 
 __all__ = [
     "MAX_EOS",
+    "check_attention",
+    "check_left_padding",
     "check_model",
     "check_request",
     "describe",
@@ -113,15 +115,47 @@ def check_request(
                 "ask for fewer new tokens, or build the Decoder with a larger max_length",
             )
         )
-    if attention_mask is not None and not bool(attention_mask.all()):
+    if attention_mask is not None:
+        check_left_padding(attention_mask, input_ids)
+    return batch, length
+
+
+def check_left_padding(mask: Any, input_ids: torch.Tensor) -> None:
+    """An attention mask the decoder can take: the prompts' shape, zeros only on the left (the
+    padding of shorter prompts), at least one real token per row."""
+    if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
         raise ConfigError(
             explain(
-                "attention_mask has zeros: prompts of different lengths (padding)",
-                "every row of one request decodes at the same cache position",
-                "group prompts of equal length into one request, or call generate per prompt",
+                f"attention_mask must be a tensor of the prompts' shape {tuple(input_ids.shape)}, "
+                f"got {describe(mask)}",
+                "it marks which prompt tokens are real (1) and which are padding (0)",
+                "pass tokenizer(..., padding=True, return_tensors='pt').attention_mask",
             )
         )
-    return batch, length
+    real = mask.to(device=input_ids.device) != 0
+    if bool((real[:, :-1] & ~real[:, 1:]).any()) or not bool(real[:, -1].all()):
+        raise ConfigError(
+            explain(
+                "attention_mask has padding after a real token (right padding or holes)",
+                "decoding appends to the end of every row, so padding must come first",
+                "pad on the left: tokenizer.padding_side = 'left'",
+            )
+        )
+
+
+def check_attention(model: Any) -> None:
+    """Left-padded decoding hands the model a prepared boolean 4-D mask, which the SDPA
+    attention takes as given; refuse other attention implementations."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != "sdpa":
+        raise ConfigError(
+            explain(
+                f"prompts with padding need the model's SDPA attention, it uses {implementation!r}",
+                "each decode step passes which cache positions every row attends to as a boolean "
+                "mask, as SDPA reads it",
+                "load the model with attn_implementation='sdpa', or send prompts of equal length",
+            )
+        )
 
 
 def stop_ids(model: Any, eos_token_id: Any, pad_token_id: int | None) -> tuple[list[int], int]:

@@ -37,7 +37,15 @@ from ..core.pool import Pool
 from ..errors import ConfigError, explain
 from ..shapes.ladders import powers_of_two
 from .kv_cache import RungCaches, cache_keyword
-from .requests import MAX_EOS, check_model, check_request, positive_int, stop_ids, trim_finished
+from .requests import (
+    MAX_EOS,
+    check_attention,
+    check_model,
+    check_request,
+    positive_int,
+    stop_ids,
+    trim_finished,
+)
 from .sampling import SamplingParams, greedy, sample, stop_finished
 
 __all__ = ["DecodeStats", "Decoder"]
@@ -116,9 +124,10 @@ class Decoder:
         self.warmup = warmup
         self.lock = threading.RLock()  # one request at a time: the rungs share cache and pool
         self.stats = DecodeStats()
-        self.forward = self._forward
+        self.forward, self.forward_padded = self._forward, self._forward_padded
         if compile:
             self.forward = _compiled(self._forward, compile, len(self.rungs))
+            self.forward_padded = _compiled(self._forward_padded, compile, len(self.rungs))
         # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
         # run past its last token (those steps are thrown away).
         cache_len = max_length + steps_per_graph - 1
@@ -128,13 +137,18 @@ class Decoder:
         self.params = SamplingParams.make(model.config.vocab_size, self.device)
         self.eos = torch.full((MAX_EOS,), -1, dtype=torch.long, device=self.device)
         self.pad = torch.zeros((), dtype=torch.long, device=self.device)
+        # Left-padded prompts: which cache positions each row attends to, and how many padding
+        # tokens it has (its position ids run that much behind the cache position).
+        self.attends = torch.zeros(max_batch, 1, 1, cache_len, dtype=torch.bool, device=self.device)
+        self.padding = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
         self.pool = Pool()
         self.graphs: dict[tuple[int, str], Any] = {}
         self.prepare("sample" if do_sample else "greedy")
         self.stats.setup_s = time.perf_counter() - start
 
     def prepare(self, mode: str) -> None:
-        """Capture every rung's graph for ``mode`` (``"greedy"`` or ``"sample"``) now."""
+        """Capture every rung's graph for ``mode`` now: ``"greedy"`` or ``"sample"``, with
+        ``"+padded"`` for requests of left-padded prompts (captured on the first such request)."""
         with self.lock:
             missing = [n for n in self.rungs if (n, mode) not in self.graphs]
             if not missing:
@@ -157,8 +171,27 @@ class Decoder:
         )
         return out.logits[:, -1, :]
 
+    def _forward_padded(
+        self,
+        token: torch.Tensor,
+        position: torch.Tensor,
+        cache: Any,
+        attends: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        # A prepared 4-D mask is used as given: no mask is built (or checked) from the padding.
+        out = self.model(
+            input_ids=token,
+            cache_position=position,
+            position_ids=position_ids,
+            attention_mask=attends,
+            use_cache=True,
+            **{self.cache_arg: cache},
+        )
+        return out.logits[:, -1, :]
+
     def _chooser(self, mode: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        if mode == "greedy":
+        if mode.startswith("greedy"):
             return greedy
         params = self.params
         return lambda logits: sample(logits, params)
@@ -166,6 +199,8 @@ class Decoder:
     def _capture(self, n: int, mode: str) -> Any:
         forward, choose, cache = self.forward, self._chooser(mode), self.caches[n]
         history, eos, pad, steps = self.history[:n], self.eos, self.pad, self.steps
+        attends, padding, padded = self.attends[:n], self.padding[:n], mode.endswith("+padded")
+        forward_padded = self.forward_padded
 
         def decode_steps(
             token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor
@@ -173,13 +208,18 @@ class Decoder:
             # Everything stays on the device: the token is fed back and the position advanced
             # in place, so one launch runs all the steps.
             for _ in range(steps):
-                logits = forward(token, position, cache)
+                if padded:  # this position joins every row's view; ids skip the padding
+                    attends.index_fill_(3, position, True)
+                    logits = forward_padded(token, position, cache, attends, position - padding)
+                else:
+                    logits = forward(token, position, cache)
                 chosen = stop_finished(choose(logits), finished, eos, pad)
                 position.add_(1)
                 history.scatter_(1, position.view(1, 1).expand(n, 1), chosen)
                 token.copy_(chosen)
 
-        decode_steps.__qualname__ = decode_steps.__name__ = f"decode_{mode}_batch{n}"
+        name = mode.replace("+", "_")
+        decode_steps.__qualname__ = decode_steps.__name__ = f"decode_{name}_batch{n}"
         token = torch.zeros(n, 1, dtype=torch.long, device=self.device)
         position = torch.zeros(1, dtype=torch.long, device=self.device)
         finished = torch.zeros(n, dtype=torch.bool, device=self.device)
@@ -227,6 +267,12 @@ class Decoder:
         )
         eos, pad = stop_ids(self.model, eos_token_id, pad_token_id)
         mode = "sample" if do_sample else "greedy"
+        if attention_mask is not None and not bool(attention_mask.all()):
+            check_attention(self.model)
+            mode += "+padded"
+            attention_mask = attention_mask.to(self.device) != 0
+        else:
+            attention_mask = None
         with self.lock, torch.no_grad():
             if do_sample:
                 self.params.set(temperature, top_k, top_p)
@@ -234,7 +280,7 @@ class Decoder:
             n = next(r for r in self.rungs if r >= batch)
             graphed = self.graphs[n, mode]
             token, position, finished = graphed.inputs
-            self._prefill(input_ids, n, mode, eos, pad, token, position, finished)
+            self._prefill(input_ids, attention_mask, n, mode, eos, pad, token, position, finished)
             launches = math.ceil((max_new_tokens - 1) / self.steps)
             launch = 0
             for launch in range(1, launches + 1):
@@ -251,6 +297,7 @@ class Decoder:
     def _prefill(
         self,
         input_ids: torch.Tensor,
+        mask: torch.Tensor | None,
         n: int,
         mode: str,
         eos: list[int],
@@ -265,8 +312,20 @@ class Decoder:
         # Rows past the batch repeat the first prompt: a valid input whose results are dropped.
         prompt = torch.cat([input_ids, input_ids[:1].expand(n - batch, length)])
         positions = torch.arange(length, device=self.device)
+        extra: dict[str, Any] = {}
+        if mask is not None:  # as generate does: position ids count real tokens only
+            mask = torch.cat([mask, mask[:1].expand(n - batch, length)])
+            ids = mask.long().cumsum(-1) - 1
+            extra = {"attention_mask": mask.long(), "position_ids": ids.masked_fill(~mask, 1)}
+            self.attends[:n].zero_()
+            self.attends[:n, 0, 0, :length] = mask
+            self.padding[:n, 0] = length - mask.sum(-1)
         out = self.model(
-            input_ids=prompt, cache_position=positions, use_cache=True, **{self.cache_arg: cache}
+            input_ids=prompt,
+            cache_position=positions,
+            use_cache=True,
+            **{self.cache_arg: cache},
+            **extra,
         )
         self.eos.fill_(-1)
         self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
