@@ -10,7 +10,9 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   cg compile            Decoder(compile=True): graphs over torch.compile'd kernels
   cg compile K=4/K=16   the same, 4 or 16 steps per launch
 
-For each: tokens/s (median of --reps runs, interleaved), ms per token (median and worst run),
+Each mode runs in a fresh process of its own (``--no-isolate``: all in one, interleaved; there
+transformers' compiled ``generate`` and the reduce-overhead loop slow each other down). For each:
+tokens/s (median of --reps runs), ms per token (median and worst run),
 set-up seconds (compile, capture, first call), growth of torch.cuda.memory_reserved() beyond
 the weights, share of the weight-streaming roofline (every step reads every weight once), and
 agreement of the tokens with ``hf eager``. ``--rung-memory`` instead measures, in fresh
@@ -316,7 +318,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--append", action="store_true", help="add to the batches already in --json")
     p.add_argument(
-        "--isolate", action="store_true", help="each mode in a fresh process (compiled modes)"
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each mode in a fresh process (default; --no-isolate: all in this one, interleaved, "
+        "where the compiled baselines slow each other down)",
     )
     p.add_argument(
         "--_isolate-child", dest="isolate_child", action="store_true", help=argparse.SUPPRESS
