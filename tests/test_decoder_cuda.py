@@ -181,3 +181,18 @@ def test_left_padded_prompts_decode_as_generate_does_on_the_gpu() -> None:
         got = decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
         assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
         assert assert_same_tokens(got, out.sequences, torch.stack(out.scores, dim=1)) <= 1
+
+
+def test_a_parameter_moved_to_new_memory_is_seen_and_recaptured() -> None:
+    """The decode graphs read the weights by address: a parameter given new memory makes them
+    capture again before the next replay (counted), and the tokens stay generate's."""
+    model = random_llama("llama-512", "cuda")
+    decoder = Decoder(model, max_batch=1, max_length=PROMPT + NEW)
+    prompt = torch.randint(0, 32000, (1, PROMPT), device="cuda")
+    decoder.generate(prompt, max_new_tokens=8, eos_token_id=None)
+    assert decoder.stats.recaptures == 0
+    layer = model.model.layers[0].mlp.up_proj
+    layer.weight.data = layer.weight.data.clone()  # new memory, same values
+    got = decoder.generate(prompt, max_new_tokens=8, eos_token_id=None)
+    assert decoder.stats.recaptures == 1
+    assert torch.equal(got, greedy_generate(model, prompt, 8))

@@ -231,6 +231,9 @@ class Decoder:
                 finished,
                 pool=self.pool,
                 warmup=self.warmup,
+                # The step reaches the model through a bound method: name it, so the guard
+                # sees a parameter moved to new memory (and captures again) before a replay.
+                modules=[self.model],
                 # The decoder owns the cache and the buffers and resets them per request, so
                 # warm-up's writes need no putting back (that would copy the whole cache).
                 side_effects="keep",
@@ -279,6 +282,10 @@ class Decoder:
             self.prepare(mode)
             n = next(r for r in self.rungs if r >= batch)
             graphed = self.graphs[n, mode]
+            # A weight moved to new memory: capture again now, before the prefill resets the
+            # cache and the buffers (a recapture's warm-up runs steps, which would otherwise
+            # advance the cache's position counters in the middle of the request).
+            graphed.refresh()
             token, position, finished = graphed.inputs
             self._prefill(input_ids, attention_mask, n, mode, eos, pad, token, position, finished)
             launches = math.ceil((max_new_tokens - 1) / self.steps)
@@ -291,6 +298,8 @@ class Decoder:
                         break
             key = f"{mode} batch {n}"
             self.stats.replays[key] = self.stats.replays.get(key, 0) + launch
+            # A guarded tensor that moved (a reloaded model) makes a graph capture again.
+            self.stats.recaptures = sum(g.stats.recaptures for g in self.graphs.values())
             out = self.history[:batch, : length + max_new_tokens].clone()
         return trim_finished(out, length, eos) if eos else out
 
