@@ -35,6 +35,7 @@ SEQUENCE = 16  # tokens per row of /embed
 VOCAB = 1000
 MAX_BATCH = 32
 IMAGE = 32  # pixels per side of /classify
+MAX_BODY_BYTES = 8 * 2**20  # a full batch of images as JSON is about 2 MB
 
 
 class EmbedRequest(BaseModel):
@@ -136,6 +137,15 @@ def build(mode: str) -> FastAPI:
             batcher.close()
 
     app = FastAPI(title="cudagraphs serving example", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Any) -> Any:
+        # A huge body is refused before it is read or parsed: 413 with the limit.
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
+            detail = f"request body over {MAX_BODY_BYTES} bytes; send at most {MAX_BATCH} rows"
+            return JSONResponse({"detail": detail}, status_code=413)
+        return await call_next(request)
 
     async def run(name: str, x: torch.Tensor) -> Any:
         with torch.inference_mode():

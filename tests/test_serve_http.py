@@ -115,6 +115,11 @@ def test_malformed_json_truncated_nan_and_deep_nesting(server: str) -> None:
     assert post(b'{"input_ids": [[NaN]]}').status_code == 422
     deep = b'{"input_ids": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     assert 400 <= post(deep).status_code < 500
+    huge = b'{"input_ids": [[' + b"1," * 5_000_000 + b"1]]}"  # 10 MB
+    response = post(huge)
+    assert response.status_code == 413 and "request body over" in response.text
+    one_long_row = {"input_ids": [[1] * 100_000]}  # under the size limit, far from 16 tokens
+    assert httpx.post(f"{server}/embed", json=one_long_row, timeout=10).status_code == 400
 
 
 json_values = st.recursive(
