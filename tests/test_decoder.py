@@ -246,3 +246,30 @@ def test_padding_that_is_not_on_the_left_is_refused(llama) -> None:
         cg.ConfigError, match="attention_mask must be a tensor of the prompts' shape"
     ):
         decoder.generate(ids, attention_mask=mask[:, :3], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_the_captured_path_gives_generate_tokens(stand_in: None, steps: int) -> None:
+    """Through the captured path (the CPU stand-in: static input buffers, warm-up, capture
+    that records, replays that rerun the recording), not the pass-through: equal prompts,
+    left-padded prompts and seeded sampling behave as on the pass-through."""
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    decoder = Decoder(model, max_batch=4, max_length=48, steps_per_graph=steps)
+    assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
+    torch.manual_seed(6)
+    prompt = torch.randint(0, 512, (3, 7))
+    expected = generate(model, prompt, 17, min_new_tokens=17)
+    assert torch.equal(decoder.generate(prompt, max_new_tokens=17, eos_token_id=None), expected)
+    ids, mask = left_padded([7, 2, 5], total=7)
+    with torch.no_grad():
+        padded = model.generate(
+            ids, attention_mask=mask, max_new_tokens=17, min_new_tokens=17, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+    got = decoder.generate(ids, attention_mask=mask, max_new_tokens=17, eos_token_id=None)
+    assert torch.equal(got, padded)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(9)
+        runs.append(decoder.generate(prompt, max_new_tokens=12, do_sample=True, top_p=0.9))
+    assert torch.equal(runs[0], runs[1])
