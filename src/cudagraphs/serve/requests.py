@@ -131,7 +131,8 @@ def concatenate(spec: RequestSpec, requests: Sequence[list[Any]]) -> tuple[Any, 
 
 def split(output: Any, rows: Sequence[int]) -> list[Any]:
     """Each request's rows of the batch's output, as owned copies, in request order."""
-    leaves, spec = optree.tree_flatten(output, namespace=NAMESPACE)
+    single = isinstance(output, torch.Tensor)  # the common case: no tree to walk
+    leaves, spec = ([output], None) if single else optree.tree_flatten(output, namespace=NAMESPACE)
     total = sum(rows)
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor) and (leaf.dim() == 0 or leaf.shape[0] != total):
@@ -144,6 +145,8 @@ def split(output: Any, rows: Sequence[int]) -> list[Any]:
                     "return per-row results (reduce per row, not over the batch)",
                 )
             )
+    if single:
+        return [part.clone() for part in output.split(list(rows))]
     answers = []
     start = 0
     for n in rows:
