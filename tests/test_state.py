@@ -324,3 +324,23 @@ def test_a_model_built_under_inference_mode_can_be_graphed(stand_in: None) -> No
         bucketed = cg.graph(model, x, buckets={"B": [2, 4]}, outputs="alias")
         torch.testing.assert_close(g(x), model(x))
         torch.testing.assert_close(bucketed(x[:3]), model(x[:3]))
+
+
+def test_a_replaced_recording_is_freed_at_once(stand_in: None) -> None:
+    """A recapture drops the old recording before making the new one: nothing on the replay
+    path may refer back to it (a cycle would keep its graph memory until garbage collection)."""
+    import weakref
+
+    model = nn.Linear(8, 2)
+    for example in (torch.randn(4, 8), (torch.randn(4, 8), torch.randn(4, 8))):
+        args = example if isinstance(example, tuple) else (example,)
+        fn = (lambda a, b: model(a) + model(b)) if len(args) == 2 else model
+        g = cg.graph(fn, *args, outputs="alias")
+        g(*args)
+        old = weakref.ref(g.replayer)
+        gc.disable()
+        try:
+            g.replayer = None
+            assert old() is None
+        finally:
+            gc.enable()

@@ -110,7 +110,7 @@ class Graphed(Generic[R]):
             if guard is not None and (reason := guard.stale()) is not None:
                 self._on_stale(reason)
             if len(args) == self._fast_arity and not kwargs:
-                return self._fast(args)  # type: ignore[misc]  # positional leaves: no flattening
+                return self._fast(args)  # type: ignore[misc]
             return self._call_general(args, kwargs)
 
     @property
@@ -121,10 +121,12 @@ class Graphed(Generic[R]):
     @replayer.setter
     def replayer(self, replayer: Replayer | None) -> None:
         self._replayer = replayer
-        # What __call__ takes without further looks; arity -1 matches no call.
-        usable = replayer is not None and replayer.flat
-        self._fast_arity = replayer.n_args if replayer is not None and usable else -1
-        self._fast = replayer.fast if replayer is not None and usable else None
+        # What __call__ takes without further looks: positional leaves need no flattening;
+        # arity -1 matches no call.
+        self._fast_arity, self._fast = -1, None
+        if replayer is not None and replayer.flat:
+            self._fast_arity = replayer.n_args
+            self._fast = replayer.fast or (lambda args: replayer.call(args, args, {}))
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:

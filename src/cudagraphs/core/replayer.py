@@ -72,10 +72,8 @@ class Replayer:
         self.frozen = tuple(zip(signature.frozen_index, signature.frozen_values))
         self.flat = signature.is_flat  # positional leaves only: calls need no flattening
         self.n_args = signature.spec.num_leaves
-        # The positional call path: ``fast(args)``; the specialised closure where it applies.
-        self.fast: Callable[[tuple[Any, ...]], Any] = self._make_single_call() or (
-            lambda args: self.call(args, args, {})
-        )
+        # The positional call path for one tensor and nothing else; None for other signatures.
+        self.fast: Callable[[tuple[Any, ...]], Any] | None = self._make_single_call()
 
     def call(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Check each leaf against the capture, copy the tensors that need it, replay.
@@ -104,11 +102,13 @@ class Replayer:
             return None
         _, buf, ptr, shape, dtype, dev, stride = self.slots[0]
         invalidate = self.invalidate
-        replay, emit, counters, explain = (
+        # Nothing here refers back to this Replayer: no cycle, so dropping it frees the graph
+        # at once (a recapture releases the old recording before making the new one).
+        replay, emit, counters, signature = (
             self.graph.replay,
             self.emit,
             self.counters,
-            self.explain_mismatch,
+            self.signature,
         )
 
         def call(args: tuple[Any, ...]) -> Any:
@@ -120,7 +120,7 @@ class Replayer:
                         raise _Mismatch
                     moved = x.data_ptr() != ptr or x.stride() != stride  # a stale output raises
                 except Exception:
-                    explain(args, {})
+                    _explain(signature, args, {})
                     raise
                 if moved:
                     buf.copy_(x)
@@ -192,11 +192,15 @@ class Replayer:
 
     def explain_mismatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise the precise error for a call the fast check refused."""
-        try:
-            self.signature.check(args, kwargs)
-        except CudaGraphsError as error:
-            # Raised from inside the fast check's except block: drop that internal context.
-            raise error from None
-        # The fast check is stricter than nothing only where the slow one agrees; if they ever
-        # disagree, refusing is the safe answer.
-        raise AssertionError("cudagraphs: fast and slow signature checks disagree; please report")
+        _explain(self.signature, args, kwargs)
+
+
+def _explain(signature: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    try:
+        signature.check(args, kwargs)
+    except CudaGraphsError as error:
+        # Raised from inside the fast check's except block: drop that internal context.
+        raise error from None
+    # The fast check is stricter than nothing only where the slow one agrees; if they ever
+    # disagree, refusing is the safe answer.
+    raise AssertionError("cudagraphs: fast and slow signature checks disagree; please report")
