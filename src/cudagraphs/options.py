@@ -28,6 +28,7 @@ __all__ = [
     "OptionKwargs",
     "Options",
     "OutputPolicy",
+    "check_positive_int",
     "split_options",
 ]
 
@@ -217,4 +218,12 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
                 f"{name} selects a fixed behaviour and accepts only these names",
                 f"pass {name}={default!r} (the default), or leave it out",
             )
+        )
+
+
+def check_positive_int(name: str, value: Any, why: str) -> None:
+    """``ConfigError`` unless ``value`` is an int >= 1 (a bool is not)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(
+            explain(f"{name} must be a positive int, got {value!r}", why, f"pass {name}=1 or more")
         )

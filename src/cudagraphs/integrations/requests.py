@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, explain
+from ..options import check_positive_int
 
 __all__ = [
     "MAX_EOS",
@@ -16,7 +17,6 @@ __all__ = [
     "check_model",
     "check_request",
     "describe",
-    "positive_int",
     "stop_ids",
     "trim_finished",
 ]
@@ -48,17 +48,6 @@ def check_model(model: Any) -> None:
                 f"{type(model).__name__} is in training mode",
                 "dropout would be recorded with one fixed mask and replayed on every token",
                 "call model.eval() before building the Decoder",
-            )
-        )
-
-
-def positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(
-            explain(
-                f"{name} must be a positive int, got {value!r}",
-                "it sizes buffers or counts steps",
-                f"pass {name}=1 or more",
             )
         )
 
@@ -96,7 +85,7 @@ def check_request(
             )
         )
     batch, length = input_ids.shape
-    positive_int("max_new_tokens", max_new_tokens)
+    check_positive_int("max_new_tokens", max_new_tokens, "it is how many tokens to generate")
     if not 1 <= batch <= max_batch or length < 1:
         raise ConfigError(
             explain(

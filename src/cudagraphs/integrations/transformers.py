@@ -35,6 +35,7 @@ import torch
 from ..api import graph
 from ..core.pool import Pool
 from ..errors import ConfigError, explain
+from ..options import check_positive_int
 from ..shapes.ladders import powers_of_two
 from .kv_cache import RungCaches, cache_keyword
 from .requests import (
@@ -42,7 +43,6 @@ from .requests import (
     check_attention,
     check_model,
     check_request,
-    positive_int,
     stop_ids,
     trim_finished,
 )
@@ -104,7 +104,7 @@ class Decoder:
             ("steps_per_graph", steps_per_graph),
             ("check_every", check_every),
         ):
-            positive_int(name, value)
+            check_positive_int(name, value, "it sizes buffers or counts steps")
         self.model = model
         self.cache_arg = cache_keyword(model)
         self.device = next(model.parameters()).device

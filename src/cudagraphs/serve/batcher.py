@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from ..errors import BatcherClosed, ConfigError, DeadlineExceeded, Overloaded, explain
+from ..options import check_positive_int
 from .metrics import BatcherMetrics, MetricsRecorder, prometheus
 from .requests import RequestSpec, concatenate, split
 
@@ -95,15 +96,8 @@ class Batcher:
                     )
                 )
             max_batch = rungs[-1]
-        for option, value in (("max_batch", max_batch), ("max_queue", max_queue)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(
-                    explain(
-                        f"{option} must be a positive int, got {value!r}",
-                        "it bounds rows per call or requests waiting",
-                        f"pass {option}=1 or more",
-                    )
-                )
+        check_positive_int("max_batch", max_batch, "it bounds the rows of one call")
+        check_positive_int("max_queue", max_queue, "it bounds the requests waiting")
         if not max_wait_ms >= 0:
             raise ConfigError(
                 explain(
