@@ -28,11 +28,13 @@ def llama() -> tuple[object, object]:
     return tiny_llama("cpu", hidden=64, layers=2)
 
 
-def generate(model, prompt: torch.Tensor, new: int, **kwargs: object) -> torch.Tensor:
+def generate(
+    model, prompt: torch.Tensor, new: int, mask: torch.Tensor | None = None, **kwargs: object
+) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(
             prompt,
-            attention_mask=torch.ones_like(prompt),
+            attention_mask=torch.ones_like(prompt) if mask is None else mask,
             max_new_tokens=new,
             do_sample=False,
             **kwargs,
@@ -221,11 +223,7 @@ def test_prompts_of_different_lengths_decode_as_generate_does(llama, steps: int)
     decoder = Decoder(model, max_batch=4, max_length=48, steps_per_graph=steps)
     torch.manual_seed(4)
     ids, mask = left_padded([9, 3, 6], total=9)
-    with torch.no_grad():
-        expected = model.generate(
-            ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False,
-            pad_token_id=0,
-        )  # fmt: skip
+    expected = generate(model, ids, 20, mask, min_new_tokens=20, pad_token_id=0)
     got = decoder.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=None)
     assert torch.equal(got, expected)
     # The same prompts one at a time, unpadded, give the same continuations.
@@ -261,11 +259,7 @@ def test_the_captured_path_gives_generate_tokens(stand_in: None, steps: int) -> 
     expected = generate(model, prompt, 17, min_new_tokens=17)
     assert torch.equal(decoder.generate(prompt, max_new_tokens=17, eos_token_id=None), expected)
     ids, mask = left_padded([7, 2, 5], total=7)
-    with torch.no_grad():
-        padded = model.generate(
-            ids, attention_mask=mask, max_new_tokens=17, min_new_tokens=17, do_sample=False,
-            pad_token_id=0,
-        )  # fmt: skip
+    padded = generate(model, ids, 17, mask, min_new_tokens=17, pad_token_id=0)
     got = decoder.generate(ids, attention_mask=mask, max_new_tokens=17, eos_token_id=None)
     assert torch.equal(got, padded)
     runs = []
