@@ -66,8 +66,9 @@ def check_request(
     device: torch.device,
     max_batch: int,
     max_length: int,
-) -> tuple[int, int]:
-    """``(batch, prompt length)`` of a request the decoder can serve; else ConfigError."""
+) -> tuple[int, int, torch.Tensor | None]:
+    """``(batch, prompt length, padding)`` of a request the decoder can serve, ``padding`` the
+    boolean mask of real tokens where some prompt is padded (else ``None``); else ConfigError."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ConfigError(
             explain(
@@ -104,14 +105,14 @@ def check_request(
                 "ask for fewer new tokens, or build the Decoder with a larger max_length",
             )
         )
-    if attention_mask is not None:
-        check_left_padding(attention_mask, input_ids)
-    return batch, length
+    padding = None if attention_mask is None else check_left_padding(attention_mask, input_ids)
+    return batch, length, padding
 
 
-def check_left_padding(mask: Any, input_ids: torch.Tensor) -> None:
+def check_left_padding(mask: Any, input_ids: torch.Tensor) -> torch.Tensor | None:
     """An attention mask the decoder can take: the prompts' shape, zeros only on the left (the
-    padding of shorter prompts), at least one real token per row."""
+    padding of shorter prompts), at least one real token per row. Returns it as booleans on
+    the prompts' device, or ``None`` when nothing is padded."""
     if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
         raise ConfigError(
             explain(
@@ -130,6 +131,7 @@ def check_left_padding(mask: Any, input_ids: torch.Tensor) -> None:
                 "pad on the left: tokenizer.padding_side = 'left'",
             )
         )
+    return None if bool(real.all()) else real
 
 
 def check_attention(model: Any) -> None:

@@ -260,7 +260,7 @@ class Decoder:
         the first end-of-sequence id), and decoding stops once every row has finished.
         Greedy output equals ``model.generate(input_ids, max_new_tokens=..., do_sample=False)``.
         """
-        batch, length = check_request(
+        batch, length, padding = check_request(
             input_ids,
             max_new_tokens,
             attention_mask,
@@ -270,12 +270,9 @@ class Decoder:
         )
         eos, pad = stop_ids(self.model, eos_token_id, pad_token_id)
         mode = "sample" if do_sample else "greedy"
-        if attention_mask is not None and not bool(attention_mask.all()):
+        if padding is not None:
             check_attention(self.model)
             mode += "+padded"
-            attention_mask = attention_mask.to(self.device) != 0
-        else:
-            attention_mask = None
         with self.lock, torch.no_grad():
             if do_sample:
                 self.params.set(temperature, top_k, top_p)
@@ -287,7 +284,7 @@ class Decoder:
             # advance the cache's position counters in the middle of the request).
             graphed.refresh()
             token, position, finished = graphed.inputs
-            self._prefill(input_ids, attention_mask, n, mode, eos, pad, token, position, finished)
+            self._prefill(input_ids, padding, n, mode, eos, pad, token, position, finished)
             launches = math.ceil((max_new_tokens - 1) / self.steps)
             launch = 0
             for launch in range(1, launches + 1):
