@@ -117,7 +117,6 @@ class Batcher:
         self._queue: deque[_Request] = deque()
         self._ready = threading.Condition()
         self._closed = False
-        self._drain = True
         self._worker = threading.Thread(
             target=self._loop, name=f"cudagraphs-batcher-{self.name}", daemon=True
         )
@@ -182,7 +181,6 @@ class Batcher:
         :class:`BatcherClosed`; wait for the worker to finish."""
         with self._ready:
             self._closed = True
-            self._drain = self._drain and drain
             if not drain:
                 while self._queue:
                     self._fail(self._queue.popleft(), BatcherClosed(
