@@ -6,7 +6,6 @@ eagerly under a gloo process group."""
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 import warnings
 from typing import Any
@@ -15,17 +14,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import free_port
 
 import cudagraphs as cg
 from cudagraphs.core.collectives import CollectiveLog, compare_across_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, scenario: str, results: Any) -> None:

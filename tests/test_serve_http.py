@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ports import free_port
 
 pytest.importorskip("transformers")
 fastapi = pytest.importorskip("fastapi")
@@ -30,12 +30,6 @@ sys.path.insert(0, str(ROOT / "examples"))
 import serve_http  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::cudagraphs.CudaGraphsWarning")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
