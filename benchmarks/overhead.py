@@ -55,6 +55,10 @@ MODES = (
     "cg alias",
     "cg guarded",
     "cg clone",
+    # Where cg alias's time goes: its own recording replayed the bare way (copy+replay), and
+    # its replay path called without the Graphed wrapper (lock, address guard, dispatch).
+    "cg recording, bare call",
+    "cg replay path alone",
 )
 
 
@@ -76,6 +80,20 @@ def build_modes(
     for policy in ("alias", "guarded", "clone"):
         if f"cg {policy}" in selected:
             modes[f"cg {policy}"] = cg.graph(model, example, outputs=policy)
+    if {"cg recording, bare call", "cg replay path alone"} & set(selected):
+        graphed = cg.graph(model, example, outputs="alias")
+        replayer = graphed.replayer
+        assert replayer is not None and replayer.fast is not None
+        static_x, static_y, graph = replayer.slots[0][1], replayer.emit(), replayer.graph
+
+        def recording_bare(x: torch.Tensor) -> torch.Tensor:
+            static_x.copy_(x)
+            graph.replay()
+            return static_y
+
+        fast = replayer.fast
+        modes["cg recording, bare call"] = recording_bare
+        modes["cg replay path alone"] = lambda x: fast((x,))
     return modes
 
 

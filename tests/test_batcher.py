@@ -272,3 +272,15 @@ def test_any_arrival_order_and_sizes_give_each_caller_its_rows(sizes, threads, w
     for i, x in enumerate(requests):
         torch.testing.assert_close(answers[i], model(x))
     assert max(seen) <= 8 and sum(seen) == sum(sizes)
+
+
+def test_requests_are_checked_against_the_request_device() -> None:
+    # A server parses requests on the host: request_device says where they must arrive; a
+    # request elsewhere fails alone, naming the device expected.
+    with cg.Batcher(model, rows(1), max_batch=4, max_wait_ms=0, request_device="cpu") as batcher:
+        x = rows(3)
+        torch.testing.assert_close(batcher.run(x, timeout=10), model(x))
+    batcher = cg.Batcher(model, rows(1), max_batch=4, request_device="meta")
+    with pytest.raises(cg.InputMismatchError, match=r"expected torch\.float32 on meta"):
+        batcher.submit(rows(2))
+    batcher.close()

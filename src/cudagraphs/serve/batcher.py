@@ -41,7 +41,7 @@ import torch
 from ..errors import BatcherClosed, ConfigError, DeadlineExceeded, Overloaded, explain
 from ..options import check_positive_int
 from .metrics import BatcherMetrics, MetricsRecorder, prometheus
-from .requests import RequestSpec, concatenate, split
+from .requests import RequestSpec, concatenate, split, to_device
 
 __all__ = ["Batcher"]
 
@@ -68,6 +68,10 @@ class Batcher:
         max_queue: requests waiting at most; beyond it, :class:`Overloaded` at once.
         deadline_s: default per-request deadline (``None``: none).
         name: the ``batcher`` label in the metrics.
+        request_device: where request tensors arrive and answers are returned (``None``: the
+            example's device). A server that parses requests on the host passes ``"cpu"``:
+            the worker then moves each batch to the GPU and its output back once, so no
+            request handler waits on the GPU.
     """
 
     def __init__(
@@ -79,6 +83,7 @@ class Batcher:
         max_queue: int = 1024,
         deadline_s: float | None = None,
         name: str | None = None,
+        request_device: str | torch.device | None = None,
     ):
         ladders = getattr(fn, "ladders", None)
         rungs = (
@@ -108,7 +113,8 @@ class Batcher:
             )
         self.fn = fn
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
-        self.spec = RequestSpec(example_args, max_batch)
+        self.request_device = None if request_device is None else torch.device(request_device)
+        self.spec = RequestSpec(example_args, max_batch, self.request_device)
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000
         self.max_queue = max_queue
@@ -278,6 +284,8 @@ class Batcher:
                 called = time.perf_counter()
                 output = self.fn(*inputs)
                 returned = time.perf_counter()
+                if self.request_device is not None:
+                    output = to_device(output, self.request_device)
                 answers = split(output, [r.rows for r in batch])
         except Exception as error:
             for request in batch:

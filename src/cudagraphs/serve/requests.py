@@ -20,7 +20,7 @@ import torch
 from ..core.tree import NAMESPACE, leaf_paths
 from ..errors import ConfigError, InputMismatchError, explain
 
-__all__ = ["RequestSpec", "concatenate", "split"]
+__all__ = ["RequestSpec", "concatenate", "split", "to_device"]
 
 
 @dataclass(frozen=True)
@@ -29,13 +29,22 @@ class _TensorLeaf:
     path: str
     trailing: tuple[int, ...]
     dtype: torch.dtype
-    device: torch.device
+    device: torch.device  # where requests arrive
+    compute_device: torch.device  # where the function takes the batch
 
 
 class RequestSpec:
-    """The structure, trailing shapes, dtypes and devices every request must have."""
+    """The structure, trailing shapes, dtypes and devices every request must have.
 
-    def __init__(self, example_args: tuple[Any, ...], max_rows: int):
+    ``request_device``: where request tensors arrive (``None``: on the example's device). A
+    batch is moved to the example's device once, after concatenation."""
+
+    def __init__(
+        self,
+        example_args: tuple[Any, ...],
+        max_rows: int,
+        request_device: torch.device | None = None,
+    ):
         leaves, self.spec = optree.tree_flatten(example_args, namespace=NAMESPACE)
         paths = leaf_paths(self.spec, root="args")
         self.max_rows = max_rows
@@ -51,8 +60,9 @@ class RequestSpec:
                             "give every tensor input a leading batch dimension, e.g. x[None]",
                         )
                     )
+                arrives_on = request_device if request_device is not None else leaf.device
                 self.tensors.append(
-                    _TensorLeaf(i, path, tuple(leaf.shape[1:]), leaf.dtype, leaf.device)
+                    _TensorLeaf(i, path, tuple(leaf.shape[1:]), leaf.dtype, arrives_on, leaf.device)
                 )
             else:
                 self.plain.append((i, path, leaf))
@@ -121,12 +131,25 @@ def _mismatch(what: str, fix: str) -> InputMismatchError:
 
 
 def concatenate(spec: RequestSpec, requests: Sequence[list[Any]]) -> tuple[Any, ...]:
-    """One batch of the requests' leaves, concatenated along dimension 0, as arguments."""
+    """One batch of the requests' leaves, concatenated along dimension 0, as arguments, on the
+    device the function takes them (one copy per input when requests arrive elsewhere)."""
     leaves = list(requests[0])
     for t in spec.tensors:
         parts = [r[t.index] for r in requests]
-        leaves[t.index] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        batch = parts[0] if len(parts) == 1 else torch.cat(parts)
+        leaves[t.index] = batch.to(t.compute_device) if t.device != t.compute_device else batch
     return optree.tree_unflatten(spec.spec, leaves)
+
+
+def to_device(output: Any, device: torch.device) -> Any:
+    """``output`` with every tensor moved to ``device`` (one copy per tensor)."""
+    if isinstance(output, torch.Tensor):
+        return output.to(device)
+    return optree.tree_map(
+        lambda leaf: leaf.to(device) if isinstance(leaf, torch.Tensor) else leaf,
+        output,
+        namespace=NAMESPACE,
+    )
 
 
 def split(output: Any, rows: Sequence[int]) -> list[Any]:
