@@ -11,6 +11,7 @@ sync per window). Ratios are the figures to read; absolute times move between ru
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -56,7 +57,7 @@ MODES = (
     "cg guarded",
     "cg clone",
     # Where cg alias's time goes: its own recording replayed the bare way (copy+replay), and
-    # its replay path called without the Graphed wrapper (lock, address guard, dispatch).
+    # its one-frame call path without the lock and the address guard.
     "cg recording, bare call",
     "cg replay path alone",
 )
@@ -83,7 +84,7 @@ def build_modes(
     if {"cg recording, bare call", "cg replay path alone"} & set(selected):
         graphed = cg.graph(model, example, outputs="alias")
         replayer = graphed.replayer
-        assert replayer is not None and replayer.fast is not None
+        assert replayer is not None
         static_x, static_y, graph = replayer.slots[0][1], replayer.emit(), replayer.graph
 
         def recording_bare(x: torch.Tensor) -> torch.Tensor:
@@ -91,9 +92,13 @@ def build_modes(
             graph.replay()
             return static_y
 
-        fast = replayer.fast
+        def refuse(args: Any, kwargs: Any) -> None:
+            raise AssertionError("the replay path alone takes one tensor")
+
+        alone = replayer.entry(contextlib.nullcontext(), None, refuse)
+        assert alone is not None
         modes["cg recording, bare call"] = recording_bare
-        modes["cg replay path alone"] = lambda x: fast((x,))
+        modes["cg replay path alone"] = alone
     return modes
 
 

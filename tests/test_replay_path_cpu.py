@@ -182,3 +182,37 @@ def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
     graphed(x)
     assert graphed.stats.recaptures == 3 and len(prepared) == 4
     assert grads_at_capture == [True] * 4  # every capture started from gradients set to None
+
+
+def test_one_frame_entry_falls_back_for_keywords_and_moved_tensors(stand_in: None) -> None:
+    # A one-tensor graph is called through one closure; a keyword call and a parameter that
+    # changed under the guard take the general path (which explains the keyword, and
+    # recaptures after the switch to training mode).
+    import gc
+    import inspect
+    import weakref
+
+    model = nn.Linear(4, 3).eval()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return model(x)
+
+    with torch.no_grad():
+        g = cg.graph(fn, torch.randn(2, 4), outputs="alias", modules=[model])
+        assert "_entry" in vars(g), "a one-tensor graph should have its one-frame entry"
+        x = torch.randn(2, 4)
+        with pytest.raises(cg.InputMismatchError, match=r"unexpected kwargs\['x'\]"):
+            g(x=x)
+        model.train()
+        torch.testing.assert_close(g(x), model(x))
+        assert g.stats.recaptures == 1 and "_entry" in vars(g)
+        with pytest.raises(cg.InputMismatchError):
+            g(x, x)
+    assert list(inspect.signature(g).parameters) == ["x"] and callable(g)
+    gc.disable()
+    try:  # the entry refers back to the graph only weakly: dropping it frees it at once
+        alive = weakref.ref(g)
+        del g
+        assert alive() is None
+    finally:
+        gc.enable()

@@ -19,14 +19,13 @@ needs is precomputed at capture, and positional-only calls skip pytree flattenin
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import logging
 import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import optree
 import torch
@@ -40,11 +39,12 @@ from ..errors import (
 )
 from ..options import Options
 from . import collectives, diagnostics, recorder, side_effects
+from .entry import Entry
 from .frames import callable_name, user_stacklevel
 from .guards import AddressGuard
 from .outputs import detach_outputs
 from .replayer import Counters, Replayer
-from .stats import Costs, Stats
+from .stats import Costs, Stats, snapshot
 from .tree import NAMESPACE, Signature
 
 __all__ = ["Graphed", "State"]
@@ -61,7 +61,7 @@ class State(enum.Enum):
     EAGER = "eager"  # pass-through: no CUDA, CPU inputs, or a failed capture with fallback
 
 
-class Graphed(Generic[R]):
+class Graphed(Entry[R]):
     """A function captured into a CUDA graph (or, without CUDA, run eagerly with the same checks).
 
     Create with :func:`cudagraphs.graph`. Call it like the function. Attributes:
@@ -89,8 +89,8 @@ class Graphed(Generic[R]):
         self.inputs: tuple[Any, ...] = ()
         self.input_kwargs: dict[str, Any] = {}
         self.signature: Signature | None = None
-        self.replayer = None
-        self.guard: AddressGuard | None = None
+        self._replayer: Replayer | None = None  # set through Entry's properties
+        self._guard: AddressGuard | None = None
         self.mutated_inputs: tuple[int, ...] = ()  # leaf indices the function writes in place
         self.state_writes: list[str] = []
         self.device: torch.device | None = None
@@ -103,30 +103,6 @@ class Graphed(Generic[R]):
         self._bound: weakref.WeakKeyDictionary[Any, Graphed[Any]] | None = None
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> R:
-        with self.lock:
-            guard = self.guard
-            if guard is not None and (reason := guard.stale()) is not None:
-                self._on_stale(reason)
-            if len(args) == self._fast_arity and not kwargs:
-                return self._fast(args)  # type: ignore[misc]
-            return self._call_general(args, kwargs)
-
-    @property
-    def replayer(self) -> Replayer | None:
-        """The current recording and its replay path (``None`` before capture or when eager)."""
-        return self._replayer
-
-    @replayer.setter
-    def replayer(self, replayer: Replayer | None) -> None:
-        self._replayer = replayer
-        # What __call__ takes without further looks: positional leaves need no flattening;
-        # arity -1 matches no call.
-        self._fast_arity, self._fast = -1, None
-        if replayer is not None and replayer.flat:
-            self._fast_arity = replayer.n_args
-            self._fast = replayer.fast or (lambda args: replayer.call(args, args, {}))
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:
@@ -364,19 +340,12 @@ class Graphed(Generic[R]):
     @property
     def stats(self) -> Stats:
         n_inputs = len(self.signature.tensor_index) if self.signature else 0
-        counters = self._counters
-        return Stats(
-            state=self.state.value,
-            calls=counters.replays + self._costs.eager_calls,
-            replays=counters.replays,
-            copies=counters.copies,
-            copies_skipped=counters.replays * n_inputs - counters.copies,
-            writebacks=counters.writebacks,
-            guarded_tensors=self.guard.count if self.guard is not None else 0,
-            guard_check=self.guard.addresses.backend if self.guard is not None else "",
+        guard = self.guard
+        return snapshot(
+            self.state.value, self._counters, self._costs, n_inputs=n_inputs,
+            guarded=(guard.count, guard.addresses.backend) if guard is not None else (0, ""),
             state_writes=len(self.state_writes),
-            **dataclasses.asdict(self._costs),
-        )
+        )  # fmt: skip
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         """``@cg.graph`` on a method: one graph per instance, bound to it."""

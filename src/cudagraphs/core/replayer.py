@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,8 +73,6 @@ class Replayer:
         self.frozen = tuple(zip(signature.frozen_index, signature.frozen_values))
         self.flat = signature.is_flat  # positional leaves only: calls need no flattening
         self.n_args = signature.spec.num_leaves
-        # The positional call path for one tensor and nothing else; None for other signatures.
-        self.fast: Callable[[tuple[Any, ...]], Any] | None = self._make_single_call()
 
     def call(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Check each leaf against the capture, copy the tensors that need it, replay.
@@ -92,10 +91,20 @@ class Replayer:
             self._write_back(leaves)
         return self.emit()
 
-    def _make_single_call(self) -> Callable[[tuple[Any, ...]], Any] | None:
-        """For a graph of one positional tensor and nothing else (the common case): one
-        closure over everything the call needs, so a call is one frame of local reads. Only
-        what must precede the replay comes before it. ``None`` for any other signature."""
+    def entry(
+        self,
+        lock: AbstractContextManager[Any],
+        stale: Callable[[], str | None] | None,
+        fallback: Callable[[tuple[Any, ...], dict[str, Any]], Any],
+    ) -> Callable[..., Any] | None:
+        """The whole call, in one frame, for a graph of one positional tensor and nothing else
+        (the common case); ``None`` for any other signature.
+
+        Under ``lock``, with the address guard's ``stale`` check (``None``: no guard): a call
+        that does not fit (keyword arguments, another arity, a moved tensor) goes to
+        ``fallback(args, kwargs)``, the general path. Only what must precede the replay comes
+        before it; everything the call reads is a local of this closure.
+        """
         if not (self.flat and self.n_args == 1 and len(self.slots) == 1 and not self.frozen):
             return None
         if self.writeback:
@@ -111,26 +120,29 @@ class Replayer:
             self.signature,
         )
 
-        def call(args: tuple[Any, ...]) -> Any:
-            x = args[0]
-            copied = 0
-            if x is not buf:
-                try:
-                    if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
-                        raise _Mismatch
-                    moved = x.data_ptr() != ptr or x.stride() != stride  # a stale output raises
-                except Exception:
-                    _explain(signature, args, {})
-                    raise
-                if moved:
-                    buf.copy_(x)
-                    copied = 1
-            if invalidate is not None:
-                invalidate()
-            replay()
-            counters.replays += 1
-            counters.copies += copied
-            return emit()
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                if kwargs or len(args) != 1 or (stale is not None and stale() is not None):
+                    return fallback(args, kwargs)
+                x = args[0]
+                copied = 0
+                if x is not buf:
+                    try:
+                        if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
+                            raise _Mismatch
+                        moved = x.data_ptr() != ptr or x.stride() != stride  # stale output raises
+                    except Exception:
+                        _explain(signature, args, {})
+                        raise
+                    if moved:
+                        buf.copy_(x)
+                        copied = 1
+                if invalidate is not None:
+                    invalidate()
+                replay()
+                counters.replays += 1
+                counters.copies += copied
+                return emit()
 
         return call
 

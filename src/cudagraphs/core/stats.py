@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["Costs", "Stats"]
+__all__ = ["Costs", "Stats", "snapshot"]
 
 
 @dataclass
@@ -56,3 +56,28 @@ class Stats:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def snapshot(
+    state: str,
+    counters: Any,
+    costs: Costs,
+    *,
+    n_inputs: int,
+    guarded: tuple[int, str],
+    state_writes: int,
+) -> Stats:
+    """A :class:`Stats` from a graph's replay counters (replays, copies, write-backs) and its
+    costs; ``guarded``: how many tensors the address guard checks, and how."""
+    return Stats(
+        state=state,
+        calls=counters.replays + costs.eager_calls,
+        replays=counters.replays,
+        copies=counters.copies,
+        copies_skipped=counters.replays * n_inputs - counters.copies,
+        writebacks=counters.writebacks,
+        guarded_tensors=guarded[0],
+        guard_check=guarded[1],
+        state_writes=state_writes,
+        **asdict(costs),
+    )
