@@ -1,6 +1,6 @@
 // The address check the guard runs before every replay (see addresses.py): one C call over a
-// tuple of tensors against a packed array of addresses. Built at install time (setup.py, an
-// optional extension: without a compiler the pure fallbacks are used). It includes Python.h
+// tuple of tensors against a packed array of addresses (in `unchanged`, also the modules'
+// train/eval modes). Built at install time (setup.py, an optional extension: without a compiler the pure fallbacks are used). It includes Python.h
 // only: each address is read through the function pointer PyTorch exports for Inductor's C++
 // wrapper, bound once at import.
 #define PY_SSIZE_T_CLEAN
@@ -18,40 +18,98 @@ static PyObject* bind(PyObject*, PyObject* address) {
   Py_RETURN_NONE;
 }
 
-// same(tensors: tuple, addresses: bytes of uint64) -> bool
-static PyObject* same(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2 || !PyTuple_Check(args[0]) || !PyBytes_Check(args[1])) {
-    PyErr_SetString(PyExc_TypeError, "same(tensors: tuple, addresses: bytes)");
-    return nullptr;
+// 1: every tensor at its address; 0: one moved; -1: error set.
+static int at_addresses(PyObject* tensors, PyObject* addresses) {
+  if (!PyTuple_Check(tensors) || !PyBytes_Check(addresses)) {
+    PyErr_SetString(PyExc_TypeError, "same(tensors: tuple, addresses: bytes) expected");
+    return -1;
   }
   if (read_address == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "bind() was not called");
-    return nullptr;
+    return -1;
   }
-  PyObject* tensors = args[0];
   Py_ssize_t n = PyTuple_GET_SIZE(tensors);
-  if (PyBytes_GET_SIZE(args[1]) != n * (Py_ssize_t)sizeof(uint64_t)) {
+  if (PyBytes_GET_SIZE(addresses) != n * (Py_ssize_t)sizeof(uint64_t)) {
     PyErr_SetString(PyExc_ValueError, "one 8-byte address per tensor expected");
-    return nullptr;
+    return -1;
   }
-  const char* expected = PyBytes_AS_STRING(args[1]);
+  const char* expected = PyBytes_AS_STRING(addresses);
   for (Py_ssize_t i = 0; i < n; ++i) {
     void* now;
     try {
       now = read_address(PyTuple_GET_ITEM(tensors, i));
     } catch (...) {
-      Py_RETURN_FALSE;
+      return 0;
     }
     uint64_t want;
     std::memcpy(&want, expected + i * sizeof(uint64_t), sizeof(uint64_t));
-    if (static_cast<uint64_t>(reinterpret_cast<uintptr_t>(now)) != want) Py_RETURN_FALSE;
+    if (static_cast<uint64_t>(reinterpret_cast<uintptr_t>(now)) != want) return 0;
   }
-  Py_RETURN_TRUE;
+  return 1;
+}
+
+// same(tensors: tuple, addresses: bytes of uint64) -> bool
+static PyObject* same(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "same(tensors: tuple, addresses: bytes)");
+    return nullptr;
+  }
+  int result = at_addresses(args[0], args[1]);
+  if (result < 0) return nullptr;
+  return PyBool_FromLong(result);
+}
+
+// unchanged(tensors, addresses, owners: tuple, modes: tuple, now: bytearray, seen: bytearray)
+// -> bool: the module-change counter `now` still equals `seen`, each owner's `training` is
+// still the object recorded in `modes`, and every tensor is at its address. The whole guard
+// in one C call: it runs before every replay.
+static PyObject* training_name = nullptr;
+
+static PyObject* unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6 || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3]) ||
+      !PyByteArray_Check(args[4]) || !PyByteArray_Check(args[5])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "unchanged(tensors, addresses, owners: tuple, modes: tuple, now: bytearray, "
+                    "seen: bytearray)");
+    return nullptr;
+  }
+  PyObject* now = args[4];
+  PyObject* seen = args[5];
+  if (PyByteArray_GET_SIZE(now) != PyByteArray_GET_SIZE(seen) ||
+      std::memcmp(PyByteArray_AS_STRING(now), PyByteArray_AS_STRING(seen),
+                  PyByteArray_GET_SIZE(now)) != 0) {
+    Py_RETURN_FALSE;
+  }
+  PyObject* owners = args[2];
+  PyObject* modes = args[3];
+  Py_ssize_t n = PyTuple_GET_SIZE(owners);
+  if (PyTuple_GET_SIZE(modes) != n) {
+    PyErr_SetString(PyExc_ValueError, "one recorded mode per owner expected");
+    return nullptr;
+  }
+  if (training_name == nullptr && (training_name = PyUnicode_InternFromString("training")) == nullptr) {
+    return nullptr;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* value = PyObject_GetAttr(PyTuple_GET_ITEM(owners, i), training_name);
+    if (value == nullptr) {
+      PyErr_Clear();  // the slow check explains
+      Py_RETURN_FALSE;
+    }
+    bool same_mode = value == PyTuple_GET_ITEM(modes, i);
+    Py_DECREF(value);
+    if (!same_mode) Py_RETURN_FALSE;
+  }
+  int result = at_addresses(args[0], args[1]);
+  if (result < 0) return nullptr;
+  return PyBool_FromLong(result);
 }
 
 static PyMethodDef methods[] = {
   {"bind", bind, METH_O, "Set the address reader."},
   {"same", (PyCFunction)(void (*)(void))same, METH_FASTCALL, "All tensors at the addresses?"},
+  {"unchanged", (PyCFunction)(void (*)(void))unchanged, METH_FASTCALL,
+   "Counter, modes and addresses all as recorded?"},
   {nullptr, nullptr, 0, nullptr},
 };
 

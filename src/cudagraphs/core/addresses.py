@@ -79,6 +79,7 @@ class AddressCheck:
     def __init__(self, tensors: Sequence[torch.Tensor], *, native: bool = True):
         self.tensors = tuple(tensors)
         self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.native = native
         module = compiled_module() if native and self.tensors else None
         # ``unchanged`` is a C-level partial where possible: no Python frame per check.
         self.unchanged: Callable[[], bool]
@@ -100,6 +101,30 @@ class AddressCheck:
 
     def __call__(self) -> bool:
         return self.unchanged()
+
+    def with_modes(
+        self,
+        owners: Sequence[Any],
+        modes: Sequence[Any],
+        now: bytearray,
+        seen: bytearray,
+    ) -> Callable[[], bool]:
+        """One check for a whole guard: True while ``now == seen`` (a change counter and what
+        the guard last saw of it), each owner's ``training`` is still ``modes[i]`` (the same
+        object), and every tensor is at its address. A C-level partial when compiled."""
+        module = compiled_module() if self.native else None
+        if module is not None:
+            packed = array.array("Q", self.ptrs).tobytes()
+            return functools.partial(
+                module.unchanged, self.tensors, packed, tuple(owners), tuple(modes), now, seen
+            )
+        pairs = tuple(zip(owners, modes))
+        addresses = self.unchanged
+
+        def unchanged() -> bool:
+            return now == seen and all(o.training is m for o, m in pairs) and addresses()
+
+        return unchanged
 
     def moved(self) -> list[int]:
         """Indices of the tensors whose data pointer changed, or that no longer have one (a

@@ -92,7 +92,7 @@ class Entry(Generic[R]):
             return
         entry = replayer.entry(
             self.lock,
-            guard.stale if guard is not None else None,
+            guard.check if guard is not None else None,
             functools.partial(_general_call, weakref.ref(self)),
         )
         if entry is not None:

@@ -139,11 +139,15 @@ class Graphed(Entry[R]):
             )
         log.warning("cudagraphs: %s: %s; capturing again", callable_name(self.fn), reason)
         assert self.signature is not None and self.device is not None and self.replayer
-        self.replayer.release_outputs()
+        old = self.replayer
+        old.release_outputs()
         leaves, _ = optree.tree_flatten((self.inputs, self.input_kwargs), namespace=NAMESPACE)
-        self.replayer = None  # release the old recording before making the new one
+        self.replayer = None
+        # The old recording lives until the new one is made: it holds the memory pool, which
+        # the new capture reuses; a pool whose last graph is gone cannot be captured into.
         with torch.cuda.device(self.device):
             self._capture(self.signature, leaves, self.device, warmup=self.recapture_warmup)
+        del old
         self._costs.recaptures += 1
 
     def _call_general(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
@@ -329,6 +333,7 @@ class Graphed(Entry[R]):
                 # Never keep a graph that differs from eager: a later call captures (and
                 # verifies) again rather than replaying this one.
                 self.state, self.replayer, self.guard = State.LAZY, None, None
+                self.pool = options.pool  # that pool went with its graph: the next gets its own
                 self.eager_warmups_left = 0
                 raise
 

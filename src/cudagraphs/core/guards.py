@@ -40,6 +40,8 @@ __all__ = [
 ]
 
 _generation = 0  # bumped whenever any module registers or reassigns a parameter or buffer
+# The same count as 8 bytes, for the compiled check (which compares it with what a guard saw).
+_generation_bytes = bytearray(8)
 _live_guards: weakref.WeakSet[AddressGuard] = weakref.WeakSet()
 _hook_handles: list[Any] = []
 _removal_pending = False  # the last guard died; remove the hooks at the next safe point
@@ -55,6 +57,7 @@ def _bump(*_: Any) -> None:
         return
     global _generation
     _generation += 1
+    _generation_bytes[:] = _generation.to_bytes(8, "little")
 
 
 def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -228,6 +231,17 @@ class AddressGuard:
         self.training = [(m, m.training) for m in self.modules] if self._modes else []
         self.generation = _generation
         self.simple = not self.closure_ids and not self.watches  # addresses and modes only
+        self._seen = bytearray(_generation_bytes)
+        # ``check()``: True when nothing watched changed, in one call (C where compiled); a
+        # guard that also watches rebound names or other objects always takes stale().
+        self.check: Callable[[], bool] = (
+            self.addresses.with_modes(
+                [m for m, _ in self.training], [t for _, t in self.training],
+                _generation_bytes, self._seen,
+            )
+            if self.simple
+            else _never
+        )  # fmt: skip
 
     @property
     def count(self) -> int:
@@ -236,13 +250,8 @@ class AddressGuard:
 
     def stale(self) -> str | None:
         """``None`` if every guarded address is unchanged; else which tensor moved, in words."""
-        # The common answer first, in as few steps as possible: it runs before every replay.
-        if self.unchanged() and self.generation == _generation and self.simple:
-            for module, training in self.training:
-                if module.training is not training:
-                    break
-            else:
-                return None
+        if self.check():  # the common answer first: it runs before every replay
+            return None
         return self._why_stale()
 
     def _why_stale(self) -> str | None:
@@ -264,4 +273,9 @@ class AddressGuard:
                 if name in current and current[name] is not t:
                     return f"{name} was reassigned (module.{name.split('.')[-1]} = ...)"
             self.generation = _generation  # some other module changed; this one did not
+            self._seen[:] = _generation_bytes
         return None
+
+
+def _never() -> bool:
+    return False

@@ -9,8 +9,8 @@ filled the static buffers itself. Everything the check needs is precomputed here
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,17 +93,18 @@ class Replayer:
 
     def entry(
         self,
-        lock: AbstractContextManager[Any],
-        stale: Callable[[], str | None] | None,
+        lock: threading.RLock,
+        unchanged: Callable[[], bool] | None,
         fallback: Callable[[tuple[Any, ...], dict[str, Any]], Any],
     ) -> Callable[..., Any] | None:
         """The whole call, in one frame, for a graph of one positional tensor and nothing else
         (the common case); ``None`` for any other signature.
 
-        Under ``lock``, with the address guard's ``stale`` check (``None``: no guard): a call
-        that does not fit (keyword arguments, another arity, a moved tensor) goes to
-        ``fallback(args, kwargs)``, the general path. Only what must precede the replay comes
-        before it; everything the call reads is a local of this closure.
+        Under ``lock``, with the address guard's one-call ``unchanged`` check (``None``: no
+        guard): a call that does not fit (keyword arguments, another arity, anything the guard
+        watches changed) goes to ``fallback(args, kwargs)``, the general path, which explains
+        or recaptures. Only what must precede the replay comes before it; everything the call
+        reads is a local of this closure.
         """
         if not (self.flat and self.n_args == 1 and len(self.slots) == 1 and not self.frozen):
             return None
@@ -120,9 +121,12 @@ class Replayer:
             self.signature,
         )
 
+        acquire, release = lock.acquire, lock.release  # cheaper than a with-statement
+
         def call(*args: Any, **kwargs: Any) -> Any:
-            with lock:
-                if kwargs or len(args) != 1 or (stale is not None and stale() is not None):
+            acquire()
+            try:
+                if kwargs or len(args) != 1 or (unchanged is not None and not unchanged()):
                     return fallback(args, kwargs)
                 x = args[0]
                 copied = 0
@@ -143,6 +147,8 @@ class Replayer:
                 counters.replays += 1
                 counters.copies += copied
                 return emit()
+            finally:
+                release()
 
         return call
 
