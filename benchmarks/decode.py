@@ -10,8 +10,10 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   cg compile            Decoder(compile=True): graphs over torch.compile'd kernels
   cg compile K=4/K=16   the same, 4 or 16 steps per launch
 
-Each mode runs in a fresh process of its own (``--no-isolate``: all in one, interleaved; there
-transformers' compiled ``generate`` and the reduce-overhead loop slow each other down). For each:
+Each mode runs in a fresh process of its own, all batches in it (``--no-isolate``: all modes in
+one process, interleaved; there transformers' compiled ``generate`` and the reduce-overhead loop
+slow each other down). Compiled modes specialise on each batch size (``dynamic=False``), as
+transformers' static-cache ``generate`` does. For each:
 tokens/s (median of --reps runs), ms per token (median and worst run),
 set-up seconds (compile, capture, first call), growth of torch.cuda.memory_reserved() beyond
 the weights, share of the weight-streaming roofline (every step reads every weight once), and
@@ -62,7 +64,9 @@ class Loop:
             ).logits
             return logits[:, -1].argmax(-1, keepdim=True)
 
-        self.step = torch.compile(step, mode=compile_mode) if compile_mode else step
+        # dynamic=False: each batch size gets kernels of its own, as in transformers' compiled
+        # generate, rather than shape-generic ones after the second size.
+        self.step = torch.compile(step, mode=compile_mode, dynamic=False) if compile_mode else step
 
     def __call__(self, prompt: torch.Tensor, new: int) -> torch.Tensor:
         self.cache.reset()
@@ -182,27 +186,31 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
     return out
 
 
-def run_isolated(modes: list[str], batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Each mode in a fresh process of its own (set-up and timed runs), one after another.
-    Modes that use torch.compile's CUDA graphs (hf static, reduce-overhead) slow each other
-    down when they share a process, so for a fair comparison none shares one."""
+def run_isolated(modes: list[str], batches: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    """Each mode in a fresh process of its own, all batches in it (set-up and timed runs), one
+    mode after another. Modes that use torch.compile's CUDA graphs (hf static, reduce-overhead)
+    slow each other down when they share a process, so for a fair comparison none shares one.
+    Returns ``{batch: {mode: row}}``."""
     import tempfile
 
-    out = {}
+    out: dict[str, dict[str, Any]] = {str(b): {} for b in batches}
     for name in modes:
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "mode.json"
             cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
-                   "--batches", str(batch), "--modes", name, "--prompt", str(args.prompt),
-                   "--new", str(args.new), "--reps", str(args.reps), "--json", str(path),
-                   "--_isolate-child"]  # fmt: skip
+                   "--batches", ",".join(map(str, batches)), "--modes", name,
+                   "--prompt", str(args.prompt), "--new", str(args.new), "--reps", str(args.reps),
+                   "--json", str(path), "--_isolate-child"]  # fmt: skip
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-            out[name] = json.loads(path.read_text())["batches"][str(batch)][name]
-    reference = torch.tensor(out[modes[0]]["token_ids"])
-    for row in out.values():
-        tokens = torch.tensor(row.pop("token_ids"))
-        row["token_agreement"] = float((tokens == reference).float().mean())
-        row["tokens_equal"] = bool(torch.equal(tokens, reference))
+            done = json.loads(path.read_text())["batches"]
+        for batch in out:
+            out[batch][name] = done[batch][name]
+    for rows in out.values():
+        reference = torch.tensor(rows[modes[0]]["token_ids"])
+        for row in rows.values():
+            tokens = torch.tensor(row.pop("token_ids"))
+            row["token_agreement"] = float((tokens == reference).float().mean())
+            row["tokens_equal"] = bool(torch.equal(tokens, reference))
     return out
 
 
@@ -357,12 +365,15 @@ def main() -> None:
         path = args.json or RESULTS / f"decode-{args.model}.json"
         if args.append and path.exists():  # more batches (or modes) into an earlier run's file
             results["batches"] = json.loads(path.read_text())["batches"]
+        batches = [int(b) for b in args.batches.split(",")]
         with torch.no_grad():
-            for batch in (int(b) for b in args.batches.split(",")):
-                run = run_isolated if args.isolate else run_batch
-                results["batches"][str(batch)] = (
-                    run(model, modes, batch, args) if not args.isolate else run(modes, batch, args)
-                )
+            if args.isolate:
+                results["batches"].update(run_isolated(modes, batches, args))
+                print("\n".join(markdown(results)), flush=True)
+                save(results, path, args)
+                return
+            for batch in batches:
+                results["batches"][str(batch)] = run_batch(model, modes, batch, args)
                 one = {**results, "batches": {str(batch): results["batches"][str(batch)]}}
                 print("\n".join(markdown(one)), flush=True)
                 save(results, path, args)  # after every batch: a cut-off run keeps what it did
