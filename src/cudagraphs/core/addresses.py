@@ -12,6 +12,9 @@ fastest that works is used:
    cudagraph trees use; pybind11 converts every element, about 80 ns per tensor on a slow host.
 3. ``python loop``: ``t.data_ptr()`` per tensor, about 110 ns per tensor.
 
+The same extension holds ``Entry``, the one-tensor call of a captured graph in C (built by
+``replayer.py``, which falls back to a Python closure without it).
+
 Nothing is compiled or loaded at run time from anywhere but the installed package: a library
 loaded from a shared temporary folder could be planted there by another user.
 ``CUDAGRAPHS_NO_COMPILE=1`` skips the compiled loop (2 or 3 is used).

@@ -130,6 +130,23 @@ class _GuardedEmitter:
             (_, _, meta), (storage_args,) = self.plan[0], self.storage_args
             self.emit = functools.partial(_emit_one, meta, storage_args, self.live)
 
+    def single_parts(self) -> tuple[Any, ...] | None:
+        """For a replay path in C (``_addresses.Entry``), the pieces of the one-output case:
+        ``(live, kill, message, make_storage, storage_args, make_tensor, meta)``; the steps
+        are those of ``invalidate`` and ``emit`` here. ``None`` for several outputs."""
+        if not self.single:
+            return None
+        (_, _, meta), (storage_args,) = self.plan[0], self.storage_args
+        return (
+            self.live,
+            torch._C._set_storage_data_ptr_access_error_msg,
+            STALE_MESSAGE,
+            torch._C._construct_storage_from_data_pointer,
+            tuple(storage_args),
+            torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata,
+            meta,
+        )
+
     def __call__(self) -> Any:
         make_storage = torch._C._construct_storage_from_data_pointer
         make_tensor = torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata

@@ -8,6 +8,7 @@ filled the static buffers itself. Everything the check needs is precomputed here
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import CudaGraphsError
+from .addresses import compiled_module
 from .outputs import make_emitter
 from .tree import Signature
 
@@ -55,6 +57,7 @@ class Replayer:
         self.signature = signature
         self.counters = counters
         emitter = make_emitter(output, policy)
+        self._guarded_parts = getattr(emitter, "single_parts", lambda: None)()
         self.emit: Callable[[], Any] = getattr(emitter, "emit", emitter)
         self.invalidate: Callable[[], None] | None = getattr(emitter, "invalidate", None)
         self.writeback = tuple((i, static[i]) for i in mutated)
@@ -112,6 +115,16 @@ class Replayer:
             return None
         _, buf, ptr, shape, dtype, dev, stride = self.slots[0]
         invalidate = self.invalidate
+        compiled = compiled_module()
+        if compiled is not None and hasattr(compiled, "Entry"):
+            # The same steps in C: no Python frame at all between the caller and the replay.
+            return compiled.Entry(
+                acquire=lock.acquire, release=lock.release, unchanged=unchanged,
+                fallback=fallback, explain=functools.partial(_explain_args, self.signature),
+                buf=buf, shape=shape, dtype=dtype, device=dev, address=ptr, stride=stride,
+                copy=buf.copy_, invalidate=invalidate, replay=self.graph.replay, emit=self.emit,
+                counters=self.counters, guarded=self._guarded_parts,
+            )  # fmt: skip
         # Nothing here refers back to this Replayer: no cycle, so dropping it frees the graph
         # at once (a recapture releases the old recording before making the new one).
         replay, emit, counters, signature = (
@@ -211,6 +224,10 @@ class Replayer:
     def explain_mismatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise the precise error for a call the fast check refused."""
         _explain(self.signature, args, kwargs)
+
+
+def _explain_args(signature: Signature, args: tuple[Any, ...]) -> None:
+    _explain(signature, args, {})
 
 
 def _explain(signature: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
