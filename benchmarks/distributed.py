@@ -32,6 +32,8 @@ import cudagraphs as cg
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from ddp_train import BATCH, WIDTH, mlp
 
+WARM = 12  # steps before timing: 11 eager DDP steps and the capturing one
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -60,7 +62,10 @@ def make_step(mode: str, device: torch.device) -> tuple[Any, nn.Module]:
             return loss
 
         return cg.train_step(step, optimizer=opt), model
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    ids = [device.index] if device.type == "cuda" else None
+    # Graphed, DDP must be built on the stream the step is captured on (cg.ddp does it).
+    graphed = mode == "graphed DDP" and device.type == "cuda"
+    ddp = cg.ddp(model, device_ids=ids) if graphed else DDP(model, device_ids=ids)
     forward = torch.compile(ddp) if mode == "compile DDP" else ddp
     opt = torch.optim.Adam(ddp.parameters(), lr=1e-3, fused=fused)
 
@@ -82,14 +87,14 @@ def run_mode(mode: str, device: torch.device, steps: int) -> tuple[float, list[t
          torch.randint(0, 10, (BATCH,), device=device, generator=data))
         for _ in range(steps)
     ]  # fmt: skip
-    for x, y in batches[:5]:
+    for x, y in batches[:WARM]:  # DDP's 11 eager steps, then the capture, for every mode
         step(x, y)
     sync(device)
     start = time.perf_counter()
-    for x, y in batches[5:]:
+    for x, y in batches[WARM:]:
         step(x, y)
     sync(device)
-    return (time.perf_counter() - start) / (steps - 5), [
+    return (time.perf_counter() - start) / (steps - WARM), [
         p.detach().clone() for p in model.parameters()
     ]
 

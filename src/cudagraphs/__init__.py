@@ -29,6 +29,7 @@ from .errors import (
     DeadlineExceeded,
     InputMismatchError,
     Overloaded,
+    ReplayTimeoutError,
     StaleGraphError,
     StaleOutputError,
     StateWriteError,
@@ -42,6 +43,7 @@ from .shapes.ladders import powers_of_two, server_sizes
 from .shapes.spec import BucketOverflowError, Buckets, BucketStats
 from .training.autograd import GraphedAutograd
 from .training.autograd_chain import graph_autograd, graph_autograd_chain
+from .training.distributed import capture_stream, ddp
 from .training.optimizers import make_graph_safe
 from .training.step import TrainStep, train_step
 
@@ -94,6 +96,7 @@ __all__ = [
     "InputMismatchError",
     "ModeResult",
     "Overloaded",
+    "ReplayTimeoutError",
     "OutputPolicy",
     "Pool",
     "Profile",
@@ -107,6 +110,8 @@ __all__ = [
     "TrainStep",
     "__version__",
     "bench",
+    "capture_stream",
+    "ddp",
     "doctor",
     "graph",
     "graph_autograd",

@@ -102,6 +102,10 @@ def graph(
             examples, bucket probes, verification): ``"restore"`` (default: put back to the
             exact bytes, so N calls of yours are N executions), ``"keep"`` (warm-up counts, as
             in older versions) or ``"raise"`` (:class:`StateWriteError`, after putting it back).
+        replay_timeout_s: wait after each replay until the GPU finished it, at most this many
+            seconds, then raise :class:`ReplayTimeoutError` naming the graph (for graphs with
+            collectives: a rank whose peers never replay errors instead of hanging). Costs the
+            overlap of host and GPU; ``None`` (default): no wait.
         buckets: capture one graph per bucket of input sizes (:class:`cudagraphs.Buckets`, or
             the shorthand ``{"B": [1, 2, 4, 8]}`` for dimension 0 of every tensor input), or
             ``"exact"``: one graph per exact shape seen, at most ``max_graphs``, LRU evicted.

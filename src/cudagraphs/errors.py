@@ -18,6 +18,7 @@ __all__ = [
     "CudaGraphsWarning",
     "InputMismatchError",
     "Overloaded",
+    "ReplayTimeoutError",
     "DeadlineExceeded",
     "StaleGraphError",
     "StaleOutputError",
@@ -103,6 +104,11 @@ class VerificationError(CudaGraphsError):
 class CollectiveMismatchError(CudaGraphsError):
     """Ranks captured different collectives (kind, sizes, dtypes or order), so the first replay
     would wait forever; raised on every rank, saying what differs."""
+
+
+class ReplayTimeoutError(CudaGraphsError):
+    """A replay did not finish within ``replay_timeout_s`` (typically a collective waiting for
+    a rank that never replayed)."""
 
 
 class Overloaded(CudaGraphsError):

@@ -54,6 +54,7 @@ class Options:
     modules: Sequence[torch.nn.Module] = ()
     verify: int = 0
     side_effects: str = "restore"
+    replay_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         warmup = self.warmup
@@ -102,6 +103,17 @@ class Options:
                 )
             )
         object.__setattr__(self, "pool", _pool(self.pool))
+        timeout = self.replay_timeout_s
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+        ):
+            raise ConfigError(
+                explain(
+                    f"replay_timeout_s must be a number of seconds > 0 or None, got {timeout!r}",
+                    "it bounds how long a call waits for its replay to finish",
+                    "pass replay_timeout_s=30.0, or leave it out (no wait)",
+                )
+            )
 
     def replace(self, **changes: Any) -> Options:
         """A copy with some options changed (validated again)."""
@@ -141,6 +153,7 @@ class OptionKwargs(TypedDict, total=False):
     modules: Sequence[torch.nn.Module]
     verify: bool | int
     side_effects: Literal["restore", "keep", "raise"]
+    replay_timeout_s: float | None
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Options))

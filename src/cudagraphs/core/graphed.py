@@ -320,8 +320,9 @@ class Graphed(Entry[R]):
         self.inputs, self.input_kwargs = args, kwargs
         output = detach_outputs(recording.output, self.fn, warn=self.warn_grad_outputs)
         self.replayer = Replayer(
-            recording.graph, signature, static, mutated, output, options.outputs, self._counters
-        )
+            recording.graph, signature, static, mutated, output, options.outputs, self._counters,
+            timeout_s=options.replay_timeout_s, name=callable_name(self.fn),
+        )  # fmt: skip
         self.mutated_inputs = tuple(mutated)
         self.device = device
         self.guard = self.make_guard() if options.guard == "replay" else None

@@ -11,13 +11,14 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import CudaGraphsError
+from ..errors import CudaGraphsError, ReplayTimeoutError, explain
 from .addresses import compiled_module
 from .outputs import make_emitter
 from .tree import Signature
@@ -52,8 +53,15 @@ class Replayer:
         output: Any,
         policy: str,
         counters: Counters,
+        *,
+        timeout_s: float | None = None,
+        name: str = "the graph",
     ):
         self.graph = graph
+        # With a timeout, each replay waits for the GPU (at most timeout_s) before returning.
+        self.wait: Callable[[], None] | None = (
+            functools.partial(wait_for_replay, timeout_s, name) if timeout_s else None
+        )
         self.signature = signature
         self.counters = counters
         emitter = make_emitter(output, policy)
@@ -87,6 +95,8 @@ class Replayer:
         if self.invalidate is not None:
             self.invalidate()
         self.graph.replay()
+        if self.wait is not None:
+            self.wait()
         counters = self.counters
         counters.replays += 1
         counters.copies += copied
@@ -111,7 +121,7 @@ class Replayer:
         """
         if not (self.flat and self.n_args == 1 and len(self.slots) == 1 and not self.frozen):
             return None
-        if self.writeback:
+        if self.writeback or self.wait is not None:
             return None
         _, buf, ptr, shape, dtype, dev, stride = self.slots[0]
         invalidate = self.invalidate
@@ -200,6 +210,8 @@ class Replayer:
         if self.invalidate is not None:
             self.invalidate()
         self.graph.replay()
+        if self.wait is not None:
+            self.wait()
         self.counters.replays += 1
         return self.emit()
 
@@ -239,3 +251,29 @@ def _explain(signature: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
     # The fast check is stricter than nothing only where the slow one agrees; if they ever
     # disagree, refusing is the safe answer.
     raise AssertionError("cudagraphs: fast and slow signature checks disagree; please report")
+
+
+def wait_for_replay(
+    timeout_s: float, name: str, done: Callable[[], bool] | None = None, poll_s: float = 1e-4
+) -> None:
+    """Wait until the work launched so far on the current stream is done (``done``: the test,
+    by default a CUDA event recorded now), or raise :class:`ReplayTimeoutError` naming ``name``
+    after ``timeout_s`` seconds."""
+    if done is None:
+        event = torch.cuda.Event()
+        event.record()
+        done = event.query
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        if time.monotonic() > deadline:
+            raise ReplayTimeoutError(
+                explain(
+                    f"the replay of {name} did not finish within {timeout_s:g} s",
+                    "a collective in the graph waits for ranks that did not replay theirs (a "
+                    "rank stopped, failed, or took another branch), or the graph's work is "
+                    "longer than the timeout",
+                    "look at the other ranks' errors first; raise replay_timeout_s if the work "
+                    "is simply long. The GPU may still be waiting: restart the process group",
+                )
+            )
+        time.sleep(poll_s)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 from ..core.tree import NAMESPACE
 from ..options import OptionKwargs, Options
+from .distributed import checked_warmup
 from .optimizers import OptimizerWatch, make_graph_safe, optimizer_tensors
 
 __all__ = ["TRAIN_STEP_OPTIONS", "TrainStep", "train_step"]
@@ -43,6 +44,7 @@ TRAIN_STEP_OPTIONS = (
     "capture_error_mode",
     "on_stale",
     "modules",
+    "replay_timeout_s",
 )
 
 log = logging.getLogger("cudagraphs")
@@ -65,8 +67,10 @@ class TrainStep(Graphed[R]):
         options: Options,
         *,
         switch_optimizer: bool,
+        warmup_given: bool = True,
     ):
         super().__init__(fn, options)
+        self.warmup_given = warmup_given
         self.optimizers = tuple(optimizers)
         self.switch_optimizer = switch_optimizer
         self._prepared = False
@@ -74,6 +78,11 @@ class TrainStep(Graphed[R]):
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         if not self._prepared:
             if self._on_cuda():
+                # A DDP model needs more eager steps, and to have been built on our stream.
+                self.eager_warmups_left = checked_warmup(
+                    self.fn, self.options.modules, warmup=self.eager_warmups_left,
+                    warmup_given=self.warmup_given, stream=self.options.stream,
+                )  # fmt: skip
                 for optimizer in self.optimizers:
                     make_graph_safe(optimizer, switch=self.switch_optimizer)
             else:  # CPU parameters: every step runs eagerly, none is a warm-up
@@ -178,6 +187,10 @@ def train_step(
             loss = step(x, y)                   # device tensor; loss.item() syncs, so log rarely
             sched.step()                        # updates the device learning rate in place
 
+    A ``DistributedDataParallel`` model in the step must be built with :func:`cudagraphs.ddp`
+    (on the stream the step is captured on; refused otherwise, with the fix), and gets at least
+    11 eager steps before the capture, as PyTorch requires.
+
     Options: ``warmup`` (eager steps before the capture, default 3), ``outputs``, ``pool``,
     ``stream``, ``capture_error_mode``, ``on_stale``, ``modules``, as for :func:`cudagraphs.graph`.
 
@@ -208,7 +221,10 @@ def train_step(
                     "decorate the function: @cg.train_step(optimizer=opt)",
                 )
             )
-        return TrainStep(f, optimizers, settings, switch_optimizer=switch_optimizer)
+        return TrainStep(
+            f, optimizers, settings, switch_optimizer=switch_optimizer,
+            warmup_given="warmup" in options,
+        )  # fmt: skip
 
     return wrap if fn is None else wrap(fn)
 
