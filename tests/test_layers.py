@@ -18,6 +18,7 @@ LAYERS = [
     "errors",
     "options",
     "core",
+    "control",
     "shapes",
     "training",
     "diagnose",

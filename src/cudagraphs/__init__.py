@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .api import graph
+from .control.flow import cond, while_loop
 from .core.graphed import Graphed, State
 from .core.pool import Pool
 from .core.stats import Stats
@@ -23,6 +24,7 @@ from .errors import (
     BatcherClosed,
     CaptureError,
     CollectiveMismatchError,
+    ConditionalNodesUnavailable,
     ConfigError,
     CudaGraphsError,
     CudaGraphsWarning,
@@ -85,6 +87,7 @@ __all__ = [
     "Buckets",
     "CaptureError",
     "CollectiveMismatchError",
+    "ConditionalNodesUnavailable",
     "ConfigError",
     "CudaGraphsError",
     "CudaGraphsWarning",
@@ -113,7 +116,9 @@ __all__ = [
     "capture_stream",
     "ddp",
     "doctor",
+    "cond",
     "graph",
+    "while_loop",
     "graph_autograd",
     "graph_autograd_chain",
     "make_graph_safe",

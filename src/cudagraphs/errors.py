@@ -13,6 +13,7 @@ __all__ = [
     "BatcherClosed",
     "CaptureError",
     "CollectiveMismatchError",
+    "ConditionalNodesUnavailable",
     "ConfigError",
     "CudaGraphsError",
     "CudaGraphsWarning",
@@ -65,6 +66,11 @@ class CaptureError(CudaGraphsError):
         self.location = location
         #: ``cg.doctor``'s findings for the function, filled in when capture fails.
         self.findings: list[Any] = []
+
+
+class ConditionalNodesUnavailable(CudaGraphsError):
+    """This machine cannot run loops or branches on the device (CUDA conditional nodes need
+    CUDA 12.4 in the driver and the runtime, and the cuda-bindings package)."""
 
 
 class StaleOutputError(CudaGraphsError):

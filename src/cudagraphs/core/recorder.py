@@ -12,6 +12,7 @@ stream, the allocator and Python's gc are always restored, so the process stays 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import gc
 import time
 import warnings
@@ -26,6 +27,7 @@ from .frames import callable_name, user_location
 
 __all__ = [
     "Recording",
+    "active_capture",
     "capture",
     "classify_failure",
     "default_stream",
@@ -141,6 +143,17 @@ class Recording:
     pool_bytes: int
 
 
+_active: contextvars.ContextVar[torch.cuda.CUDAGraph | None] = contextvars.ContextVar(
+    "cudagraphs_active_capture", default=None
+)
+
+
+def active_capture() -> torch.cuda.CUDAGraph | None:
+    """The graph :func:`capture` is recording right now in this thread (``None`` outside one):
+    code run inside a capture (a loop on the device) routes its allocations to its pool."""
+    return _active.get()
+
+
 def capture(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -176,11 +189,13 @@ def capture(
                 graph.capture_begin(capture_error_mode=capture_error_mode)
             else:
                 graph.capture_begin(pool, capture_error_mode=capture_error_mode)
+            token = _active.set(graph)
             try:
                 output = fn(*args, **kwargs)
             except BaseException as error:  # KeyboardInterrupt too: capture must still end
                 failure = error
             finally:
+                _active.reset(token)
                 # Always end the capture, or the stream stays in capture mode and every later
                 # CUDA call in the process fails.
                 try:

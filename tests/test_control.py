@@ -1,0 +1,91 @@
+"""cg.while_loop and cg.cond outside a capture (CPU, eager): the same results as a Python loop
+and branch, exact trip counts, and the errors for conditions and states that a loop on the
+device could not take."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import cudagraphs as cg
+
+pytestmark = pytest.mark.filterwarnings("ignore::cudagraphs.CudaGraphsWarning")
+
+
+@settings(max_examples=40, deadline=None)
+@given(stop=st.integers(0, 20), limit=st.integers(1, 12))
+def test_trip_counts_are_exact(stop: int, limit: int) -> None:
+    def more(i: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        return i < stop
+
+    def step(i: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return i + 1, total + i
+
+    i, total = cg.while_loop(more, step, (torch.tensor(0), torch.tensor(0)), max_iterations=limit)
+    trips = min(stop, limit)
+    assert int(i) == trips and int(total) == sum(range(trips))
+
+
+def test_a_loop_inside_a_graphed_function_runs_as_python_without_cuda() -> None:
+    def rollout(position: torch.Tensor, velocity: torch.Tensor) -> torch.Tensor:
+        def alive(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return (p < 10).any()
+
+        def step(p: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            moving = p < 10
+            return p + v * moving, v
+
+        return cg.while_loop(alive, step, (position, velocity), max_iterations=50)[0]
+
+    position, velocity = torch.zeros(6), torch.rand(6) + 0.5
+    g = cg.graph(rollout, position, velocity)
+    expected = position.clone()
+    while (expected < 10).any():
+        expected = expected + velocity * (expected < 10)
+    torch.testing.assert_close(g(position, velocity), expected)
+    assert torch.equal(position, torch.zeros(6)), "the inputs are not written"
+
+
+def test_cond_takes_the_branch_eager_takes() -> None:
+    x = torch.randn(5)
+    for value in (True, False):
+        got = cg.cond(torch.tensor(value), lambda t: t * 2, lambda t: t - 1, (x,))
+        torch.testing.assert_close(got, x * 2 if value else x - 1)
+
+
+@pytest.mark.parametrize(
+    "pred, shown",
+    [
+        (True, "gave bool"),
+        (torch.tensor(1.0), "torch.float32 tensor of shape ()"),
+        (torch.tensor([True]), "shape (1,)"),
+    ],
+)
+def test_conditions_must_be_0_dim_bool_tensors(pred: object, shown: str) -> None:
+    with pytest.raises(cg.InputMismatchError, match=r"pred gave") as raised:
+        cg.cond(pred, lambda: 1, lambda: 0)  # type: ignore[arg-type]
+    assert shown in str(raised.value) and "0-dim torch.bool" in str(raised.value)
+    with pytest.raises(cg.InputMismatchError, match="cond_fn gave"):
+        cg.while_loop(lambda x: pred, lambda x: x, (torch.zeros(1),), max_iterations=2)
+
+
+def test_a_body_that_changes_the_state_layout_is_refused() -> None:
+    with pytest.raises(
+        cg.InputMismatchError, match=r"state\[0\] from body_fn is torch.float32 \(2,\)"
+    ):
+        cg.while_loop(
+            lambda x: x.sum() < 3, lambda x: torch.cat([x, x]), (torch.zeros(1),), max_iterations=3
+        )
+    with pytest.raises(cg.InputMismatchError, match="returned 1 values for a state of 2"):
+        cg.while_loop(
+            lambda a, b: a < 1, lambda a, b: a + 1, (torch.tensor(0), torch.tensor(0)),
+            max_iterations=3,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_max_iterations_is_a_positive_int(bad: object) -> None:
+    with pytest.raises(cg.ConfigError, match="max_iterations"):
+        cg.while_loop(lambda x: x < 1, lambda x: x + 1, (torch.tensor(0),), max_iterations=bad)  # type: ignore[arg-type]
