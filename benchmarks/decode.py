@@ -9,6 +9,7 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   cg K=16               the same, 16 decode steps per graph launch
   cg compile            Decoder(compile=True): graphs over torch.compile'd kernels
   cg compile K=4/K=16   the same, 4 or 16 steps per launch
+  cg until-eos          Decoder(until_eos=True): one launch per request, a loop on the device
 
 Each mode runs in a fresh process of its own, all batches in it (``--no-isolate``: all modes in
 one process, interleaved; there transformers' compiled ``generate`` and the reduce-overhead loop
@@ -45,7 +46,7 @@ RESULTS = Path(__file__).parent / "results"
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 ALL_MODES = (
     "hf eager", "hf static", "eager loop", "reduce-overhead loop",
-    "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16",
+    "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg until-eos",
 )  # fmt: skip
 
 
@@ -102,7 +103,7 @@ def make_mode(name: str, model: Any, batch: int, length: int) -> Callable[[torch
     steps = int(name.split("K=")[1]) if "K=" in name else 1
     decoder = Decoder(
         model, max_batch=batch, max_length=length, batch_sizes=[batch], steps_per_graph=steps,
-        compile="compile" in name, check_every=1 << 30,
+        compile="compile" in name, check_every=1 << 30, until_eos="until-eos" in name,
     )  # fmt: skip
     return lambda prompt, new: decoder.generate(prompt, max_new_tokens=new, eos_token_id=None)
 

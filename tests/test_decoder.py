@@ -267,3 +267,26 @@ def test_the_captured_path_gives_generate_tokens(stand_in: None, steps: int) -> 
         torch.manual_seed(9)
         runs.append(decoder.generate(prompt, max_new_tokens=12, do_sample=True, top_p=0.9))
     assert torch.equal(runs[0], runs[1])
+
+
+def test_until_eos_decodes_in_one_launch_as_generate_does(llama) -> None:
+    """until_eos=True: one launch per request (a loop on the device; here its Python form),
+    rows ending at different steps, padded prompts too; sampling is refused with the reason."""
+    model, _ = llama
+    decoder = Decoder(model, max_batch=4, max_length=64, until_eos=True)
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 512, (4, 6))
+    free = generate(model, prompt, 24, min_new_tokens=24)[:, 6:]
+    eos = [int(free[0, 3]), int(free[2, 9])]
+    expected = generate(model, prompt, 24, eos_token_id=eos, pad_token_id=0)
+    got = decoder.generate(prompt, max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, expected)
+    assert decoder.stats.replays == {"greedy batch 4": 1}
+    assert torch.equal(
+        decoder.generate(prompt[:3], max_new_tokens=20, eos_token_id=None),
+        generate(model, prompt[:3], 20, min_new_tokens=20),
+    )
+    with pytest.raises(cg.ConfigError, match="until_eos=True decodes greedily"):
+        decoder.generate(prompt, max_new_tokens=4, do_sample=True)
+    with pytest.raises(cg.ConfigError, match="until_eos=True decodes greedily"):
+        Decoder(model, max_batch=1, max_length=16, until_eos=True, steps_per_graph=4)

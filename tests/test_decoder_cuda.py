@@ -196,3 +196,21 @@ def test_a_parameter_moved_to_new_memory_is_seen_and_recaptured() -> None:
     got = decoder.generate(prompt, max_new_tokens=8, eos_token_id=None)
     assert decoder.stats.recaptures == 1
     assert torch.equal(got, greedy_generate(model, prompt, 8))
+
+
+def test_until_eos_in_one_launch_gives_the_per_step_tokens() -> None:
+    """until_eos=True (a WHILE node: decode until every row ended): rows that end at different
+    steps get exactly the tokens of one-step-per-launch decoding, in one launch per request."""
+    model = random_llama("llama-512", "cuda")
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 32000, (4, PROMPT), device="cuda")
+    per_step = Decoder(model, max_batch=4, max_length=PROMPT + NEW)
+    free = per_step.generate(prompt, max_new_tokens=NEW, eos_token_id=None)[:, PROMPT:]
+    eos = [int(free[0, 5]), int(free[2, 17])]  # rows end at different steps
+    expected = per_step.generate(prompt, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    looping = Decoder(model, max_batch=4, max_length=PROMPT + NEW, until_eos=True)
+    got = looping.generate(prompt, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, expected)
+    assert looping.stats.replays == {"greedy batch 4": 1}
+    one = per_step.generate(prompt[:1], max_new_tokens=NEW, eos_token_id=None)
+    assert torch.equal(looping.generate(prompt[:1], max_new_tokens=NEW, eos_token_id=None), one)

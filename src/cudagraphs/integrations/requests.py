@@ -16,6 +16,7 @@ __all__ = [
     "check_left_padding",
     "check_model",
     "check_request",
+    "check_until_eos",
     "describe",
     "stop_ids",
     "trim_finished",
@@ -185,3 +186,16 @@ def trim_finished(out: torch.Tensor, length: int, eos: list[int]) -> torch.Tenso
         return out
     last = int(hit.int().argmax(dim=1).max()) + 1
     return out[:, : length + last]
+
+
+def check_until_eos(until_eos: bool, do_sample: bool, steps_per_graph: int) -> None:
+    """``until_eos`` decodes greedily, one step per iteration of a loop on the device."""
+    if until_eos and (do_sample or steps_per_graph != 1):
+        raise ConfigError(
+            explain(
+                "until_eos=True decodes greedily, one step per loop iteration",
+                "in a loop on the device the random numbers of sampling would repeat every "
+                "step, and steps_per_graph counts launches, of which there is one",
+                "leave do_sample and steps_per_graph out with until_eos=True",
+            )
+        )

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ..api import graph
+from ..control.flow import while_loop
 from ..core.pool import Pool
 from ..errors import ConfigError, explain
 from ..options import check_positive_int
@@ -43,6 +44,7 @@ from .requests import (
     check_attention,
     check_model,
     check_request,
+    check_until_eos,
     stop_ids,
     trim_finished,
 )
@@ -81,6 +83,9 @@ class Decoder:
             sync each); ``generate`` stops at the first check after every sequence ended.
         do_sample: also capture the sampling graphs now (else on the first sampled request).
         warmup: eager runs before each capture.
+        until_eos: one launch decodes until every row has ended or the request's
+            ``max_new_tokens`` (a loop on the device, ``cg.while_loop``: CUDA 12.4+ and
+            cuda-bindings); greedy only.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class Decoder:
         check_every: int = 16,
         do_sample: bool = False,
         warmup: int = 2,
+        until_eos: bool = False,
     ):
         start = time.perf_counter()
         check_model(model)
@@ -120,6 +126,8 @@ class Decoder:
             )
         self.max_length = max_length
         self.steps = steps_per_graph
+        self.until_eos = until_eos
+        check_until_eos(until_eos, do_sample, steps_per_graph)
         self.check_every = max(1, check_every // steps_per_graph)  # in graph launches
         self.warmup = warmup
         self.lock = threading.RLock()  # one request at a time: the rungs share cache and pool
@@ -200,35 +208,52 @@ class Decoder:
         forward, choose, cache = self.forward, self._chooser(mode), self.caches[n]
         history, eos, pad, steps = self.history[:n], self.eos, self.pad, self.steps
         attends, padding, padded = self.attends[:n], self.padding[:n], mode.endswith("+padded")
-        forward_padded = self.forward_padded
+        forward_padded, until_eos, limit = self.forward_padded, self.until_eos, self.max_length
+
+        def one_step(token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor) -> None:
+            # Everything stays on the device: the token is fed back and the position advanced
+            # in place, so one launch runs any number of steps.
+            if padded:  # this position joins every row's view; ids skip the padding
+                attends.index_fill_(3, position, True)
+                logits = forward_padded(token, position, cache, attends, position - padding)
+            else:
+                logits = forward(token, position, cache)
+            chosen = stop_finished(choose(logits), finished, eos, pad)
+            position.add_(1)
+            history.scatter_(1, position.view(1, 1).expand(n, 1), chosen)
+            token.copy_(chosen)
 
         def decode_steps(
-            token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor
+            token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor, left: torch.Tensor
         ) -> None:
-            # Everything stays on the device: the token is fed back and the position advanced
-            # in place, so one launch runs all the steps.
-            for _ in range(steps):
-                if padded:  # this position joins every row's view; ids skip the padding
-                    attends.index_fill_(3, position, True)
-                    logits = forward_padded(token, position, cache, attends, position - padding)
-                else:
-                    logits = forward(token, position, cache)
-                chosen = stop_finished(choose(logits), finished, eos, pad)
-                position.add_(1)
-                history.scatter_(1, position.view(1, 1).expand(n, 1), chosen)
-                token.copy_(chosen)
+            if not until_eos:
+                for _ in range(steps):
+                    one_step(token, position, finished)
+                return
+
+            def more(*state: torch.Tensor) -> torch.Tensor:  # a device-side test, no sync
+                return (state[3] > 0) & ~state[2].all()
+
+            def step(*state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                one_step(*state[:3])
+                state[3].sub_(1)
+                return state
+
+            while_loop(more, step, (token, position, finished, left), max_iterations=limit)
 
         name = mode.replace("+", "_")
         decode_steps.__qualname__ = decode_steps.__name__ = f"decode_{name}_batch{n}"
         token = torch.zeros(n, 1, dtype=torch.long, device=self.device)
         position = torch.zeros(1, dtype=torch.long, device=self.device)
         finished = torch.zeros(n, dtype=torch.bool, device=self.device)
+        left = torch.ones((), dtype=torch.long, device=self.device)  # steps left (until_eos)
         with torch.no_grad():
             return graph(
                 decode_steps,
                 token,
                 position,
                 finished,
+                left,
                 pool=self.pool,
                 warmup=self.warmup,
                 # The step reaches the model through a bound method: name it, so the guard
@@ -269,6 +294,7 @@ class Decoder:
             max_length=self.max_length,
         )
         eos, pad = stop_ids(self.model, eos_token_id, pad_token_id)
+        check_until_eos(self.until_eos, do_sample, self.steps)
         mode = "sample" if do_sample else "greedy"
         if padding is not None:
             check_attention(self.model)
@@ -283,12 +309,13 @@ class Decoder:
             # cache and the buffers (a recapture's warm-up runs steps, which would otherwise
             # advance the cache's position counters in the middle of the request).
             graphed.refresh()
-            token, position, finished = graphed.inputs
+            token, position, finished, left = graphed.inputs
             self._prefill(input_ids, padding, n, mode, eos, pad, token, position, finished)
-            launches = math.ceil((max_new_tokens - 1) / self.steps)
+            left.fill_(max_new_tokens - 1)  # until_eos: one launch decodes them all
+            launches = 1 if self.until_eos else math.ceil((max_new_tokens - 1) / self.steps)
             launch = 0
             for launch in range(1, launches + 1):
-                graphed(token, position, finished)
+                graphed(token, position, finished, left)
                 if eos and launch % self.check_every == 0 and launch < launches:
                     self.stats.checks += 1
                     if bool(finished.all()):
