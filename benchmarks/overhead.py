@@ -60,6 +60,7 @@ MODES = (
     # its one-frame call path without the address guard.
     "cg recording, bare call",
     "cg replay path, no guard",
+    "cg guarded, guard=capture",
 )
 
 
@@ -81,6 +82,8 @@ def build_modes(
     for policy in ("alias", "guarded", "clone"):
         if f"cg {policy}" in selected:
             modes[f"cg {policy}"] = cg.graph(model, example, outputs=policy)
+    if "cg guarded, guard=capture" in selected:  # the address guard's share of a call
+        modes["cg guarded, guard=capture"] = cg.graph(model, example, guard="capture")
     if {"cg recording, bare call", "cg replay path, no guard"} & set(selected):
         graphed = cg.graph(model, example, outputs="alias")
         replayer = graphed.replayer
