@@ -58,8 +58,9 @@ MODES = (
     "cg clone",
     # Where cg alias's time goes: its own recording replayed the bare way (copy+replay), and
     # its one-frame call path without the address guard.
-    "cg recording, bare call",
-    "cg replay path, no guard",
+    "cg recording (bare call)",
+    "cg path (no guard)",
+    "cg guarded (guard=capture)",
 )
 
 
@@ -81,7 +82,9 @@ def build_modes(
     for policy in ("alias", "guarded", "clone"):
         if f"cg {policy}" in selected:
             modes[f"cg {policy}"] = cg.graph(model, example, outputs=policy)
-    if {"cg recording, bare call", "cg replay path, no guard"} & set(selected):
+    if "cg guarded (guard=capture)" in selected:  # the address guard's share of a call
+        modes["cg guarded (guard=capture)"] = cg.graph(model, example, guard="capture")
+    if {"cg recording (bare call)", "cg path (no guard)"} & set(selected):
         graphed = cg.graph(model, example, outputs="alias")
         replayer = graphed.replayer
         assert replayer is not None
@@ -97,8 +100,8 @@ def build_modes(
 
         alone = replayer.entry(threading.RLock(), None, refuse)
         assert alone is not None
-        modes["cg recording, bare call"] = recording_bare
-        modes["cg replay path, no guard"] = alone
+        modes["cg recording (bare call)"] = recording_bare
+        modes["cg path (no guard)"] = alone
     return modes
 
 
