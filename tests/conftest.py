@@ -75,9 +75,12 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
         recorder.restore()
         return capture_module.Recording(StandInGraph(fn, args, kwargs, output), output, 0.0, 0)  # type: ignore[arg-type]
 
-    def warm_up(fn: Any, args: Any, kwargs: Any, n: int, stream: Any) -> float:
-        for _ in range(n):
-            fn(*args, **kwargs)
+    def warm_up(
+        fn: Any, args: Any, kwargs: Any, n: int, stream: Any, *, checked: Any = None
+    ) -> float:
+        with checked() if checked is not None else contextlib.nullcontext():
+            for _ in range(n):
+                fn(*args, **kwargs)
         return 0.0
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -20,6 +20,7 @@ needs is precomputed at capture, and positional-only calls skip pytree flattenin
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 import warnings
@@ -288,7 +289,12 @@ class Graphed(Entry[R]):
                 options.side_effects if warmup else "keep",
             )
             with effects.running():
-                self._costs.warmup_s = recorder.warm_up(self.fn, args, kwargs, warmup, stream)
+                self._costs.warmup_s = recorder.warm_up(
+                    self.fn, args, kwargs, warmup, stream,
+                    checked=functools.partial(
+                        collectives.compared_across_ranks, f"{callable_name(self.fn)} (warm-up)"
+                    ),
+                )  # fmt: skip
             written = effects.finish()
             self._costs.restored_bytes += written.nbytes
             side_effects.report(effects, self.fn)

@@ -121,11 +121,16 @@ def warm_up(
     kwargs: dict[str, Any],
     n: int,
     stream: torch.cuda.Stream,
+    *,
+    checked: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> float:
-    """Run ``fn`` ``n`` times on ``stream``; return the seconds it took (synchronized)."""
+    """Run ``fn`` ``n`` times on ``stream``; return the seconds it took (synchronized).
+    ``checked()`` is entered around the runs and left before the wait for the GPU: ranks
+    compare the collectives the runs issued there, so a rank that issued more raises instead
+    of waiting forever for peers that never match them."""
     start = time.perf_counter()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), uncached_autocast():
+    with checked(), torch.cuda.stream(stream), uncached_autocast():
         for _ in range(n):
             fn(*args, **kwargs)
     torch.cuda.current_stream().wait_stream(stream)
