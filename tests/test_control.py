@@ -89,3 +89,34 @@ def test_a_body_that_changes_the_state_layout_is_refused() -> None:
 def test_max_iterations_is_a_positive_int(bad: object) -> None:
     with pytest.raises(cg.ConfigError, match="max_iterations"):
         cg.while_loop(lambda x: x < 1, lambda x: x + 1, (torch.tensor(0),), max_iterations=bad)  # type: ignore[arg-type]
+
+
+def test_a_machine_without_cuda_12_4_is_told_the_versions(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cudagraphs.control import conditional
+
+    conditional.available.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(conditional, "versions", lambda: (12020, 12080))
+    try:
+        reason = conditional.available()
+        assert reason is not None and "driver is 12.2" in reason and "12.4 or newer" in reason
+        with pytest.raises(cg.ConditionalNodesUnavailable, match=r"12\.4"):
+            conditional.prepare(torch.device("cuda", 0))
+    finally:
+        conditional.available.cache_clear()
+
+
+def test_without_cuda_bindings_the_reason_names_the_package(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    from cudagraphs.control import conditional
+
+    conditional.available.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)  # as if not installed
+    try:
+        assert "cuda-bindings" in (conditional.available() or "")
+    finally:
+        conditional.available.cache_clear()

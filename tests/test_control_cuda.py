@@ -111,3 +111,11 @@ def test_a_condition_of_the_wrong_kind_is_refused_with_the_reason() -> None:
 
     with pytest.raises(cg.CudaGraphsError, match=r"0-dim torch\.bool"):
         cg.graph(bad, torch.ones(4, device="cuda"))
+
+
+def test_a_condition_on_the_host_is_refused_with_the_reason() -> None:
+    def host_condition(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return cg.while_loop(lambda t: torch.tensor(True), lambda t: t + 1, (x,), max_iterations=2)
+
+    with pytest.raises(cg.CudaGraphsError, match=r"on cpu"):
+        cg.graph(host_condition, torch.ones(4, device="cuda"))
