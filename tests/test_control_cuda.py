@@ -5,11 +5,16 @@ host sync, and the errors for a body that syncs or a condition of the wrong kind
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import cudagraphs as cg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from rollout_until_done import rollout  # the example's own rollout
 
 pytestmark = pytest.mark.cuda
 
@@ -36,21 +41,6 @@ def test_trip_counts_from_zero_past_the_maximum_are_exact() -> None:
         trips = min(stop, MAX)
         assert (int(i), int(total)) == (trips, sum(range(trips))), f"stop={stop}"
     assert torch.cuda.memory_reserved() == reserved, "the loop's memory is reused, not grown"
-
-
-def rollout(position: torch.Tensor, velocity: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Environments move until they pass 10; the episode ends when all have."""
-
-    def running(p: torch.Tensor, v: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-        return (p < 10).any()
-
-    def step(p: torch.Tensor, v: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        moving = p < 10
-        return p + v * moving, v * 0.999, steps + moving.to(torch.int32)
-
-    steps = torch.zeros(position.shape, dtype=torch.int32, device=position.device)
-    p, _, steps = cg.while_loop(running, step, (position, velocity, steps), max_iterations=500)
-    return p, steps
 
 
 def test_an_rl_rollout_until_done_equals_eager() -> None:
