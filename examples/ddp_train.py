@@ -13,7 +13,6 @@ NCCL on GPUs (one per rank); gloo on the CPU, where the step is the eager pass-t
 from __future__ import annotations
 
 import os
-import socket
 import time
 import warnings
 
@@ -86,20 +85,14 @@ def train(
     return [p.detach().clone() for p in model.parameters()], per_step
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def main() -> None:
     cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:  # plain `python`: one rank
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ:  # under torchrun
+        dist.init_process_group(backend)
+    else:  # plain `python`: one rank, no rendezvous to set up
         print("one rank; for data parallelism: torchrun --nproc-per-node 2 examples/ddp_train.py")
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()
-        )
-    dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank = dist.get_rank()
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

@@ -13,7 +13,6 @@ NCCL on GPUs (one per rank); gloo on the CPU, where the graph is the eager pass-
 from __future__ import annotations
 
 import os
-import socket
 import time
 import warnings
 
@@ -125,20 +124,14 @@ def _time(fn, x: torch.Tensor, device: torch.device, calls: int = 50) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def main() -> None:
     cuda = torch.cuda.is_available()
-    if "RANK" not in os.environ:  # plain `python`: one rank (the split is then trivial)
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ:  # under torchrun
+        dist.init_process_group(backend)
+    else:  # plain `python`: one rank, no rendezvous to set up
         print("one rank; for a real split: torchrun --nproc-per-node 2 examples/tensor_parallel.py")
-        os.environ.update(
-            RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port()
-        )
-    dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

@@ -35,18 +35,28 @@ def tiny_llama(
     return model, config
 
 
-def reference_tokens(model: Any, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """``model.generate``'s greedy continuation, exactly ``new_tokens`` long."""
+def generate_with_scores(
+    model: Any, prompt: torch.Tensor, new: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model.generate``'s greedy output, exactly ``new`` tokens longer than the prompt, and
+    the logits it chose them from, ``[batch, new, vocab]``."""
     with torch.no_grad():
         out = model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
+            max_new_tokens=new,
+            min_new_tokens=new,
             do_sample=False,
             pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
         )
-    return out[:, prompt.shape[1] :]
+    return out.sequences, torch.stack(out.scores, dim=1)
+
+
+def reference_tokens(model: Any, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """``model.generate``'s greedy continuation, exactly ``new_tokens`` long."""
+    return generate_with_scores(model, prompt, new_tokens)[0][:, prompt.shape[1] :]
 
 
 def graph_decode(

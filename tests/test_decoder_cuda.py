@@ -13,6 +13,7 @@ import cudagraphs as cg
 pytestmark = pytest.mark.cuda
 transformers = pytest.importorskip("transformers")
 
+from llama_decode import generate_with_scores  # noqa: E402
 from test_decoder import left_padded  # noqa: E402
 from test_decoder import test_sampled_tokens_follow_transformers_filters as sampling_check  # noqa: E402
 
@@ -20,24 +21,6 @@ from cudagraphs.integrations.transformers import Decoder  # noqa: E402
 from cudagraphs.tools.workloads import random_llama  # noqa: E402
 
 PROMPT, NEW = 16, 32
-
-
-def generate_with_scores(
-    model, prompt: torch.Tensor, new: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """generate's greedy tokens and the logits it chose them from, ``[batch, new, vocab]``."""
-    with torch.no_grad():
-        out = model.generate(
-            prompt,
-            attention_mask=torch.ones_like(prompt),
-            max_new_tokens=new,
-            min_new_tokens=new,
-            do_sample=False,
-            pad_token_id=0,
-            output_scores=True,
-            return_dict_in_generate=True,
-        )
-    return out.sequences, torch.stack(out.scores, dim=1)
 
 
 def greedy_generate(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
