@@ -18,13 +18,13 @@ import contextlib
 import ctypes
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..core import recorder
+from ..core.capturing import active_capture
 from ..errors import CaptureError, ConditionalNodesUnavailable, explain
 from . import kernels
 
@@ -90,6 +90,9 @@ def available() -> str | None:
     """``None`` when this machine can run conditional nodes, else why not, in words."""
     if not torch.cuda.is_available():
         return "no CUDA device"
+    if not hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool"):
+        # a body's tensors must come from the graph's pool (PyTorch 2.8 has the routing)
+        return f"PyTorch {torch.__version__} cannot route a body's allocations to the graph's pool"
     try:
         driver_version, runtime_version = versions()
     except ConditionalNodesUnavailable as error:
@@ -203,8 +206,8 @@ class Condition:
                 ),
                 kind="conditional-node",
             )
-        self.graph = recorder.active_capture()
-        if self.graph is None:
+        self.capture = active_capture()
+        if self.capture is None:
             raise CaptureError(
                 explain(
                     "a conditional node was asked for outside a cudagraphs capture",
@@ -281,6 +284,9 @@ class Condition:
             "cudaStreamUpdateCaptureDependencies",
         )
         stream = self.device.body_stream
+        # The body's tensors come from the capture's pool: they are the graph's memory,
+        # reused on every iteration.
+        self.capture.route_this_thread()
         _check(
             runtime.cudaStreamBeginCaptureToGraph(
                 stream.cuda_stream,
@@ -292,16 +298,12 @@ class Condition:
             ),
             "cudaStreamBeginCaptureToGraph",
         )
-        index = stream.device_index
-        pool = self.graph.pool()  # type: ignore[union-attr]
+        # From here on the body stream is capturing: whatever happens, its capture must end, or
+        # every later CUDA call in the process fails.
         failure: BaseException | None = None
         try:
             with torch.cuda.stream(stream):
-                _allocate_to_pool(index, pool, begin=True)
-                try:
-                    yield stream
-                finally:
-                    _allocate_to_pool(index, pool, begin=False)
+                yield stream
         except BaseException as error:
             failure = error
         finally:
@@ -309,19 +311,3 @@ class Condition:
         if failure is not None:
             raise failure
         _check(result, "cudaStreamEndCapture")
-
-
-def _allocate_to_pool(index: int, pool: Any, *, begin: bool) -> None:
-    """Route the current stream's allocations to the capture's pool (or stop routing them)."""
-    c = torch._C
-    if begin:
-        c._cuda_beginAllocateCurrentStreamToPool(index, pool)
-        return
-    end: Callable[..., None] | None = getattr(c, "_cuda_endAllocateToPool", None)
-    if end is None:
-        end = c._cuda_endAllocateCurrentStreamToPool
-    end(index, pool)
-    # Routing took a reference on the pool (as cudagraph trees do, give it back).
-    release = getattr(c, "_cuda_releasePool", None)
-    if release is not None:
-        release(index, pool)

@@ -12,7 +12,6 @@ stream, the allocator and Python's gc are always restored, so the process stays 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import gc
 import time
 import warnings
@@ -23,11 +22,11 @@ from typing import Any
 import torch
 
 from ..errors import CaptureError, ConfigError, explain
+from .capturing import capturing
 from .frames import callable_name, user_location
 
 __all__ = [
     "Recording",
-    "active_capture",
     "capture",
     "classify_failure",
     "default_stream",
@@ -148,17 +147,6 @@ class Recording:
     pool_bytes: int
 
 
-_active: contextvars.ContextVar[torch.cuda.CUDAGraph | None] = contextvars.ContextVar(
-    "cudagraphs_active_capture", default=None
-)
-
-
-def active_capture() -> torch.cuda.CUDAGraph | None:
-    """The graph :func:`capture` is recording right now in this thread (``None`` outside one):
-    code run inside a capture (a loop on the device) routes its allocations to its pool."""
-    return _active.get()
-
-
 def capture(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -190,23 +178,23 @@ def capture(
     gc.disable()
     try:
         with torch.cuda.stream(stream), uncached_autocast():
-            if pool is None:
-                graph.capture_begin(capture_error_mode=capture_error_mode)
-            else:
-                graph.capture_begin(pool, capture_error_mode=capture_error_mode)
-            token = _active.set(graph)
-            try:
-                output = fn(*args, **kwargs)
-            except BaseException as error:  # KeyboardInterrupt too: capture must still end
-                failure = error
-            finally:
-                _active.reset(token)
-                # Always end the capture, or the stream stays in capture mode and every later
-                # CUDA call in the process fails.
+            # A private pool of its own unless one is shared; named here, so that conditional
+            # nodes recorded inside can route their bodies' allocations to it.
+            pool = torch.cuda.graph_pool_handle() if pool is None else pool
+            graph.capture_begin(pool, capture_error_mode=capture_error_mode)
+            with capturing(pool, device.index) as active:
                 try:
-                    graph.capture_end()
-                except BaseException as error:
-                    end_failure = error
+                    output = fn(*args, **kwargs)
+                except BaseException as error:  # KeyboardInterrupt too: capture must still end
+                    failure = error
+                finally:
+                    # Always end the capture, or the stream stays in capture mode and every
+                    # later CUDA call in the process fails.
+                    try:
+                        graph.capture_end()
+                    except BaseException as error:
+                        end_failure = error
+                    active.finish()
     finally:
         if gc_was_enabled:
             gc.enable()

@@ -162,6 +162,8 @@ class Decoder:
             if not missing:
                 return
             cuda = self.device.type == "cuda"
+            if cuda:  # cached free blocks (from loading the model) would be counted as freed
+                torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(self.device) if cuda else 0
             # Warm-up draws random numbers; the caller's seeded stream must not see them.
             with torch.random.fork_rng(devices=[self.device] if cuda else []):

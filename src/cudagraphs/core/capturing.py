@@ -1,0 +1,78 @@
+"""The capture in progress in this thread, as code recorded inside it sees it.
+
+:func:`cudagraphs.core.recorder.capture` sets it for the duration of one recording; code that
+adds to that recording from inside (a conditional node's body, recorded on a stream of its own)
+reads it to allocate from the same memory pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["ActiveCapture", "active_capture"]
+
+
+@dataclass
+class ActiveCapture:
+    """One recording in progress: its memory pool and the device it lives on."""
+
+    pool: Any
+    device_index: int
+    thread_routed: bool = False
+
+    def route_this_thread(self) -> None:
+        """Serve every allocation this thread makes, on any stream, from the capture's pool
+        until the capture ends.
+
+        The capture itself routes only streams that record into its own graph. A conditional
+        node's body is recorded on a stream that records into the node's child graph, so its
+        tensors would otherwise come from the general pool: memory the graph does not own,
+        which eager code could take while the graph still writes to it. The caching allocator
+        keeps one routing per pool, so the capture's is replaced by one for this thread, which
+        the capture's end removes.
+        """
+        if self.thread_routed:
+            return
+        c = torch._C
+        c._cuda_endAllocateToPool(self.device_index, self.pool)
+        # Takes a reference on the pool, given back by finish() once the capture has ended.
+        c._cuda_beginAllocateCurrentThreadToPool(self.device_index, self.pool)
+        self.thread_routed = True
+
+    def finish(self) -> None:
+        """After the capture ended (or failed): drop the routing and the reference that
+        :meth:`route_this_thread` took, so the pool lives exactly as long as the graph."""
+        if not self.thread_routed:
+            return
+        c = torch._C
+        # capture_end removes the routing unless it failed before reaching that point.
+        with contextlib.suppress(RuntimeError):
+            c._cuda_endAllocateToPool(self.device_index, self.pool)
+        c._cuda_releasePool(self.device_index, self.pool)
+        self.thread_routed = False
+
+
+_active: contextvars.ContextVar[ActiveCapture | None] = contextvars.ContextVar(
+    "cudagraphs_active_capture", default=None
+)
+
+
+def active_capture() -> ActiveCapture | None:
+    """The recording in progress in this thread, or ``None`` outside one."""
+    return _active.get()
+
+
+@contextlib.contextmanager
+def capturing(pool: Any, device_index: int) -> Any:
+    """Mark a recording into ``pool`` as in progress in this thread for the ``with`` block."""
+    active = ActiveCapture(pool, device_index)
+    token = _active.set(active)
+    try:
+        yield active
+    finally:
+        _active.reset(token)
