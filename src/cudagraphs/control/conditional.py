@@ -128,7 +128,9 @@ def prepare(device: torch.device) -> None:
             )
         driver, _ = _bindings()
         with torch.cuda.device(index):
-            torch.cuda.init()
+            # The driver calls below need the device's context current on this thread; a
+            # runtime call makes the primary context (the one PyTorch uses) current.
+            torch.cuda.synchronize(index)
             module = _check(driver.cuModuleLoadData(kernels.PTX.encode()), "cuModuleLoadData")
             _prepared[index] = _Device(
                 loop_kernel=_check(
@@ -300,13 +302,19 @@ class Condition:
         )
         # From here on the body stream is capturing: whatever happens, its capture must end, or
         # every later CUDA call in the process fails.
+        # A host sync in the body would invalidate the body's capture, and ending the outer
+        # capture over a node with a broken body crashes the process; the sync debug mode turns
+        # the sync into a Python error before it reaches CUDA, so both captures end cleanly.
         failure: BaseException | None = None
+        sync_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.cuda.stream(stream):
                 yield stream
         except BaseException as error:
             failure = error
         finally:
+            torch.cuda.set_sync_debug_mode(sync_mode)
             result = runtime.cudaStreamEndCapture(stream.cuda_stream)
         if failure is not None:
             raise failure
