@@ -53,7 +53,24 @@ def capture_stream(device: torch.device | int | str | None = None) -> torch.cuda
 def ddp(module: nn.Module, **ddp_kwargs: Any) -> nn.parallel.DistributedDataParallel:
     """``DistributedDataParallel(module, **ddp_kwargs)`` built on :func:`capture_stream`, so
     that ``cg.train_step`` can capture its backward and all-reduce. Needs an initialised
-    process group and ``module`` on its CUDA device."""
+    process group and ``module`` on its CUDA device.
+
+    ``gradient_as_bucket_view`` defaults to ``True`` here: the gradients then live in DDP's
+    all-reduce buckets, which saves copying every gradient in and out of them on each step
+    (on 2 x H200, a 17-layer 512-wide MLP with Adam: 0.98x the speed of the same step captured
+    by hand, against 0.94x with copies). Pass ``gradient_as_bucket_view=False`` for DDP's own
+    default.
+
+    Right::
+
+        model = cg.ddp(model.cuda(rank), device_ids=[rank])
+        step = cg.train_step(train_step, optimizer=opt)
+
+    Wrong (DDP built on another stream; ``cg.train_step`` refuses it, naming this fix)::
+
+        model = DistributedDataParallel(model.cuda(rank), device_ids=[rank])
+    """
+    ddp_kwargs.setdefault("gradient_as_bucket_view", True)
     params = list(module.parameters())
     if not params or not params[0].is_cuda:
         raise ConfigError(
