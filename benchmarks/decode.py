@@ -10,6 +10,7 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   cg compile            Decoder(compile=True): graphs over torch.compile'd kernels
   cg compile K=4/K=16   the same, 4 or 16 steps per launch
   cg until-eos          Decoder(until_eos=True): one launch per request, a loop on the device
+  cg compile until-eos  the same over torch.compile'd kernels
 
 Each mode runs in a fresh process of its own, all batches in it (``--no-isolate``: all modes in
 one process, interleaved; there transformers' compiled ``generate`` and the reduce-overhead loop
@@ -47,6 +48,7 @@ HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 ALL_MODES = (
     "hf eager", "hf static", "eager loop", "reduce-overhead loop",
     "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg until-eos",
+    "cg compile until-eos",
 )  # fmt: skip
 
 
