@@ -16,7 +16,9 @@ Each mode runs in a fresh process of its own, all batches in it (``--no-isolate`
 one process, interleaved; there transformers' compiled ``generate`` and the reduce-overhead loop
 slow each other down). Compiled modes specialise on each batch size (``dynamic=False``), as
 transformers' static-cache ``generate`` does. For each:
-tokens/s (median of --reps runs), ms per token (median and worst run),
+tokens/s (median of --reps runs), ms per token (median and worst run), the host's own ms per
+token (until the call returned, before waiting for the GPU: far below the total, the GPU sets
+the pace),
 set-up seconds (compile, capture, first call), growth of torch.cuda.memory_reserved() beyond
 the weights, share of the weight-streaming roofline (every step reads every weight once), and
 agreement of the tokens with ``hf eager``. ``--rung-memory`` instead measures, in fresh
@@ -123,12 +125,16 @@ def reserved() -> int:
     return torch.cuda.memory_reserved() if CUDA else 0
 
 
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """``fn()``, its wall seconds to the end of the GPU's work, and the host's own seconds (until
+    ``fn`` returned, its launches queued): where the host's time is well below the wall time,
+    the GPU sets the pace and nothing on the host side can make the mode faster."""
     sync()
     start = time.perf_counter()
     out = fn()
+    host = time.perf_counter() - start
     sync()
-    return out, time.perf_counter() - start
+    return out, time.perf_counter() - start, host
 
 
 def weight_bytes(model: Any) -> int:
@@ -151,7 +157,7 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
         start = time.perf_counter()
         call = make_mode(name, model, batch, length)
         built = time.perf_counter() - start  # the Decoder's captures; transformers compiles later
-        tokens, _ = timed(lambda call=call: call(prompt, args.new))
+        tokens, _, _ = timed(lambda call=call: call(prompt, args.new))
         setup = time.perf_counter() - start  # construction plus the first call
         calls[name] = call
         rows[name] = {
@@ -160,12 +166,14 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
             "memory_growth_mib": (reserved() - before) / 2**20,
             "tokens": tokens[:, args.prompt :],
             "seconds": [],
+            "host_seconds": [],
         }
         print(f"  batch {batch:3d} {name:22s} set-up {setup:7.1f} s", flush=True)
     for _ in range(args.reps):  # interleaved: every mode once per round
         for name, call in calls.items():
-            _, seconds = timed(lambda call=call: call(prompt, args.new))
+            _, seconds, host = timed(lambda call=call: call(prompt, args.new))
             rows[name]["seconds"].append(seconds)
+            rows[name]["host_seconds"].append(host)
     reference = rows[modes[0]]["tokens"]
     roofline = batch * HBM_BYTES_PER_S / weight_bytes(model)
     out = {}
@@ -176,6 +184,7 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
             "tokens_per_s": tokens_per_s,
             "ms_per_token_median": 1e3 * median / args.new,
             "ms_per_token_worst": 1e3 * max(row["seconds"]) / args.new,
+            "host_ms_per_token": 1e3 * statistics.median(row["host_seconds"]) / args.new,
             "setup_s": row["setup_s"],
             "build_s": row["build_s"],
             "memory_growth_mib": row["memory_growth_mib"],
@@ -271,15 +280,16 @@ def markdown(results: dict[str, Any]) -> list[str]:
         lines += [
             f"**batch {batch}**",
             "",
-            "| mode | tokens/s | ms/token (median / worst) | set-up s (build) | memory growth MiB "
-            f"| roofline share | tokens equal {next(iter(modes))} |",
-            "|---|---|---|---|---|---|---|",
+            "| mode | tokens/s | ms/token (median / worst) | host ms/token | set-up s (build) "
+            f"| memory growth MiB | roofline share | tokens equal {next(iter(modes))} |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name, r in modes.items():
             agreement = "yes" if r["tokens_equal"] else f"{100 * r['token_agreement']:.1f}%"
             lines.append(
                 f"| {name} | {r['tokens_per_s']:.1f} | {r['ms_per_token_median']:.2f} / "
-                f"{r['ms_per_token_worst']:.2f} | {r['setup_s']:.1f} ({r.get('build_s', 0.0):.1f}) | "
+                f"{r['ms_per_token_worst']:.2f} | {r.get('host_ms_per_token', float('nan')):.2f} | "
+                f"{r['setup_s']:.1f} ({r.get('build_s', 0.0):.1f}) | "
                 f"{r['memory_growth_mib']:.0f} | {100 * r['roofline_share']:.1f}% | "
                 f"{agreement} |"
             )
