@@ -120,3 +120,36 @@ def test_without_cuda_bindings_the_reason_names_the_package(
         assert "cuda-bindings" in (conditional.available() or "")
     finally:
         conditional.available.cache_clear()
+
+
+def test_a_body_routes_allocations_once_and_gives_back_what_it_took(monkeypatch) -> None:
+    """The allocator bookkeeping around conditional bodies: the capture's own routing is
+    replaced once (however many bodies), and after the capture the routing and the pool
+    reference taken for it are given back, so the pool lives exactly as long as the graph."""
+    from cudagraphs.core.capturing import active_capture, capturing
+
+    calls: list[tuple[str, int, object]] = []
+
+    def record(name: str, fails: bool = False):
+        def call(device: int, pool: object) -> None:
+            calls.append((name, device, pool))
+            if fails:
+                raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+        return call
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", record("end"), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_beginAllocateToPool", record("begin"), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", record("release"), raising=False)
+    assert active_capture() is None
+    with capturing((0, 7), 1) as active:
+        assert active_capture() is active
+        active.route_all_allocations()
+        active.route_all_allocations()  # a second body: nothing more to do
+        assert calls == [("end", 1, (0, 7)), ("begin", 1, (0, 7))]
+        # capture_end already removed the routing: the end inside finish() fails, quietly
+        monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", record("end", fails=True))
+        active.finish()
+        active.finish()  # idempotent
+    assert active_capture() is None
+    assert calls[2:] == [("end", 1, (0, 7)), ("release", 1, (0, 7))]

@@ -188,12 +188,16 @@ def test_until_eos_in_one_launch_gives_the_per_step_tokens() -> None:
     torch.manual_seed(3)
     prompt = torch.randint(0, 32000, (4, PROMPT), device="cuda")
     per_step = Decoder(model, max_batch=4, max_length=PROMPT + NEW)
-    free = per_step.generate(prompt, max_new_tokens=NEW, eos_token_id=None)[:, PROMPT:]
+    full = per_step.generate(prompt, max_new_tokens=NEW, eos_token_id=None)
+    # The per-step graphs decode as eager generate does (up to its own near-ties).
+    assert_same_tokens(full, *generate_with_scores(model, prompt, NEW))
+    free = full[:, PROMPT:]
     eos = [int(free[0, 5]), int(free[2, 17])]  # rows end at different steps
     expected = per_step.generate(prompt, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
     looping = Decoder(model, max_batch=4, max_length=PROMPT + NEW, until_eos=True)
     got = looping.generate(prompt, max_new_tokens=NEW, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, expected)
     assert looping.stats.replays == {"greedy batch 4": 1}
+    assert torch.equal(looping.generate(prompt, max_new_tokens=NEW, eos_token_id=None), full)
     one = per_step.generate(prompt[:1], max_new_tokens=NEW, eos_token_id=None)
     assert torch.equal(looping.generate(prompt[:1], max_new_tokens=NEW, eos_token_id=None), one)

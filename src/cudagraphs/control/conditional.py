@@ -8,8 +8,9 @@ a condition value is non-zero; that value is set on the device by a one-thread k
 through the driver at first use; nothing is compiled or written to disk.
 
 The CUDA runtime is reached through ``cuda-bindings`` (``pip install cudagraphs[conditional]``),
-imported only when a node is made. The caching allocator is told to serve the body stream from
-the capture's own pool, so the body's memory is the graph's, reused on every iteration.
+imported only when a node is made. From the first body on, the caching allocator serves every
+allocation of the capture from its own pool (``core.capturing``), so the body's memory is the
+graph's, reused on every iteration.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def available() -> str | None:
     """``None`` when this machine can run conditional nodes, else why not, in words."""
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if not hasattr(torch._C, "_cuda_beginAllocateCurrentThreadToPool"):
+    if not hasattr(torch._C, "_cuda_beginAllocateToPool"):
         # a body's tensors must come from the graph's pool (PyTorch 2.8 has the routing)
         return f"PyTorch {torch.__version__} cannot route a body's allocations to the graph's pool"
     try:
@@ -288,7 +289,7 @@ class Condition:
         stream = self.device.body_stream
         # The body's tensors come from the capture's pool: they are the graph's memory,
         # reused on every iteration.
-        self.capture.route_this_thread()
+        self.capture.route_all_allocations()
         _check(
             runtime.cudaStreamBeginCaptureToGraph(
                 stream.cuda_stream,

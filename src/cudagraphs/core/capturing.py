@@ -23,38 +23,40 @@ class ActiveCapture:
 
     pool: Any
     device_index: int
-    thread_routed: bool = False
+    routes_everything: bool = False
 
-    def route_this_thread(self) -> None:
-        """Serve every allocation this thread makes, on any stream, from the capture's pool
-        until the capture ends.
+    def route_all_allocations(self) -> None:
+        """Serve every allocation on this device (any stream, any thread) from the capture's
+        pool until the capture ends.
 
         The capture itself routes only streams that record into its own graph. A conditional
         node's body is recorded on a stream that records into the node's child graph, so its
         tensors would otherwise come from the general pool: memory the graph does not own,
         which eager code could take while the graph still writes to it. The caching allocator
-        keeps one routing per pool, so the capture's is replaced by one for this thread, which
-        the capture's end removes.
+        keeps one routing per pool, so the capture's is replaced, for the rest of the capture,
+        by one that takes every allocation: narrower (this thread only) would miss what
+        autograd's device threads allocate for a backward captured later in the same graph.
+        The capture's end removes it.
         """
-        if self.thread_routed:
+        if self.routes_everything:
             return
         c = torch._C
         c._cuda_endAllocateToPool(self.device_index, self.pool)
         # Takes a reference on the pool, given back by finish() once the capture has ended.
-        c._cuda_beginAllocateCurrentThreadToPool(self.device_index, self.pool)
-        self.thread_routed = True
+        c._cuda_beginAllocateToPool(self.device_index, self.pool)
+        self.routes_everything = True
 
     def finish(self) -> None:
         """After the capture ended (or failed): drop the routing and the reference that
-        :meth:`route_this_thread` took, so the pool lives exactly as long as the graph."""
-        if not self.thread_routed:
+        :meth:`route_all_allocations` took, so the pool lives exactly as long as the graph."""
+        if not self.routes_everything:
             return
         c = torch._C
         # capture_end removes the routing unless it failed before reaching that point.
         with contextlib.suppress(RuntimeError):
             c._cuda_endAllocateToPool(self.device_index, self.pool)
         c._cuda_releasePool(self.device_index, self.pool)
-        self.thread_routed = False
+        self.routes_everything = False
 
 
 _active: contextvars.ContextVar[ActiveCapture | None] = contextvars.ContextVar(
