@@ -254,6 +254,7 @@ def rung_child(args: argparse.Namespace, only_largest: bool) -> None:
         mix = {"requests": args.max_batch, "graphs_after": len(decoder.graphs)}
     print(json.dumps({
         "graph_bytes": decoder.stats.graph_bytes, "graphs": graphs, "setup_s": decoder.stats.setup_s,
+        "capture_s": decoder.stats.capture_s,  # per rung: warm-up, capture, instantiation
         "recaptures": sum(g.stats.recaptures for g in decoder.graphs.values()), **mix,
     }))  # fmt: skip
 
