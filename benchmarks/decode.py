@@ -16,9 +16,11 @@ Each mode runs in a fresh process of its own, all batches in it (``--no-isolate`
 one process, interleaved; there transformers' compiled ``generate`` and the reduce-overhead loop
 slow each other down). Compiled modes specialise on each batch size (``dynamic=False``), as
 transformers' static-cache ``generate`` does. For each:
-tokens/s (median of --reps runs), ms per token (median and worst run), the host's own ms per
-token (until the call returned, before waiting for the GPU: far below the total, the GPU sets
-the pace),
+tokens/s (median of --reps runs); ms per token p50 and p99 in steady state, over every token of
+one more run with marks on the GPU's timeline after each launch (prefill and first launch
+excluded; "one launch" where a request is one launch); ms per token of the median and the worst
+run; the host's own ms per token (until the call returned, before waiting for the GPU: far
+below the total, the GPU sets the pace);
 set-up seconds (compile, capture, first call), growth of torch.cuda.memory_reserved() beyond
 the weights, share of the weight-streaming roofline (every step reads every weight once), and
 agreement of the tokens with ``hf eager``. ``--rung-memory`` instead measures, in fresh
@@ -54,13 +56,61 @@ ALL_MODES = (
 )  # fmt: skip
 
 
+class TokenClock:
+    """Marks on the GPU's timeline after each decode launch (CUDA events, so no sync), for the
+    time per token in steady state: the interval between two marks over the tokens the later
+    launch made. The prefill and the first launch are not in it. Modes that make all tokens in
+    one launch have no intervals."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.marks: list[tuple[Any, int]] = []
+
+    def tick(self, tokens: int) -> None:
+        if not self.on:
+            return
+        if CUDA:
+            mark: Any = torch.cuda.Event(enable_timing=True)
+            mark.record()
+        else:
+            mark = time.perf_counter()
+        self.marks.append((mark, tokens))
+
+    def per_token_ms(self) -> list[float]:
+        """After the GPU finished: one figure per token of every launch but the first."""
+        out: list[float] = []
+        for (start, _), (end, tokens) in zip(self.marks, self.marks[1:]):
+            ms = start.elapsed_time(end) if CUDA else 1e3 * (end - start)
+            out += [ms / tokens] * tokens
+        self.marks = []
+        return out
+
+
+class Ticking:
+    """A Decoder's graph that marks the clock after each launch (everything else passes
+    through)."""
+
+    def __init__(self, graphed: Any, clock: TokenClock, tokens: int):
+        self._graphed, self._clock, self._tokens = graphed, clock, tokens
+
+    def __call__(self, *args: Any) -> Any:
+        out = self._graphed(*args)
+        self._clock.tick(self._tokens)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._graphed, name)
+
+
 class Loop:
     """A decode loop over a transformers StaticCache, eager or through torch.compile."""
 
-    def __init__(self, model: Any, batch: int, length: int, compile_mode: str | None):
+    def __init__(
+        self, model: Any, batch: int, length: int, compile_mode: str | None, clock: TokenClock
+    ):
         from transformers import StaticCache
 
-        self.model, self.compiled = model, compile_mode is not None
+        self.model, self.compiled, self.clock = model, compile_mode is not None, clock
         self.cache = StaticCache(config=model.config, max_cache_len=length)
 
         def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -85,17 +135,28 @@ class Loop:
                 torch.compiler.cudagraph_mark_step_begin()
             position = torch.tensor([length + i], device=prompt.device)
             token = self.step(token, position).clone()
+            self.clock.tick(1)
             tokens.append(token)
         return torch.cat(tokens, dim=1)
 
 
-def make_mode(name: str, model: Any, batch: int, length: int) -> Callable[[torch.Tensor, int], Any]:
+def make_mode(
+    name: str, model: Any, batch: int, length: int, clock: TokenClock
+) -> Callable[[torch.Tensor, int], Any]:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
     from cudagraphs.integrations.transformers import Decoder
+
+    class Tick(StoppingCriteria):  # called once per generated token; stops nothing
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            clock.tick(1)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def hf(**extra: Any) -> Callable[[torch.Tensor, int], Any]:
         return lambda prompt, new: model.generate(
             prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
-            min_new_tokens=new, do_sample=False, pad_token_id=0, **extra,
+            min_new_tokens=new, do_sample=False, pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([Tick()]), **extra,
         )  # fmt: skip
 
     if name == "hf eager":
@@ -103,12 +164,14 @@ def make_mode(name: str, model: Any, batch: int, length: int) -> Callable[[torch
     if name == "hf static":
         return hf(cache_implementation="static")
     if name in ("eager loop", "reduce-overhead loop"):
-        return Loop(model, batch, length, "reduce-overhead" if "reduce" in name else None)
+        return Loop(model, batch, length, "reduce-overhead" if "reduce" in name else None, clock)
     steps = int(name.split("K=")[1]) if "K=" in name else 1
     decoder = Decoder(
         model, max_batch=batch, max_length=length, batch_sizes=[batch], steps_per_graph=steps,
         compile="compile" in name, check_every=1 << 30, until_eos="until-eos" in name,
     )  # fmt: skip
+    for key, graphed in list(decoder.graphs.items()):
+        decoder.graphs[key] = Ticking(graphed, clock, steps)
     return lambda prompt, new: decoder.generate(prompt, max_new_tokens=new, eos_token_id=None)
 
 
@@ -137,6 +200,14 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     return out, time.perf_counter() - start, host
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (nearest rank), or None without values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
+
+
 def weight_bytes(model: Any) -> int:
     """Bytes a decode step streams: every weight but the input embedding (only rows gathered)."""
     embed = model.get_input_embeddings().weight
@@ -155,11 +226,12 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
             torch.cuda.empty_cache()
         before = reserved()
         start = time.perf_counter()
-        call = make_mode(name, model, batch, length)
+        clock = TokenClock()
+        call = make_mode(name, model, batch, length, clock)
         built = time.perf_counter() - start  # the Decoder's captures; transformers compiles later
         tokens, _, _ = timed(lambda call=call: call(prompt, args.new))
         setup = time.perf_counter() - start  # construction plus the first call
-        calls[name] = call
+        calls[name] = (call, clock)
         rows[name] = {
             "setup_s": setup,
             "build_s": built,
@@ -170,10 +242,15 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
         }
         print(f"  batch {batch:3d} {name:22s} set-up {setup:7.1f} s", flush=True)
     for _ in range(args.reps):  # interleaved: every mode once per round
-        for name, call in calls.items():
+        for name, (call, _) in calls.items():
             _, seconds, host = timed(lambda call=call: call(prompt, args.new))
             rows[name]["seconds"].append(seconds)
             rows[name]["host_seconds"].append(host)
+    for name, (call, clock) in calls.items():  # one more run with marks, apart from the timing
+        clock.on = True
+        timed(lambda call=call: call(prompt, args.new))
+        clock.on = False
+        rows[name]["per_token_ms"] = clock.per_token_ms()
     reference = rows[modes[0]]["tokens"]
     roofline = batch * HBM_BYTES_PER_S / weight_bytes(model)
     out = {}
@@ -185,6 +262,8 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
             "ms_per_token_median": 1e3 * median / args.new,
             "ms_per_token_worst": 1e3 * max(row["seconds"]) / args.new,
             "host_ms_per_token": 1e3 * statistics.median(row["host_seconds"]) / args.new,
+            "token_ms_p50": percentile(row["per_token_ms"], 50),
+            "token_ms_p99": percentile(row["per_token_ms"], 99),
             "setup_s": row["setup_s"],
             "build_s": row["build_s"],
             "memory_growth_mib": row["memory_growth_mib"],
@@ -269,6 +348,11 @@ def parameter_count(name: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def token_ms(row: dict[str, Any]) -> str:
+    p50, p99 = row.get("token_ms_p50"), row.get("token_ms_p99")
+    return "one launch" if p50 is None or p99 is None else f"{p50:.2f} / {p99:.2f}"
+
+
 def markdown(results: dict[str, Any]) -> list[str]:
     lines = [
         f"Hardware: {results['hardware']}, torch {results['torch']}, transformers "
@@ -281,14 +365,16 @@ def markdown(results: dict[str, Any]) -> list[str]:
         lines += [
             f"**batch {batch}**",
             "",
-            "| mode | tokens/s | ms/token (median / worst) | host ms/token | set-up s (build) "
+            "| mode | tokens/s | ms/token p50 / p99 | ms/token (median run / worst run) "
+            "| host ms/token | set-up s (build) "
             f"| memory growth MiB | roofline share | tokens equal {next(iter(modes))} |",
-            "|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in modes.items():
             agreement = "yes" if r["tokens_equal"] else f"{100 * r['token_agreement']:.1f}%"
             lines.append(
-                f"| {name} | {r['tokens_per_s']:.1f} | {r['ms_per_token_median']:.2f} / "
+                f"| {name} | {r['tokens_per_s']:.1f} | {token_ms(r)} | "
+                f"{r['ms_per_token_median']:.2f} / "
                 f"{r['ms_per_token_worst']:.2f} | {r.get('host_ms_per_token', float('nan')):.2f} | "
                 f"{r['setup_s']:.1f} ({r.get('build_s', 0.0):.1f}) | "
                 f"{r['memory_growth_mib']:.0f} | {100 * r['roofline_share']:.1f}% | "
