@@ -1,0 +1,39 @@
+"""benchmarks/decode.py on the CPU, as a smoke run of the script: every mode's row is complete
+(tokens/s, steady-state ms per token from the clock, host time), and the modes agree on the
+tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_decode_benchmark_reports_every_mode(tmp_path: Path) -> None:
+    out = tmp_path / "decode.json"
+    markdown = tmp_path / "decode.md"
+    modes = "eager loop,hf eager,cg,cg K=4,cg until-eos"
+    subprocess.run(
+        [sys.executable, "benchmarks/decode.py", "--model", "llama-tiny", "--batches", "2",
+         "--new", "9", "--reps", "1", "--modes", modes, "--no-isolate", "--dtype", "float32",
+         "--json", str(out), "--markdown", str(markdown)],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["batches"]["2"]
+    assert list(rows) == modes.split(",")
+    for name, row in rows.items():
+        assert row["tokens_per_s"] > 0 and row["host_ms_per_token"] > 0, name
+        assert row["tokens_equal"], f"{name} decoded other tokens than the eager loop"
+    # one launch per token: the intervals between launches give p50 and p99
+    for name in ("eager loop", "hf eager", "cg"):
+        assert 0 < rows[name]["token_ms_p50"] <= rows[name]["token_ms_p99"], name
+    assert rows["cg K=4"]["token_ms_p50"] > 0  # 8 tokens in 2 launches: one interval
+    assert rows["cg until-eos"]["token_ms_p50"] is None  # a request is one launch
+    assert "one launch" in markdown.read_text()
