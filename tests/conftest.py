@@ -92,3 +92,21 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: _NoStream())
     monkeypatch.setattr(capture_module, "capture", capture)
+
+
+@pytest.fixture(autouse=True)
+def cuda_left_usable(request: pytest.FixtureRequest) -> Any:
+    """After each GPU test: CUDA still takes work. A capture left open on any stream (in the
+    global mode every later CUDA call then fails) stops the run here, naming the test, instead
+    of failing every test after it for a reason that is not theirs."""
+    yield
+    if "cuda" not in request.keywords or not torch.cuda.is_available():
+        return
+    try:
+        (torch.ones(1, device="cuda") + 1).sum().item()
+    except Exception as error:  # any failure here means the process is broken
+        pytest.exit(
+            f"{request.node.nodeid} left CUDA unusable ({type(error).__name__}: "
+            f"{str(error).splitlines()[0]}); the tests after it could not run",
+            returncode=1,
+        )
