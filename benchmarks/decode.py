@@ -334,6 +334,9 @@ def rung_child(args: argparse.Namespace, only_largest: bool) -> None:
     print(json.dumps({
         "graph_bytes": decoder.stats.graph_bytes, "graphs": graphs, "setup_s": decoder.stats.setup_s,
         "capture_s": decoder.stats.capture_s,  # per rung: warm-up, capture, instantiation
+        # of which the eager warm-up runs and the recording itself, per rung
+        "graph_warmup_s": {str(k): g.stats.warmup_s for k, g in decoder.graphs.items()},
+        "graph_record_s": {str(k): g.stats.capture_s for k, g in decoder.graphs.items()},
         "recaptures": sum(g.stats.recaptures for g in decoder.graphs.values()), **mix,
     }))  # fmt: skip
 
