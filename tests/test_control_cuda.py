@@ -43,6 +43,39 @@ def test_trip_counts_from_zero_past_the_maximum_are_exact() -> None:
     assert torch.cuda.memory_reserved() == reserved, "the loop's memory is reused, not grown"
 
 
+def test_a_bodys_temporaries_are_the_graphs_memory() -> None:
+    """A body's intermediate tensors come from the graph's pool. Were they taken from the
+    general pool during the capture, that memory would be free again afterwards: eager tensors
+    made then (here filled with NaNs, in the sizes of the body's temporaries) would sit where
+    every replay writes. They stay NaN, and the replays stay exact."""
+    weight = torch.randn(64, 64, device="cuda") / 8
+
+    def mix(x: torch.Tensor, steps: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def more(y: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+            return i < steps
+
+        def step(y: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = torch.tanh(y @ weight) * 0.5  # temporaries of 8 KiB and 512 B
+            return (y + hidden.sum(-1, keepdim=True) / 64).clone(), i + 1
+
+        start = torch.zeros((), dtype=torch.int64, device=x.device)
+        return cg.while_loop(more, step, (x, start), max_iterations=40)
+
+    g = cg.graph(mix, torch.randn(32, 64, device="cuda"), torch.tensor(5, device="cuda"))
+    litter = [torch.full((n, 64), float("nan"), device="cuda") for n in (32, 1) * 64]
+    for trips in (1, 7, 40):
+        x = torch.randn(32, 64, device="cuda")
+        steps = torch.tensor(trips, device="cuda")
+        got = g(x, steps)
+        torch.cuda.synchronize()
+        assert all(bool(scrap.isnan().all()) for scrap in litter), (
+            "a replay wrote over eager memory"
+        )
+        want = mix(x, steps)  # eager: a Python loop
+        torch.testing.assert_close(got[0], want[0])
+        assert int(got[1]) == trips
+
+
 def test_an_rl_rollout_until_done_equals_eager() -> None:
     torch.manual_seed(0)
     example = (torch.zeros(256, device="cuda"), torch.rand(256, device="cuda") + 0.05)
