@@ -53,16 +53,21 @@ def test_greedy_tokens_equal_generate_at_every_rung(llama, steps: int) -> None:
     assert decoder.stats.recaptures == 0
 
 
+def rows_ending_apart(model) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """A batch of 4 prompts, two end-of-sequence ids taken from the free-running output (so
+    rows end at different steps), and generate's 24 new tokens with them."""
+    torch.manual_seed(2)
+    prompt = torch.randint(0, 512, (4, 6))
+    free = generate(model, prompt, 24, min_new_tokens=24)[:, 6:]
+    eos = [int(free[0, 3]), int(free[2, 9])]
+    return prompt, eos, generate(model, prompt, 24, eos_token_id=eos, pad_token_id=0)
+
+
 @pytest.mark.parametrize("steps", [1, 4])
 def test_rows_that_end_at_different_steps_stop_as_generate_does(llama, steps: int) -> None:
     model, _ = llama
     decoder = Decoder(model, max_batch=4, max_length=64, steps_per_graph=steps, check_every=4)
-    torch.manual_seed(2)
-    prompt = torch.randint(0, 512, (4, 6))
-    free = generate(model, prompt, 24, min_new_tokens=24)[:, 6:]
-    # Two end-of-sequence ids taken from the free-running output: rows end at different steps.
-    eos = [int(free[0, 3]), int(free[2, 9])]
-    expected = generate(model, prompt, 24, eos_token_id=eos, pad_token_id=0)
+    prompt, eos, expected = rows_ending_apart(model)
     got = decoder.generate(prompt, max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, expected)
     assert (got[:, 6:] == 0).any(), "some row should have been padded after its end"
@@ -274,11 +279,7 @@ def test_until_eos_decodes_in_one_launch_as_generate_does(llama) -> None:
     rows ending at different steps, padded prompts too; sampling is refused with the reason."""
     model, _ = llama
     decoder = Decoder(model, max_batch=4, max_length=64, until_eos=True)
-    torch.manual_seed(2)
-    prompt = torch.randint(0, 512, (4, 6))
-    free = generate(model, prompt, 24, min_new_tokens=24)[:, 6:]
-    eos = [int(free[0, 3]), int(free[2, 9])]
-    expected = generate(model, prompt, 24, eos_token_id=eos, pad_token_id=0)
+    prompt, eos, expected = rows_ending_apart(model)
     got = decoder.generate(prompt, max_new_tokens=24, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(got, expected)
     assert decoder.stats.replays == {"greedy batch 4": 1}
