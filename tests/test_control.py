@@ -153,3 +153,58 @@ def test_a_body_routes_allocations_once_and_gives_back_what_it_took(monkeypatch)
         active.finish()  # idempotent
     assert active_capture() is None
     assert calls[2:] == [("end", 1, (0, 7)), ("release", 1, (0, 7))]
+
+
+def test_the_capture_names_its_pool_before_it_begins(monkeypatch) -> None:
+    """Code recorded inside a capture finds the capture's pool (a graph's own pool() is unknown
+    until its capture ended), and the capture ends and gives back the body routing even when
+    the function fails."""
+    import contextlib
+
+    from cudagraphs.core import recorder
+    from cudagraphs.core.capturing import active_capture
+
+    events: list[object] = []
+
+    class FakeGraph:
+        def capture_begin(self, pool: object, capture_error_mode: str) -> None:
+            events.append(("begin", pool))
+
+        def capture_end(self) -> None:
+            events.append("end")
+
+        def reset(self) -> None:
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 42))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *_: None)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 0)
+    monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
+    monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None, raising=False)
+    monkeypatch.setattr(recorder, "_recover", lambda *_: None)
+    routing: list[str] = []
+    monkeypatch.setattr(
+        torch._C, "_cuda_endAllocateToPool", lambda *_: routing.append("end"), raising=False
+    )
+    monkeypatch.setattr(
+        torch._C, "_cuda_beginAllocateToPool", lambda *_: routing.append("begin"), raising=False
+    )
+    monkeypatch.setattr(
+        torch._C, "_cuda_releasePool", lambda *_: routing.append("release"), raising=False
+    )
+    stream = type("Stream", (), {"device": torch.device("cuda", 0)})()
+
+    def body_then_fail() -> None:
+        seen = active_capture()
+        assert seen is not None and seen.pool == (0, 42) and seen.device_index == 0
+        seen.route_all_allocations()  # as a loop's body does
+        raise ValueError("the function failed")
+
+    with pytest.raises(cg.CaptureError):
+        recorder.capture(
+            body_then_fail, (), {}, stream=stream, pool=None, capture_error_mode="global"
+        )
+    assert events == [("begin", (0, 42)), "end"]
+    assert routing == ["end", "begin", "end", "release"]
+    assert active_capture() is None
