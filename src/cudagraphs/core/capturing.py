@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +71,7 @@ def active_capture() -> ActiveCapture | None:
 
 
 @contextlib.contextmanager
-def capturing(pool: Any, device_index: int) -> Any:
+def capturing(pool: Any, device_index: int) -> Iterator[ActiveCapture]:
     """Mark a recording into ``pool`` as in progress in this thread for the ``with`` block."""
     active = ActiveCapture(pool, device_index)
     token = _active.set(active)
