@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import functools
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -308,15 +309,23 @@ class Condition:
         # the sync into a Python error before it reaches CUDA, so both captures end cleanly.
         failure: BaseException | None = None
         sync_mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
+        _set_sync_debug_mode("error")
         try:
             with torch.cuda.stream(stream):
                 yield stream
         except BaseException as error:
             failure = error
         finally:
-            torch.cuda.set_sync_debug_mode(sync_mode)
+            _set_sync_debug_mode(sync_mode)
             result = runtime.cudaStreamEndCapture(stream.cuda_stream)
         if failure is not None:
             raise failure
         _check(result, "cudaStreamEndCapture")
+
+
+def _set_sync_debug_mode(mode: int | str) -> None:
+    """``torch.cuda.set_sync_debug_mode`` without its "prototype feature" warning, which would
+    otherwise reach the user on every capture of a loop or branch."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode(mode)
