@@ -97,6 +97,21 @@ def test_one_bad_request_fails_alone_with_the_reason() -> None:
     assert batcher.metrics().errors["InputMismatchError"] == len(bad)
 
 
+def test_plain_arguments_follow_the_frozen_value_rule() -> None:
+    """A plain argument is fixed for a batcher, compared as graphs compare frozen values: the
+    same type and an equal value (1 is not True)."""
+
+    def scaled(x: torch.Tensor, double: bool) -> torch.Tensor:
+        return model(x) * (2 if double else 1)
+
+    with cg.Batcher(scaled, rows(1), True, max_batch=4, max_wait_ms=1) as batcher:
+        x = rows(2)
+        torch.testing.assert_close(batcher.run(x, True, timeout=5), scaled(x, True))
+        for other in (False, 1):
+            with pytest.raises(cg.InputMismatchError, match="fixed for a batcher"):
+                batcher.submit(x, other)
+
+
 def test_a_full_queue_refuses_at_once() -> None:
     gate = Gate()
     batcher = cg.Batcher(gate, rows(1), max_batch=1, max_queue=2, max_wait_ms=0)

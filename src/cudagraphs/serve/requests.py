@@ -17,7 +17,7 @@ from typing import Any
 import optree
 import torch
 
-from ..core.tree import NAMESPACE, leaf_paths
+from ..core.tree import NAMESPACE, leaf_paths, same_value
 from ..errors import ConfigError, InputMismatchError, explain
 
 __all__ = ["RequestSpec", "concatenate", "split", "to_device"]
@@ -110,7 +110,7 @@ class RequestSpec:
                     "give every tensor of one request the same number of rows",
                 )
         for i, path, value in self.plain:
-            if leaves[i] is not value and leaves[i] != value:
+            if not same_value(leaves[i], value):  # the rule graphs freeze values by
                 raise _mismatch(
                     f"{path} is {leaves[i]!r}, but the batcher was built with {value!r}",
                     "plain arguments are fixed for a batcher; build one per value",
