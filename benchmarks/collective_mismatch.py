@@ -23,11 +23,15 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import cudagraphs as cg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from ddp_train import start_ranks
 
 LIMIT_S = 30.0
 
@@ -75,14 +79,8 @@ def main() -> int:
     )
     p.add_argument("--case", choices=("mismatch", "timeout"), default="mismatch")
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank = dist.get_rank()
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    )
-    if cuda:
-        torch.cuda.set_device(device)
+    device = start_ranks("benchmarks/collective_mismatch.py")
+    cuda, rank = device.type == "cuda", dist.get_rank()
     start = time.perf_counter()
     ok, outcome = {"mismatch": mismatch, "timeout": timeout}[args.case](rank, device, cuda)
     seconds = time.perf_counter() - start

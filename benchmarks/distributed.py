@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
@@ -32,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cudagraphs as cg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from ddp_train import BATCH, WIDTH, mlp
+from ddp_train import BATCH, WIDTH, mlp, start_ranks
 
 WARM = 12  # steps before timing: 11 eager DDP steps and the capturing one
 
@@ -159,13 +158,8 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    )
-    if cuda:
-        torch.cuda.set_device(device)
+    device = start_ranks("benchmarks/distributed.py")
+    cuda = device.type == "cuda"
     warnings.filterwarnings("ignore", category=cg.CudaGraphsWarning)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "CPU",
                                "world": dist.get_world_size(), "modes": {}}  # fmt: skip

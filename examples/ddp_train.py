@@ -85,20 +85,26 @@ def train(
     return [p.detach().clone() for p in model.parameters()], per_step
 
 
-def main() -> None:
+def start_ranks(script: str) -> torch.device:
+    """Join the process group (torchrun's, or one rank of its own under plain ``python``) and
+    return this rank's device, made current: NCCL on GPUs, gloo on the CPU."""
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     if "RANK" in os.environ:  # under torchrun
         dist.init_process_group(backend)
     else:  # plain `python`: one rank, no rendezvous to set up
-        print("one rank; for data parallelism: torchrun --nproc-per-node 2 examples/ddp_train.py")
+        print(f"one rank; for several: torchrun --nproc-per-node 2 {script}")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    rank = dist.get_rank()
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    )
-    if cuda:
-        torch.cuda.set_device(device)
+    if not cuda:
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device
+
+
+def main() -> None:
+    device = start_ranks("examples/ddp_train.py")
+    cuda, rank = device.type == "cuda", dist.get_rank()
     worst = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", cg.CudaGraphsWarning)  # CPU: the pass-through
