@@ -11,6 +11,9 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   cg compile K=4/K=16   the same, 4 or 16 steps per launch
   cg until-eos          Decoder(until_eos=True): one launch per request, a loop on the device
   cg compile until-eos  the same over torch.compile'd kernels
+  cg eos-check          per-step graphs that stop at end-of-sequence as a plain loop would: a
+                        look at the device after every token (an id the model never emits, so
+                        every request runs to --new tokens); "cg compile eos-check" likewise
 
 Each mode runs in a fresh process of its own, all batches in it (``--no-isolate``: all modes in
 one process, interleaved; there transformers' compiled ``generate`` and the reduce-overhead loop
@@ -52,7 +55,7 @@ HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 ALL_MODES = (
     "hf eager", "hf static", "eager loop", "reduce-overhead loop",
     "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg until-eos",
-    "cg compile until-eos",
+    "cg compile until-eos", "cg eos-check", "cg compile eos-check",
 )  # fmt: skip
 
 
@@ -166,13 +169,18 @@ def make_mode(
     if name in ("eager loop", "reduce-overhead loop"):
         return Loop(model, batch, length, "reduce-overhead" if "reduce" in name else None, clock)
     steps = int(name.split("K=")[1]) if "K=" in name else 1
+    # eos-check: the host reads the finished flags after every token, which waits for the GPU
+    # each time; the id past the vocabulary is never emitted, so no request ends early.
+    eos_check = "eos-check" in name
     decoder = Decoder(
         model, max_batch=batch, max_length=length, batch_sizes=[batch], steps_per_graph=steps,
-        compile="compile" in name, check_every=1 << 30, until_eos="until-eos" in name,
+        compile="compile" in name, check_every=1 if eos_check else 1 << 30,
+        until_eos="until-eos" in name,
     )  # fmt: skip
     for key, graphed in list(decoder.graphs.items()):
         decoder.graphs[key] = Ticking(graphed, clock, steps)
-    return lambda prompt, new: decoder.generate(prompt, max_new_tokens=new, eos_token_id=None)
+    eos = model.config.vocab_size if eos_check else None
+    return lambda prompt, new: decoder.generate(prompt, max_new_tokens=new, eos_token_id=eos)
 
 
 CUDA = torch.cuda.is_available()

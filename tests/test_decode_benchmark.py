@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_decode_benchmark_reports_every_mode(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
     markdown = tmp_path / "decode.md"
-    modes = "eager loop,hf eager,cg,cg K=4,cg until-eos"
+    modes = "eager loop,hf eager,cg,cg K=4,cg until-eos,cg eos-check"
     subprocess.run(
         [sys.executable, "benchmarks/decode.py", "--model", "llama-tiny", "--batches", "2",
          "--new", "9", "--reps", "1", "--modes", modes, "--no-isolate", "--dtype", "float32",

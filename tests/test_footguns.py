@@ -188,14 +188,18 @@ def test_parameter_moved_in_place_recaptures(how: str) -> None:
         assert g.stats.guard_check == "compiled"
         weight = model[0].weight
         keep = weight.detach().clone()
+        captured_at = weight.data_ptr()
         if how == "set_":
             weight.set_(torch.randn(8, 8, device="cuda"))
         else:
             weight.untyped_storage().resize_(0)  # frees the block, as FSDP does between uses
-            blocker = torch.empty_like(keep)  # takes the freed block: the graph's old address
-            blocker.fill_(float("nan"))
+            # Blocks of this size take the freed one (the graph's old address), whichever free
+            # block of that size the allocator hands out first.
+            blockers = [torch.full_like(keep, float("nan")) for _ in range(64)]
             weight.untyped_storage().resize_(keep.nbytes)
             weight.copy_(keep * 3)
+            assert any(b.data_ptr() == captured_at for b in blockers)
+        assert weight.data_ptr() != captured_at  # what this test is about: the weight moved
         x = torch.randn(2, 8, device="cuda")
         torch.testing.assert_close(g(x), model(x))
     assert g.stats.recaptures == 1
