@@ -395,6 +395,30 @@ def markdown(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def rung_markdown(results: dict[str, Any]) -> list[str]:
+    """The rung-memory run: graph memory of all batch rungs against the largest alone."""
+    every, largest = results["all rungs"], results["largest alone"]
+    mib = 1 << 20
+    return [
+        f"Hardware: {results['hardware']}, torch {results['torch']}, transformers "
+        f"{results['transformers']}; {results['model']} ({results['dtype']}), batch rungs up to "
+        f"{results['max_batch']}, each measurement in a fresh process.",
+        "",
+        "| graphs | graph memory MiB (growth of memory_reserved) | set-up s | recaptures |",
+        "|---|---|---|---|",
+        f"| all {every['graphs']} rungs | {every['graph_bytes'] / mib:.0f} | "
+        f"{every['setup_s']:.2f} | {every['recaptures']} |",
+        f"| the largest alone | {largest['graph_bytes'] / mib:.0f} | "
+        f"{largest['setup_s']:.2f} | {largest['recaptures']} |",
+        "",
+        f"All rungs against the largest alone: {results['ratio']:.2f}x. A request mix of every "
+        f"batch size 1..{results['max_batch']}: {every.get('requests', 0)} requests, "
+        f"{every.get('graphs_after', every['graphs'])} graphs after it (as many as before: no "
+        "capture after set-up).",
+        "",
+    ]
+
+
 def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -491,6 +515,8 @@ def main() -> None:
         return
     path = args.json or RESULTS / f"decode-{args.model}-rungs.json"
     path.write_text(json.dumps(results, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text("\n".join(rung_markdown(results)) + "\n")
 
 
 def save(results: dict[str, Any], path: Path, args: argparse.Namespace) -> None:

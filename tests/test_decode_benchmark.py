@@ -37,3 +37,23 @@ def test_the_decode_benchmark_reports_every_mode(tmp_path: Path) -> None:
     assert rows["cg K=4"]["token_ms_p50"] > 0  # 8 tokens in 2 launches: one interval
     assert rows["cg until-eos"]["token_ms_p50"] is None  # a request is one launch
     assert "one launch" in markdown.read_text()
+
+
+def test_the_rung_memory_table_gives_the_ratio_and_the_request_mix() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("decode_benchmark", ROOT / "benchmarks/decode.py")
+    assert spec is not None and spec.loader is not None
+    decode = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(decode)
+    mib = 1 << 20
+    every = {"graph_bytes": 92 * mib, "graphs": 7, "setup_s": 1.5, "recaptures": 0,
+             "requests": 64, "graphs_after": 7}  # fmt: skip
+    largest = {"graph_bytes": 80 * mib, "graphs": 1, "setup_s": 0.5, "recaptures": 0}
+    results = {"hardware": "H", "torch": "t", "transformers": "x", "model": "llama-2048",
+               "dtype": "bfloat16", "max_batch": 64, "all rungs": every,
+               "largest alone": largest, "ratio": 92 / 80}  # fmt: skip
+    text = "\n".join(decode.rung_markdown(results))
+    assert "| all 7 rungs | 92 | 1.50 | 0 |" in text
+    assert "| the largest alone | 80 | 0.50 | 0 |" in text
+    assert "1.15x" in text and "64 requests, 7 graphs after it" in text
