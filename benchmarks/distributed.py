@@ -31,9 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cudagraphs as cg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from ddp_train import BATCH, WIDTH, mlp, start_ranks
-
-WARM = 12  # steps before timing: 11 eager DDP steps and the capturing one
+from ddp_train import BATCH, WARM, WIDTH, mlp, start_ranks
 
 
 def sync(device: torch.device) -> None:

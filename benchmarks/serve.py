@@ -131,10 +131,12 @@ def client_process(url: str, clients: int, seconds: float, seed: int, out: str) 
     return result
 
 
-def load(pool: Any, url: str, clients: int, seconds: float, reference: Reference) -> dict[str, Any]:
-    """``clients`` concurrent clients spread over the pool's processes for ``seconds``; every
-    answer is then checked against the encoder run here."""
-    processes = min(clients, pool._max_workers)
+def load(
+    pool: Any, workers: int, url: str, clients: int, seconds: float, reference: Reference
+) -> dict[str, Any]:
+    """``clients`` concurrent clients spread over the pool's ``workers`` processes for
+    ``seconds``; every answer is then checked against the encoder run here."""
+    processes = min(clients, workers)
     shares = [clients // processes + (i < clients % processes) for i in range(processes)]
     with tempfile.TemporaryDirectory() as folder:
         outs = [f"{folder}/{i}.pt" for i in range(processes)]
@@ -175,13 +177,17 @@ def batcher_overhead_us(url: str) -> float | None:
     return None
 
 
-def soak(pool: Any, seconds: float, clients: int, reference: Reference) -> dict[str, Any]:
+def soak(
+    pool: Any, workers: int, seconds: float, clients: int, reference: Reference
+) -> dict[str, Any]:
     process, url = start(MODES["graphs+batcher"])
     samples, total = [], {"requests": 0, "errors": 0, "wrong": 0}
     try:
         end = time.time() + seconds
         while time.time() < end:
-            step = load(pool, url, clients, min(5.0, max(0.5, end - time.time())), reference)
+            step = load(
+                pool, workers, url, clients, min(5.0, max(0.5, end - time.time())), reference
+            )
             total["requests"] += step["requests"]
             total["errors"] += step["errors"]
             total["wrong"] += step["wrong"]
@@ -225,7 +231,8 @@ def main() -> None:
             process, url = start(MODES[mode])
             try:
                 levels = [
-                    load(pool, url, int(c), args.seconds, reference) for c in args.loads.split(",")
+                    load(pool, args.client_processes, url, int(c), args.seconds, reference)
+                    for c in args.loads.split(",")
                 ]
                 overhead = batcher_overhead_us(url)
             finally:
@@ -234,7 +241,7 @@ def main() -> None:
             results["modes"][mode] = {"levels": levels, "batcher_overhead_us_per_request": overhead}
             print(mode, json.dumps(levels), flush=True)
         if args.soak:
-            results["soak"] = soak(pool, args.soak, 64, reference)
+            results["soak"] = soak(pool, args.client_processes, args.soak, 64, reference)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
     lines = markdown(results)
     print("\n".join(lines))

@@ -12,7 +12,6 @@ NCCL on GPUs (one per rank); gloo on the CPU, where the graph is the eager pass-
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 
@@ -125,19 +124,10 @@ def _time(fn, x: torch.Tensor, device: torch.device, calls: int = 50) -> float:
 
 
 def main() -> None:
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group(backend)
-    else:  # plain `python`: one rank, no rendezvous to set up
-        print("one rank; for a real split: torchrun --nproc-per-node 2 examples/tensor_parallel.py")
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    from ddp_train import start_ranks  # beside this file: the process group and device set-up
+
+    device = start_ranks("examples/tensor_parallel.py")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    )
-    if cuda:
-        torch.cuda.set_device(device)
     figures = check(rank, world, device)
     if rank == 0:
         print(
