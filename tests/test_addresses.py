@@ -235,6 +235,17 @@ def test_compiled_entry_runs_the_call_and_hands_out_guarded_outputs() -> None:
     def explain(args: tuple) -> None:
         raise cg.InputMismatchError(f"explained {args[0]!r}")
 
+    def kill(cdata: int, message: str) -> None:
+        steps.append("kill")
+        killed.append((cdata, message))
+
+    failing = []
+
+    def replay() -> None:
+        steps.append("replay")
+        if failing:
+            raise RuntimeError("launch failed")
+
     lock = threading.RLock()
     counters = SimpleNamespace(replays=0, copies=0)
     live: list[object] = []
@@ -243,15 +254,23 @@ def test_compiled_entry_runs_the_call_and_hands_out_guarded_outputs() -> None:
         fallback=lambda args, kwargs: ("general", args, kwargs), explain=explain,
         buf=buf, shape=buf.shape, dtype=buf.dtype, device=-1, address=buf.data_ptr(),
         stride=buf.stride(), copy=lambda x: steps.append("copy") or buf.copy_(x),
-        invalidate=None, replay=lambda: steps.append("replay"), emit=None, counters=counters,
-        guarded=(live, lambda cdata, message: killed.append((cdata, message)), "dead",
-                 make_storage, (1, 2), lambda meta, storage: (meta, storage._cdata), "meta"),
+        invalidate=None, replay=replay, emit=None, counters=counters,
+        guarded=(live, kill, "dead", make_storage, (1, 2),
+                 lambda meta, storage: (meta, storage._cdata), "meta"),
     )  # fmt: skip
     assert entry(torch.ones(3)) == ("meta", 0)
     assert entry(buf) == ("meta", 1)  # the buffer itself: no copy
-    assert steps == ["copy", "replay", "storage", "replay", "storage"]
+    # The previous output is marked dead after the launch, before the new one is made.
+    assert steps == ["copy", "replay", "storage", "replay", "kill", "storage"]
     assert killed == [(0, "dead")] and len(live) == 1
     assert (counters.replays, counters.copies) == (2, 1)
+    # A launch that fails still marks the previous output dead and keeps its own error.
+    failing.append(True)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        entry(buf)
+    assert killed[-1] == (1, "dead") and live == [] and counters.replays == 2
+    failing.clear()
+    assert entry(buf) == ("meta", 2)
     assert entry(buf, key=1) == ("general", (buf,), {"key": 1})
     with pytest.raises(cg.InputMismatchError, match="explained"):
         entry(torch.ones(4))

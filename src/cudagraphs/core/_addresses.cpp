@@ -256,16 +256,29 @@ static PyObject* entry_body(EntryObject* self, PyObject* args, PyObject* kwargs)
         copied = 1;
       }
     }
-    if (self->live != nullptr) {
-      if (kill_live(self) < 0) return nullptr;
-    } else if (self->invalidate != Py_None) {
-      PyObject* r = PyObject_CallNoArgs(self->invalidate);
-      if (r == nullptr) return nullptr;
-      Py_DECREF(r);
-    }
+    // The previous outputs are marked dead after the launch (Replayer._replay says why), and
+    // also when the launch failed, keeping its exception.
     PyObject* r = PyObject_CallNoArgs(self->replay);
-    if (r == nullptr) return nullptr;
-    Py_DECREF(r);
+    PyObject *type = nullptr, *value = nullptr, *trace = nullptr;
+    if (r == nullptr) PyErr_Fetch(&type, &value, &trace);
+    Py_XDECREF(r);
+    int killed = 0;
+    if (self->live != nullptr) {
+      killed = kill_live(self);
+    } else if (self->invalidate != Py_None) {
+      PyObject* done = PyObject_CallNoArgs(self->invalidate);
+      killed = done == nullptr ? -1 : 0;
+      Py_XDECREF(done);
+    }
+    if (type != nullptr || value != nullptr) {
+      if (killed < 0) {
+        Py_XDECREF(type); Py_XDECREF(value); Py_XDECREF(trace);
+        return nullptr;  // the marking's own error
+      }
+      PyErr_Restore(type, value, trace);
+      return nullptr;
+    }
+    if (killed < 0) return nullptr;
     if (bump(self->counters, s_replays, 1) < 0 || (copied && bump(self->counters, s_copies, 1) < 0)) {
       return nullptr;
     }

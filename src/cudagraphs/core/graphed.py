@@ -5,7 +5,7 @@
     cg.graph(fn, *examples):  warm-up on the examples (state restored) -> capture -> CAPTURED
     cg.graph(fn) / @cg.graph: LAZY --the first `warmup` calls: real, eager--> capture on the
                               next call, which is answered by its own replay -> CAPTURED
-    CAPTURED --call--> check, copy-in, invalidate, replay, write-back, outputs
+    CAPTURED --call--> check, copy-in, replay, invalidate the previous outputs, write-back, outputs
        |  guard: a tensor read by address moved -> capture again
     no CUDA / CPU inputs / failed capture with fallback="eager" -> EAGER (same checks, runs fn)
 

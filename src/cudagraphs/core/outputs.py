@@ -88,9 +88,9 @@ class _GuardedEmitter:
     """Hands out tensors on throwaway storages over the static output memory.
 
     Each replay builds one non-owning storage per distinct static storage and rebuilds the
-    output tensors on it (keeping offsets, strides and aliasing between outputs). Before the next
-    replay those storages are marked dead: PyTorch then refuses any data access through them,
-    including through views the caller took. This is the mechanism PyTorch's cudagraph trees use.
+    output tensors on it (keeping offsets, strides and aliasing between outputs). When the next
+    replay has been launched, before its call returns, those storages are marked dead: PyTorch
+    then refuses any data access through them, including through views the caller took. This is the mechanism PyTorch's cudagraph trees use.
     """
 
     def __init__(self, leaves: list[Any], spec: optree.PyTreeSpec, tensor_index: list[int]):
@@ -124,7 +124,7 @@ class _GuardedEmitter:
 
         # What a replay calls: partials over precomputed arguments, no method frames (and no
         # reference back to self, so the finalizer above runs as soon as the graph goes).
-        # invalidate marks the latest outputs dead; it runs just before the next replay.
+        # invalidate marks the latest outputs dead; it runs as the next replay is launched.
         self.invalidate: Callable[[], None] = functools.partial(_invalidate, self.live)
         if self.single:  # one output tensor: the per-replay work in two C calls
             (_, _, meta), (storage_args,) = self.plan[0], self.storage_args

@@ -1,4 +1,4 @@
-"""The one replay path: check, copy-in, invalidate, replay, write-back, outputs.
+"""The one replay path: check, copy-in, replay, invalidate the previous outputs, write-back, outputs.
 
 A :class:`Replayer` is one captured graph with its static inputs and outputs. Plain graphs,
 buckets and exact shapes all replay through it: :meth:`Replayer.call` for a call whose
@@ -92,9 +92,7 @@ class Replayer:
         stale output, a value that compares oddly) goes to the slow check, which explains.
         """
         copied = self._copy_in(leaves, args, kwargs)
-        if self.invalidate is not None:
-            self.invalidate()
-        self.graph.replay()
+        self._replay()
         if self.wait is not None:
             self.wait()
         counters = self.counters
@@ -164,9 +162,11 @@ class Replayer:
                     if moved:
                         buf.copy_(x)
                         copied = 1
-                if invalidate is not None:
-                    invalidate()
-                replay()
+                try:
+                    replay()
+                finally:  # after the launch: see _replay
+                    if invalidate is not None:
+                        invalidate()
                 counters.replays += 1
                 counters.copies += copied
                 return emit()
@@ -207,13 +207,25 @@ class Replayer:
 
     def replay_static(self) -> Any:
         """Replay on whatever the static input buffers hold now; return the outputs."""
-        if self.invalidate is not None:
-            self.invalidate()
-        self.graph.replay()
+        self._replay()
         if self.wait is not None:
             self.wait()
         self.counters.replays += 1
         return self.emit()
+
+    def _replay(self) -> None:
+        """Launch the replay, then mark the outputs of the previous one dead.
+
+        Marking them dead is host work; after the launch it overlaps the GPU's work instead of
+        delaying it. Nobody reads them in between: the caller is inside this call, which holds
+        the graph's lock, and any read it queued earlier runs before the replay on the stream.
+        A launch that fails marks them dead too (it may have overwritten them).
+        """
+        try:
+            self.graph.replay()
+        finally:
+            if self.invalidate is not None:
+                self.invalidate()
 
     def release_outputs(self) -> None:
         """Mark the outputs handed out so far dead (before the graph is replaced)."""
