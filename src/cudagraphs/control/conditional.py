@@ -188,7 +188,7 @@ class Condition:
 
     Right::
 
-        node = Condition.while_node(device)
+        node = Condition(device, "while")
         node.set_loop(flag, count, limit, stream)    # before the node: the first test
         with node.body() as stream:                  # the body, recorded into the node
             ...

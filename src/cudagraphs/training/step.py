@@ -192,7 +192,8 @@ def train_step(
     11 eager steps before the capture, as PyTorch requires.
 
     Options: ``warmup`` (eager steps before the capture, default 3), ``outputs``, ``pool``,
-    ``stream``, ``capture_error_mode``, ``on_stale``, ``modules``, as for :func:`cudagraphs.graph`.
+    ``stream``, ``capture_error_mode``, ``on_stale``, ``modules``, ``replay_timeout_s``, as for
+    :func:`cudagraphs.graph`.
 
     Wrong: ``opt.param_groups[0]["lr"] = 0.1`` (replaces the tensor the graph reads: caught,
     and the step is captured again), ``GradScaler`` with a non-fused optimizer (its ``step`` syncs
