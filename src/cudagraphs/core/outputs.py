@@ -90,7 +90,8 @@ class _GuardedEmitter:
     Each replay builds one non-owning storage per distinct static storage and rebuilds the
     output tensors on it (keeping offsets, strides and aliasing between outputs). When the next
     replay has been launched, before its call returns, those storages are marked dead: PyTorch
-    then refuses any data access through them, including through views the caller took. This is the mechanism PyTorch's cudagraph trees use.
+    then refuses any data access through them, including through views the caller took. This
+    is the mechanism PyTorch's cudagraph trees use.
     """
 
     def __init__(self, leaves: list[Any], spec: optree.PyTreeSpec, tensor_index: list[int]):

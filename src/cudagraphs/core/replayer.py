@@ -217,8 +217,9 @@ class Replayer:
         """Launch the replay, then mark the outputs of the previous one dead.
 
         Marking them dead is host work; after the launch it overlaps the GPU's work instead of
-        delaying it. Nobody reads them in between: the caller is inside this call, which holds
-        the graph's lock, and any read it queued earlier runs before the replay on the stream.
+        delaying it. The calling thread is inside this call, and a read it queued earlier runs
+        before the replay on the stream. Another thread reading an output without the graph's
+        lock races with this replay in either order; holding the lock is what protects it.
         A launch that fails marks them dead too (it may have overwritten them).
         """
         try:
