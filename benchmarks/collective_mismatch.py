@@ -85,7 +85,10 @@ def main() -> int:
     ok, outcome = {"mismatch": mismatch, "timeout": timeout}[args.case](rank, device, cuda)
     seconds = time.perf_counter() - start
     ok = ok and seconds < LIMIT_S
-    print(f"rank {rank}: {args.case}: {outcome} after {seconds:.1f} s", flush=True)
+    # One write with its newline: both ranks share the terminal, and print's separate write of
+    # the newline let the other rank's line land in the middle of this one.
+    sys.stdout.write(f"rank {rank}: {args.case}: {outcome} after {seconds:.1f} s\n")
+    sys.stdout.flush()
     if cuda:
         os._exit(0 if ok else 1)  # an NCCL kernel may still wait: do not tear down the group
     dist.destroy_process_group()
