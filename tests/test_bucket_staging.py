@@ -54,3 +54,14 @@ def test_two_symbol_buckets_in_any_order_equal_eager(
     for b, t in shapes:
         x, mask = torch.randn(b, t), (torch.rand(b, t) > 0.3).float()
         torch.testing.assert_close(g(x, mask), masked_sums(x, mask))
+
+
+def test_a_call_at_an_exact_rung_leaves_later_smaller_calls_padded(stand_in: None) -> None:
+    # 5 rows (rung 8: rows 5..8 padded), then 8 (an exact rung, replayed through the bucket's
+    # own call path, which writes all 8 rows), then 6: rows 6..8 held the 8-row call's data and
+    # must be pad again.
+    g = cg.graph(column_sums, torch.randn(8, 5), buckets={"B": [4, 8]}, outputs="clone")
+    for n in (5, 8, 6, 3, 4, 8, 1, 7):
+        x = torch.randn(n, 5)
+        torch.testing.assert_close(g(x), column_sums(x))
+    assert g.stats.hits == {(4,): 3, (8,): 5}

@@ -128,6 +128,9 @@ class Bucketed:
             for inp in self.inputs
         )
         self._rungs0 = self.dispatch.tables[self.symbols[0]]
+        # One input bucketed along its rows: a call at an exact rung needs no padding and no
+        # slicing, so the bucket's own one-call replay path (in C where built) does it all.
+        self._whole_rung = self._fast and len(self._shared) == 1 and self._shared[0].rows_only
         if not buckets.lazy:
             self._capture_all()
 
@@ -255,8 +258,13 @@ class Bucketed:
         bucket = self._buckets.get((rung,))
         if bucket is None or not bucket.fast:
             return _SLOW  # not captured yet, or it writes its inputs: the full path sees to it
-        bucket.graphed.refresh()  # a guarded tensor moved: captured again on the same views
         self._fast_counts[n] += 1
+        if n == rung and self._whole_rung:
+            # The bucket's call checks its guard (capturing again on the same views), the input,
+            # copies it into the view, replays and hands out the outputs, as below.
+            self._shared[0].rows_written(rung)
+            return bucket.graphed(*args)
+        bucket.graphed.refresh()  # a guarded tensor moved: captured again on the same views
         for shared, x, view in zip(self._shared, args, bucket.views):
             shared.stage_box(x, view, (n,), bucket.combo)
         out = bucket.graphed.replay_static()

@@ -83,6 +83,10 @@ class SharedInput:
             box = box.narrow(d, 0, n)
         self.owner, self.clean = owner, sizes
 
+    def rows_written(self, rung: int) -> None:
+        """Batch case: a call is copying all ``rung`` rows of the bucket's view itself."""
+        self.dirty_rows = max(self.dirty_rows, rung)
+
     def written_by_function(self, rung_rows: int) -> None:
         """The function wrote into its static input: anywhere in the view may hold data."""
         self.dirty_rows = max(self.dirty_rows, rung_rows)
