@@ -76,11 +76,20 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
         return capture_module.Recording(StandInGraph(fn, args, kwargs, output), output, 0.0, 0)  # type: ignore[arg-type]
 
     def warm_up(
-        fn: Any, args: Any, kwargs: Any, n: int, stream: Any, *, checked: Any = None
+        fn: Any,
+        args: Any,
+        kwargs: Any,
+        n: int,
+        stream: Any,
+        *,
+        checked: Any = None,
+        after_each: Any = None,
     ) -> float:
         with checked() if checked is not None else contextlib.nullcontext():
             for _ in range(n):
                 fn(*args, **kwargs)
+                if after_each is not None:
+                    after_each()
         return 0.0
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cudagraphs as cg
 from cudagraphs.core import addresses
 from cudagraphs.core.addresses import AddressCheck
 
@@ -211,69 +210,3 @@ def test_compiled_unchanged_rejects_bad_arguments() -> None:
         module.unchanged((), b"", (object(),), (), bytearray(8), bytearray(8))
     # An owner without a `training` attribute: not an error, just "look closer".
     assert module.unchanged((), b"", (object(),), (True,), bytearray(8), bytearray(8)) is False
-
-
-def test_compiled_entry_runs_the_call_and_hands_out_guarded_outputs() -> None:
-    # The C call path with stand-ins for the graph and for torch's storage functions: the
-    # order of steps, the counters, the guarded outputs' invalidation, and the lock released
-    # whatever happens.
-    import threading
-    from types import SimpleNamespace
-
-    module = addresses.compiled_module()
-    if module is None:
-        pytest.skip(f"no compiled check here: {addresses._failure}")
-    buf = torch.zeros(3)
-    steps: list[str] = []
-    killed: list[tuple[int, str]] = []
-    made = iter(range(100))
-
-    def make_storage(*args: object) -> SimpleNamespace:
-        steps.append("storage")
-        return SimpleNamespace(_cdata=next(made))
-
-    def explain(args: tuple) -> None:
-        raise cg.InputMismatchError(f"explained {args[0]!r}")
-
-    def kill(cdata: int, message: str) -> None:
-        steps.append("kill")
-        killed.append((cdata, message))
-
-    failing = []
-
-    def replay() -> None:
-        steps.append("replay")
-        if failing:
-            raise RuntimeError("launch failed")
-
-    lock = threading.RLock()
-    counters = SimpleNamespace(replays=0, copies=0)
-    live: list[object] = []
-    entry = module.Entry(
-        acquire=lock.acquire, release=lock.release, unchanged=None,
-        fallback=lambda args, kwargs: ("general", args, kwargs), explain=explain,
-        buf=buf, shape=buf.shape, dtype=buf.dtype, device=-1, address=buf.data_ptr(),
-        stride=buf.stride(), copy=lambda x: steps.append("copy") or buf.copy_(x),
-        invalidate=None, replay=replay, emit=None, counters=counters,
-        guarded=(live, kill, "dead", make_storage, (1, 2),
-                 lambda meta, storage: (meta, storage._cdata), "meta"),
-    )  # fmt: skip
-    assert entry(torch.ones(3)) == ("meta", 0)
-    assert entry(buf) == ("meta", 1)  # the buffer itself: no copy
-    # The previous output is marked dead after the launch, before the new one is made.
-    assert steps == ["copy", "replay", "storage", "replay", "kill", "storage"]
-    assert killed == [(0, "dead")] and len(live) == 1
-    assert (counters.replays, counters.copies) == (2, 1)
-    # A launch that fails still marks the previous output dead and keeps its own error.
-    failing.append(True)
-    with pytest.raises(RuntimeError, match="launch failed"):
-        entry(buf)
-    assert killed[-1] == (1, "dead") and live == [] and counters.replays == 2
-    failing.clear()
-    assert entry(buf) == ("meta", 2)
-    assert entry(buf, key=1) == ("general", (buf,), {"key": 1})
-    with pytest.raises(cg.InputMismatchError, match="explained"):
-        entry(torch.ones(4))
-    assert lock.acquire(blocking=False)  # released after the error (re-entrant: ours now)
-    lock.release()
-    assert not lock._is_owned()  # type: ignore[attr-defined]

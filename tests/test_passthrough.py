@@ -20,12 +20,32 @@ def test_cpu_inputs_run_eagerly_with_one_warning() -> None:
         g = cg.graph(model, torch.randn(128, 256))
     assert len(record) == 1
     assert g.state is cg.State.EAGER and g.fallback_reason
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("error")  # no further warnings on calls
         for _ in range(3):
             x = torch.randn(128, 256)
             torch.testing.assert_close(g(x), model(x))
     assert g.stats.eager_calls == 3 and g.stats.replays == 0 and g.stats.calls == 3
+
+
+def test_a_call_that_needs_gradients_raises_on_cpu_as_on_a_gpu() -> None:
+    """Grad mode on and a parameter that requires grad: eager's output would carry a
+    gradient path, a replay's would not; the pass-through refuses as the graph does."""
+    model = torch.nn.Linear(8, 4)
+    with pytest.warns(cg.CudaGraphsWarning):
+        g = cg.graph(model, torch.randn(2, 8))
+    with pytest.raises(cg.GradientsNotRecordedError, match=r"cg\.graph_autograd"):
+        g(torch.randn(2, 8))
+    with torch.no_grad():
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(g(x), model(x))
+    frozen = torch.nn.Linear(8, 4).requires_grad_(False)
+    with pytest.warns(cg.CudaGraphsWarning):
+        h = cg.graph(frozen, torch.randn(2, 8))
+    with pytest.raises(cg.GradientsNotRecordedError, match=r"shape \(2, 8\) requires grad"):
+        h(torch.randn(2, 8, requires_grad=True))  # an input that requires grad
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(h(x), frozen(x))  # nothing requires grad: eager's answer
 
 
 def test_passthrough_keeps_the_signature_checks() -> None:

@@ -9,7 +9,6 @@ into the static outputs, which is what a CUDA graph does, so that path runs in C
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -19,8 +18,6 @@ import torch
 from torch import nn
 
 import cudagraphs as cg
-from cudagraphs.core import addresses
-from cudagraphs.core import replayer as replayer_module
 from cudagraphs.core.replayer import Counters, Replayer
 from cudagraphs.core.tree import Signature
 
@@ -193,10 +190,9 @@ def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
     assert grads_at_capture == [True] * 4  # every capture started from gradients set to None
 
 
-def test_one_frame_entry_falls_back_for_keywords_and_moved_tensors(stand_in: None) -> None:
-    # A one-tensor graph is called through one closure; a keyword call and a parameter that
-    # changed under the guard take the general path (which explains the keyword, and
-    # recaptures after the switch to training mode).
+def test_keywords_and_a_mode_switch_take_the_general_path(stand_in: None) -> None:
+    # A keyword call and a module switched to training mode under the guard take the general
+    # path (which explains the keyword, and recaptures after the switch).
     import gc
     import inspect
     import weakref
@@ -208,20 +204,17 @@ def test_one_frame_entry_falls_back_for_keywords_and_moved_tensors(stand_in: Non
 
     with torch.no_grad():
         g = cg.graph(fn, torch.randn(2, 4), outputs="alias", modules=[model])
-        assert "_entry" in vars(g), "a one-tensor graph should have its one-frame entry"
-        if addresses.compiled_module() is not None:  # built at install: the call path in C
-            assert type(vars(g)["_entry"]).__name__ == "Entry"
         x = torch.randn(2, 4)
         with pytest.raises(cg.InputMismatchError, match=r"unexpected kwargs\['x'\]"):
             g(x=x)
         model.train()
         torch.testing.assert_close(g(x), model(x))
-        assert g.stats.recaptures == 1 and "_entry" in vars(g)
+        assert g.stats.recaptures == 1
         with pytest.raises(cg.InputMismatchError):
             g(x, x)
     assert list(inspect.signature(g).parameters) == ["x"] and callable(g)
     gc.disable()
-    try:  # the entry refers back to the graph only weakly: dropping it frees it at once
+    try:  # nothing refers back to the graph: dropping it frees it at once
         alive = weakref.ref(g)
         del g
         assert alive() is None
@@ -229,8 +222,8 @@ def test_one_frame_entry_falls_back_for_keywords_and_moved_tensors(stand_in: Non
         gc.enable()
 
 
-# The order of a replay's steps, on the three Python paths, with a stand-in graph: the
-# previous outputs are marked dead after the launch, also when it fails.
+# The order of a replay's steps, on both ways into the one replay path, with a stand-in graph:
+# the previous outputs are marked dead after the launch, also when it fails.
 def stand_in_replayer(steps: list[str], failing: list[bool]) -> tuple[Replayer, torch.Tensor]:
     def replay() -> None:
         steps.append("replay")
@@ -254,17 +247,10 @@ def static(replayer: Replayer, x: torch.Tensor) -> Any:
     return replayer.replay_static()
 
 
-def fast(replayer: Replayer, x: torch.Tensor) -> Any:
-    call = replayer.entry(threading.RLock(), None, lambda args, kwargs: "general")
-    assert call is not None
-    return call(x)
-
-
-@pytest.mark.parametrize("path", [general, static, fast], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("path", [general, static], ids=lambda f: f.__name__)
 def test_the_previous_outputs_are_marked_dead_after_the_launch(
-    path: Callable[[Replayer, torch.Tensor], Any], monkeypatch: pytest.MonkeyPatch
+    path: Callable[[Replayer, torch.Tensor], Any],
 ) -> None:
-    monkeypatch.setattr(replayer_module, "compiled_module", lambda: None)  # the Python path
     steps: list[str] = []
     failing: list[bool] = []
     replayer, x = stand_in_replayer(steps, failing)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,8 +18,9 @@ from torch._dynamo.testing import CompileCounter
 
 import cudagraphs as cg
 from cudagraphs.core.guards import AddressGuard, hooks_installed
+from cudagraphs.core.reach import reachable_tensors
 from cudagraphs.core.side_effects import SideEffects
-from cudagraphs.core.state import Snapshot, WriteRecorder, reachable_tensors
+from cudagraphs.core.state import Snapshot, WriteRecorder
 
 
 class ToyCache:
@@ -34,6 +36,13 @@ class ToyCache:
         self.keys.index_copy_(1, position, k.unsqueeze(1))
         self.cumulative_length.add_(1)
         return self.keys
+
+
+@pytest.fixture(autouse=True)
+def _inference() -> Iterator[None]:
+    """Every graph here is an inference graph: a replay records no gradients."""
+    with torch.no_grad():
+        yield
 
 
 def make_decode(batch: int = 2, length: int = 16, width: int = 8):  # type: ignore[no-untyped-def]

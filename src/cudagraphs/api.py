@@ -106,6 +106,12 @@ def graph(
             seconds, then raise :class:`ReplayTimeoutError` naming the graph (for graphs with
             collectives: a rank whose peers never replay errors instead of hanging). Costs the
             overlap of host and GPU; ``None`` (default): no wait.
+        harmless_state: names of plain Python attributes (``"calls"``, or a full path such as
+            ``"Model.calls"``) that ``fn`` may change from run to run without changing what
+            the GPU does (a logging counter). Any other plain value (int, float, bool, str,
+            enum, tuple of these) held by an object ``fn`` reaches that changes between
+            warm-up runs raises :class:`FrozenStateError` at capture, since every replay would
+            repeat the one recorded run's branch or constant.
         buckets: capture one graph per bucket of input sizes (:class:`cudagraphs.Buckets`, or
             the shorthand ``{"B": [1, 2, 4, 8]}`` for dimension 0 of every tensor input), or
             ``"exact"``: one graph per exact shape seen, at most ``max_graphs``, LRU evicted.
@@ -114,6 +120,17 @@ def graph(
     Raises:
         CaptureError: capture failed (host sync, CPU tensor, ...), with the user's line.
         ConfigError: an option is invalid, or the inputs mix CPU and CUDA tensors.
+        FrozenStateError: ``fn`` changes plain Python state from one run to the next.
+        ModeMismatchError: a call runs under other modes (autocast, grad or inference mode,
+            TF32, default dtype) than the capture did; capture one graph per mode.
+        GradientsNotRecordedError: a call (or the capture) runs with grad mode on while an
+            input or parameter requires grad: a replay records no autograd history. Call
+            under ``torch.no_grad()``, or use ``cg.graph_autograd`` / ``cg.train_step``.
+
+    Threads: calls are serialized by ``g.lock``. With the default outputs, once a second thread
+    calls the graph every output is a copy made under the lock (one warning says so), so no
+    thread ever reads another call's result; ``outputs="alias"`` with ``with g.lock:`` around
+    each call and its reads is the zero-copy form.
 
     Without CUDA, or when every tensor input is on the CPU, returns a pass-through that runs
     ``fn`` eagerly behind the same signature checks, after one :class:`CudaGraphsWarning`.

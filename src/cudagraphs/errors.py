@@ -16,6 +16,10 @@ __all__ = [
     "ConditionalNodesUnavailable",
     "ConfigError",
     "CudaGraphsError",
+    "FrozenStateError",
+    "GradientsNotRecordedError",
+    "ModeMismatchError",
+    "RandomInLoopError",
     "CudaGraphsWarning",
     "InputMismatchError",
     "Overloaded",
@@ -66,6 +70,40 @@ class CaptureError(CudaGraphsError):
         self.location = location
         #: ``cg.doctor``'s findings for the function, filled in when capture fails.
         self.findings: list[Any] = []
+
+
+class ModeMismatchError(CudaGraphsError):
+    """A call runs under other modes than the capture (autocast and its dtype, grad or
+    inference mode, TF32, the default dtype): the recording holds the kernels those modes chose,
+    so a replay would not give eager's answer. Call under the capture's modes, or capture one
+    graph per mode."""
+
+
+class GradientsNotRecordedError(ModeMismatchError):
+    """A call needs gradients (grad mode on and an input or parameter requires grad), but a
+    graph replay records no autograd history. Call under ``torch.no_grad()`` for inference, or
+    use ``cg.graph_autograd`` / ``cg.train_step`` for training."""
+
+
+class FrozenStateError(CudaGraphsError):
+    """The function changes a plain Python value (an int, float, bool, str, enum or a tuple of
+    these, held by a module, a cache or another object it reaches) from one run to the next.
+
+    A recording runs the Python code once, so every later replay would repeat the branch and
+    the constants of that one run. ``names`` lists what changed (``object.attribute``). Declare
+    a harmless one (a logging counter) with ``harmless_state=("attribute",)``.
+    """
+
+    def __init__(self, message: str, *, names: list[str] | None = None):
+        super().__init__(message)
+        self.names = names or []
+
+
+class RandomInLoopError(CudaGraphsError):
+    """A body of ``cg.while_loop`` (or a branch of ``cg.cond`` inside one) draws random numbers:
+    a recorded body replays the draws of its one recording on every iteration, so each
+    iteration would repeat the same noise. Draw the noise before the loop and pass it in the
+    loop state."""
 
 
 class ConditionalNodesUnavailable(CudaGraphsError):

@@ -55,6 +55,7 @@ class Options:
     verify: int = 0
     side_effects: str = "restore"
     replay_timeout_s: float | None = None
+    harmless_state: Sequence[str] = ()
 
     def __post_init__(self) -> None:
         warmup = self.warmup
@@ -103,6 +104,21 @@ class Options:
                 )
             )
         object.__setattr__(self, "pool", _pool(self.pool))
+        harmless = self.harmless_state
+        if isinstance(harmless, str):
+            harmless = (harmless,)
+        if not isinstance(harmless, (tuple, list)) or not all(
+            isinstance(h, str) and h for h in harmless
+        ):
+            raise ConfigError(
+                explain(
+                    f"harmless_state must be a tuple of attribute names, got {harmless!r}",
+                    "it names plain Python values the function may change from run to run "
+                    "without changing what the GPU does (a logging counter)",
+                    "pass harmless_state=('calls',) or harmless_state=('Model.calls',)",
+                )
+            )
+        object.__setattr__(self, "harmless_state", tuple(harmless))
         timeout = self.replay_timeout_s
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
@@ -154,6 +170,7 @@ class OptionKwargs(TypedDict, total=False):
     verify: bool | int
     side_effects: Literal["restore", "keep", "raise"]
     replay_timeout_s: float | None
+    harmless_state: Sequence[str]
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Options))

@@ -3,17 +3,14 @@
 The address guard runs this before every replay, so its cost is paid per call. Three ways, the
 fastest that works is used:
 
-1. ``compiled``: a 40-line C++ loop (``_addresses.cpp``), built when the package is installed
-   (an optional extension: installing without a compiler still works). It includes ``Python.h``
-   only and reads each address through the function pointer that PyTorch exports for
-   Inductor's C++ wrapper (``torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr``),
-   so no Python objects are made per tensor: a few ns per tensor.
-2. ``torch helper``: ``torch._C._tensors_data_ptrs_at_indices_equal`` (CUDA builds), which
-   cudagraph trees use; pybind11 converts every element, about 80 ns per tensor on a slow host.
+1. ``compiled``: a small C++ extension (``_addresses.cpp``, about 110 lines), built when the
+   package is installed (optional: installing without a compiler still works). It includes
+   ``Python.h`` only and reads each address through the function pointer that PyTorch exports
+   for Inductor's C++ wrapper (``compat.tensor_address_reader``), so no Python objects are made
+   per tensor: a few ns per tensor.
+2. ``torch helper``: the helper cudagraph trees use (``compat.tensors_at_addresses``, CUDA
+   builds); pybind11 converts every element, about 80 ns per tensor on a slow host.
 3. ``python loop``: ``t.data_ptr()`` per tensor, about 110 ns per tensor.
-
-The same extension holds ``Entry``, the one-tensor call of a captured graph in C (built by
-``replayer.py``, which falls back to a Python closure without it).
 
 Nothing is compiled or loaded at run time from anywhere but the installed package: a library
 loaded from a shared temporary folder could be planted there by another user.
@@ -30,6 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from . import compat
 
 __all__ = ["AddressCheck", "compiled_module"]
 
@@ -49,8 +48,8 @@ def compiled_module() -> Any:
     try:
         if os.environ.get("CUDAGRAPHS_NO_COMPILE"):
             raise ImportError("CUDAGRAPHS_NO_COMPILE is set")
-        reader = getattr(torch._C._dynamo.guards, _READER, None)
-        if not isinstance(reader, int):
+        reader = compat.tensor_address_reader()
+        if reader is None:
             raise ImportError(f"this PyTorch does not export {_READER}")
         from . import _addresses  # type: ignore[attr-defined]
 
@@ -93,10 +92,8 @@ class AddressCheck:
             packed = array.array("Q", self.ptrs).tobytes()
             self.unchanged = functools.partial(module.same, self.tensors, packed)
             self.backend = "compiled"
-        elif hasattr(torch._C, "_tensors_data_ptrs_at_indices_equal"):
-            equal = torch._C._tensors_data_ptrs_at_indices_equal
-            indices = list(range(len(self.tensors)))
-            self.unchanged = functools.partial(equal, list(self.tensors), self.ptrs, indices)
+        elif (helper := compat.tensors_at_addresses(self.tensors, self.ptrs)) is not None:
+            self.unchanged = helper
             self.backend = "torch helper"
         else:
             self.unchanged = lambda: [t.data_ptr() for t in self.tensors] == self.ptrs

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from . import compat
 
 __all__ = ["ActiveCapture", "active_capture"]
 
@@ -41,10 +41,9 @@ class ActiveCapture:
         """
         if self.routes_everything:
             return
-        c = torch._C
-        c._cuda_endAllocateToPool(self.device_index, self.pool)
+        compat.end_allocate_to_pool(self.device_index, self.pool)
         # Takes a reference on the pool, given back by finish() once the capture has ended.
-        c._cuda_beginAllocateToPool(self.device_index, self.pool)
+        compat.begin_allocate_to_pool(self.device_index, self.pool)
         self.routes_everything = True
 
     def finish(self) -> None:
@@ -52,11 +51,10 @@ class ActiveCapture:
         :meth:`route_all_allocations` took, so the pool lives exactly as long as the graph."""
         if not self.routes_everything:
             return
-        c = torch._C
         # capture_end removes the routing unless it failed before reaching that point.
         with contextlib.suppress(RuntimeError):
-            c._cuda_endAllocateToPool(self.device_index, self.pool)
-        c._cuda_releasePool(self.device_index, self.pool)
+            compat.end_allocate_to_pool(self.device_index, self.pool)
+        compat.release_pool(self.device_index, self.pool)
         self.routes_everything = False
 
 

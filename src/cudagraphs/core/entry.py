@@ -1,24 +1,19 @@
-"""How a call of a graphed function reaches its replay: one frame, or the general path.
+"""How a call of a graphed function reaches its replay.
 
-A captured graph of one positional tensor (the common case) is called through one closure
-built by its :class:`~cudagraphs.core.replayer.Replayer`: lock, address guard, input check,
-copy, replay and outputs in a single Python frame. ``__call__`` is a property whose getter is
-C (``operator.attrgetter``), so not even a method frame stands between the caller and that
-closure; on a small graph, whose replay takes tens of microseconds, one frame is measurable.
-Every other call (other signatures, keyword arguments, a moved tensor, before capture, eager)
-takes :meth:`Entry._entry`, the general path, which the graph class completes.
+Under the graph's lock: the address guard (a moved tensor captures again or raises), then the
+captured graph's :meth:`~cudagraphs.core.replayer.Replayer.call`, the one replay path, for a
+call of positional leaves (no flattening), or the general path, which the graph class completes
+(other signatures, keyword arguments, before capture, eager). A call that finds outputs of an
+earlier call still held by another thread is answered eagerly (``replayer.OutputsInUse``).
 """
 
 from __future__ import annotations
 
-import functools
-import operator
 import threading
-import weakref
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .guards import AddressGuard
-from .replayer import Replayer
+from .replayer import OutputsInUse, Replayer
 
 __all__ = ["Entry"]
 
@@ -26,35 +21,32 @@ R = TypeVar("R")
 
 
 class Entry(Generic[R]):
-    """The call path of a graphed callable; subclasses provide ``lock``, ``_on_stale`` and
-    ``_call_general``."""
+    """The call path of a graphed callable; subclasses provide ``_on_stale``,
+    ``_call_general`` and ``answer_eagerly``."""
 
     lock: threading.RLock
-    _replayer: Replayer | None
-    _guard: AddressGuard | None
+    #: The current recording and its replay path (``None`` before capture or when eager).
+    replayer: Replayer | None = None
+    #: The address guard checked before each replay (``None``: nothing read by address).
+    guard: AddressGuard | None = None
 
-    if TYPE_CHECKING:
-
-        def __call__(self, *args: Any, **kwargs: Any) -> R: ...
-
-    else:
-        __call__ = property(operator.attrgetter("_entry"))  # see the module doc
-
-    def _entry(self, *args: Any, **kwargs: Any) -> R:
-        """The general call: any signature, any state."""
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
         with self.lock:
-            guard = self._guard
-            if guard is not None and (reason := guard.stale()) is not None:
-                self._on_stale(reason)
-            replayer = self._replayer
-            if (
-                replayer is not None
-                and replayer.flat
-                and len(args) == replayer.n_args
-                and not kwargs
-            ):
-                return replayer.call(args, args, {})  # positional leaves: no flattening
-            return self._call_general(args, kwargs)
+            try:
+                guard = self.guard
+                if guard is not None and (reason := guard.stale()) is not None:
+                    self._on_stale(reason)
+                replayer = self.replayer
+                if (
+                    replayer is not None
+                    and replayer.flat
+                    and len(args) == replayer.n_args
+                    and not kwargs
+                ):
+                    return replayer.call(args, args, {})  # positional leaves: no flattening
+                return self._call_general(args, kwargs)
+            except OutputsInUse:
+                return self.answer_eagerly(args, kwargs)
 
     def _on_stale(self, reason: str) -> None:
         raise NotImplementedError
@@ -62,47 +54,5 @@ class Entry(Generic[R]):
     def _call_general(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
         raise NotImplementedError
 
-    @property
-    def replayer(self) -> Replayer | None:
-        """The current recording and its replay path (``None`` before capture or when eager)."""
-        return self._replayer
-
-    @replayer.setter
-    def replayer(self, replayer: Replayer | None) -> None:
-        self._replayer = replayer
-        self._rebuild_entry()
-
-    @property
-    def guard(self) -> AddressGuard | None:
-        """The address guard checked before each replay (``None``: nothing read by address)."""
-        return self._guard
-
-    @guard.setter
-    def guard(self, guard: AddressGuard | None) -> None:
-        self._guard = guard
-        self._rebuild_entry()
-
-    def _rebuild_entry(self) -> None:
-        """Point ``__call__`` at the replayer's one-frame closure where it has one, else at the
-        general method. The closure reaches back to this object only weakly (no cycle: a
-        dropped graph frees its memory at once)."""
-        self.__dict__.pop("_entry", None)
-        replayer, guard = self.__dict__.get("_replayer"), self.__dict__.get("_guard")
-        if replayer is None:
-            return
-        entry = replayer.entry(
-            self.lock,
-            guard.check if guard is not None else None,
-            functools.partial(_general_call, weakref.ref(self)),
-        )
-        if entry is not None:
-            self._entry = entry  # type: ignore[method-assign]
-
-
-def _general_call(
-    target: weakref.ref[Entry[Any]], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """The one-frame closure's way back to the general path (its caller holds the graph)."""
-    graphed = target()
-    assert graphed is not None
-    return Entry._entry(graphed, *args, **kwargs)
+    def answer_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        raise NotImplementedError

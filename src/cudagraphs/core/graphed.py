@@ -20,7 +20,6 @@ needs is precomputed at capture, and positional-only calls skip pytree flattenin
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import threading
 import warnings
@@ -39,10 +38,11 @@ from ..errors import (
     explain,
 )
 from ..options import Options
-from . import collectives, diagnostics, recorder, side_effects
+from . import diagnostics, recorder, runs
 from .entry import Entry
 from .frames import callable_name, user_stacklevel
-from .guards import AddressGuard
+from .guards import AddressGuard, closure_tensors, modules_of
+from .modes import Modes, needs_gradients, refuse_gradients
 from .outputs import detach_outputs
 from .replayer import Counters, Replayer
 from .stats import Costs, Stats, snapshot
@@ -52,8 +52,6 @@ __all__ = ["Graphed", "State"]
 
 log = logging.getLogger("cudagraphs")
 R = TypeVar("R")
-
-_capture_lock = threading.RLock()  # one capture at a time per process: captures share streams
 
 
 class State(enum.Enum):
@@ -77,9 +75,9 @@ class Graphed(Entry[R]):
       replay repeats those writes; warm-up's were put back)
     """
 
-    # A training step returns its loss with grad history; a replay records none, so the
-    # detach is expected there (TrainStep turns the warning off).
-    warn_grad_outputs = True
+    # A training step runs its own backward inside the recording and returns its loss with
+    # grad history; a replay records none, so the detach is expected there (TrainStep sets it).
+    records_gradients = False
 
     def __init__(self, fn: Callable[..., R], options: Options):
         self.fn = fn
@@ -90,8 +88,9 @@ class Graphed(Entry[R]):
         self.inputs: tuple[Any, ...] = ()
         self.input_kwargs: dict[str, Any] = {}
         self.signature: Signature | None = None
-        self._replayer: Replayer | None = None  # set through Entry's properties
-        self._guard: AddressGuard | None = None
+        self.replayer: Replayer | None = None
+        self.guard: AddressGuard | None = None
+        self._grad_sources: list[torch.Tensor] | None = None  # see gradient_sources()
         self.mutated_inputs: tuple[int, ...] = ()  # leaf indices the function writes in place
         self.state_writes: list[str] = []
         self.device: torch.device | None = None
@@ -110,11 +109,44 @@ class Graphed(Entry[R]):
         """The captured ``torch.cuda.CUDAGraph`` (``None`` before capture or when eager)."""
         return self.replayer.graph if self.replayer is not None else None
 
+    def enter_replay(self, leaves: list[Any]) -> None:
+        """Before a layer above (buckets) writes the static inputs: the checks every replay
+        makes first (modes, gradients, thread; ``replayer.OutputsInUse`` means: answer this
+        call eagerly). Then :meth:`replay_static`. Hold ``lock`` around all of it."""
+        self.replayer.enter(leaves)  # type: ignore[union-attr]
+
     def replay_static(self) -> R:
         """Replay on whatever the static input buffers hold now, and return the outputs: for
         layers above (buckets) that checked and copied their inputs themselves and called
-        :meth:`refresh` first. Hold ``lock`` around both."""
+        :meth:`refresh` and :meth:`enter_replay` first. Hold ``lock`` around all of it."""
         return self.replayer.replay_static()  # type: ignore[union-attr]
+
+    def gradient_sources(self) -> list[torch.Tensor]:
+        """The tensors besides the inputs that give eager's outputs a gradient path when they
+        require grad: the parameters of the modules ``fn`` uses and its closure tensors."""
+        if self._grad_sources is None:
+            sources = [p for m in modules_of(self.fn, self.options.modules) for p in m.parameters()]
+            sources += [t for _, _, t in closure_tensors(self.fn) if isinstance(t, torch.Tensor)]
+            self._grad_sources = sources
+        return self._grad_sources
+
+    def check_gradients(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Refuse a call that needs gradients (a graph records none), in every state, so that
+        a CPU pass-through behaves as the graph does on a GPU."""
+        if self.records_gradients or not torch.is_grad_enabled():
+            return
+        leaves = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
+        why = needs_gradients([*leaves, *self.gradient_sources()])
+        if why is not None:
+            refuse_gradients(callable_name(self.fn), why)
+
+    def answer_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        """Answer one call by running ``fn`` eagerly: another thread still holds outputs of
+        the graph, which a replay would overwrite (``replayer.OutputsInUse``)."""
+        assert self.signature is not None
+        self.signature.check(args, kwargs)
+        self._costs.eager_calls += 1
+        return self.fn(*args, **kwargs)
 
     def refresh(self) -> bool:
         """Before a replay driven from above: capture again if a tensor read by address moved
@@ -160,6 +192,7 @@ class Graphed(Entry[R]):
                     return self._call_general(args, kwargs)
             else:
                 self.signature.check(args, kwargs)
+            self.check_gradients(args, kwargs)
             if self.eager_warmups_left > 0:
                 self.eager_warmups_left -= 1
                 return self.eager_warmup_call(args, kwargs)
@@ -168,6 +201,7 @@ class Graphed(Entry[R]):
         if state is State.EAGER:
             assert self.signature is not None
             self.signature.check(args, kwargs)
+            self.check_gradients(args, kwargs)
             self._costs.eager_calls += 1
             return self.fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
@@ -269,6 +303,14 @@ class Graphed(Entry[R]):
         self, signature: Signature, leaves: list[Any], device: torch.device, *, warmup: int
     ) -> None:
         options = self.options
+        name = callable_name(self.fn)
+        modes = Modes(name)  # the caller's modes: what every replay is checked against
+        if not self.records_gradients:
+            why = needs_gradients(
+                [leaves[i] for i in signature.tensor_index] + self.gradient_sources()
+            )
+            if why is not None:
+                refuse_gradients(name, why)
         self.before_capture()
         # Static input buffers: clones of the examples, so the examples themselves are never
         # touched by warm-up. Normal (not inference) tensors, so in-place mutation by the
@@ -281,42 +323,13 @@ class Graphed(Entry[R]):
         args, kwargs = optree.tree_unflatten(signature.spec, static)
         stream = options.stream or recorder.default_stream(device)
         inputs = [static[i] for i in signature.tensor_index]
-        with _capture_lock:
-            effects = side_effects.SideEffects(
-                self.fn,
-                inputs,
-                [static[i] for i in signature.frozen_index],
-                options.side_effects if warmup else "keep",
-            )
-            with effects.running():
-                self._costs.warmup_s = recorder.warm_up(
-                    self.fn, args, kwargs, warmup, stream,
-                    checked=functools.partial(
-                        collectives.compared_across_ranks, f"{callable_name(self.fn)} (warm-up)"
-                    ),
-                )  # fmt: skip
-            written = effects.finish()
-            self._costs.restored_bytes += written.nbytes
-            side_effects.report(effects, self.fn)
-            versions = [x._version for x in inputs]
-            shared = options.pool
-            # Ranks whose graphs hold different collectives would hang at the first replay.
-            with collectives.compared_across_ranks(callable_name(self.fn)):
-                recording = recorder.capture(
-                    self.fn,
-                    args,
-                    kwargs,
-                    stream=stream,
-                    pool=shared.handle if hasattr(type(shared), "handle") else shared,
-                    capture_error_mode=options.capture_error_mode,
-                )
-            if hasattr(type(shared), "record"):
-                shared.record(recording.pool_bytes)
-        mutated = [
-            i
-            for i, x, before in zip(signature.tensor_index, inputs, versions)
-            if x._version != before
-        ]
+        run = runs.warm_up_and_capture(
+            self.fn, signature, static, options, warmup=warmup, stream=stream,
+            settled=not warmup and self.eager_warmups_left < options.warmup,
+        )  # fmt: skip
+        recording, written, mutated = run.recording, run.written, run.mutated
+        self._costs.warmup_s = run.warmup_s
+        self._costs.restored_bytes += written.nbytes
         if written.names:
             self.state_writes = written.names
         self._costs.capture_s = recording.capture_s
@@ -324,10 +337,11 @@ class Graphed(Entry[R]):
         self._costs.static_input_bytes = sum(x.nbytes for x in inputs)
         self.pool = recording.graph.pool()
         self.inputs, self.input_kwargs = args, kwargs
-        output = detach_outputs(recording.output, self.fn, warn=self.warn_grad_outputs)
+        output = detach_outputs(recording.output, self.fn, warn=not self.records_gradients)
         self.replayer = Replayer(
             recording.graph, signature, static, mutated, output, options.outputs, self._counters,
-            timeout_s=options.replay_timeout_s, name=callable_name(self.fn),
+            modes=modes, timeout_s=options.replay_timeout_s, name=name,
+            grad_sources=None if self.records_gradients else self.gradient_sources(),
         )  # fmt: skip
         self.mutated_inputs = tuple(mutated)
         self.device = device

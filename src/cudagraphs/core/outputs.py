@@ -15,7 +15,9 @@ A graph writes its outputs into the same memory on every replay. Three ways to h
     Tensors that alias the output memory through a storage of their own. The next replay marks
     that storage dead, so any later read of ``a`` (or of a view of ``a``) raises a
     ``RuntimeError`` starting with ``StaleOutputError`` instead of returning ``g(x2)``'s values.
-    Costs no kernel launch; about a microsecond of CPU per output.
+    Costs no kernel launch, only host work per output (``reports/gpu.md`` has the figure).
+    Once a second thread calls the graph, every output is a copy made under the graph's lock
+    instead (see :mod:`cudagraphs.core.replayer`).
 
 ``"clone"``
     Fresh tensors the caller owns (one extra copy kernel per replay). Right for outputs kept
@@ -34,6 +36,7 @@ import optree
 import torch
 
 from ..errors import CudaGraphsWarning
+from . import compat
 from .frames import callable_name, user_stacklevel
 
 __all__ = ["detach_outputs", "make_emitter"]
@@ -75,7 +78,7 @@ def _clone_emitter(
     def emit() -> Any:
         fresh = [torch.empty_like(t) for t in static]
         if fresh:
-            torch._foreach_copy_(fresh, static)
+            compat.foreach_copy(fresh, static)
         out = list(leaves)
         for i, t in zip(tensor_index, fresh):
             out[i] = t
@@ -125,32 +128,19 @@ class _GuardedEmitter:
 
         # What a replay calls: partials over precomputed arguments, no method frames (and no
         # reference back to self, so the finalizer above runs as soon as the graph goes).
-        # invalidate marks the latest outputs dead; it runs as the next replay is launched.
+        # invalidate marks the latest outputs dead; it runs right after the next launch.
         self.invalidate: Callable[[], None] = functools.partial(_invalidate, self.live)
         if self.single:  # one output tensor: the per-replay work in two C calls
             (_, _, meta), (storage_args,) = self.plan[0], self.storage_args
             self.emit = functools.partial(_emit_one, meta, storage_args, self.live)
 
-    def single_parts(self) -> tuple[Any, ...] | None:
-        """For a replay path in C (``_addresses.Entry``), the pieces of the one-output case:
-        ``(live, kill, message, make_storage, storage_args, make_tensor, meta)``; the steps
-        are those of ``invalidate`` and ``emit`` here. ``None`` for several outputs."""
-        if not self.single:
-            return None
-        (_, _, meta), (storage_args,) = self.plan[0], self.storage_args
-        return (
-            self.live,
-            torch._C._set_storage_data_ptr_access_error_msg,
-            STALE_MESSAGE,
-            torch._C._construct_storage_from_data_pointer,
-            tuple(storage_args),
-            torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata,
-            meta,
-        )
+    def in_use(self) -> bool:
+        """Whether any output (or view of one) handed out by the latest replay is still alive
+        somewhere: a replay from another thread would overwrite what it may be reading."""
+        return any(compat.storage_use_count(s) > 1 for s in self.live)
 
     def __call__(self) -> Any:
-        make_storage = torch._C._construct_storage_from_data_pointer
-        make_tensor = torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata
+        make_storage, make_tensor = compat.guarded_storage, compat.guarded_tensor
         storages = [make_storage(*args) for args in self.storage_args]
         self.live[:] = storages
         if self.single:
@@ -163,17 +153,16 @@ class _GuardedEmitter:
 
 
 def _emit_one(meta: dict[str, Any], storage_args: tuple[Any, ...], live: list[Any]) -> Any:
-    storage = torch._C._construct_storage_from_data_pointer(*storage_args)
-    live.append(storage)  # emptied by the invalidation before every replay
-    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storage)
+    storage = compat.guarded_storage(*storage_args)
+    live.append(storage)  # emptied by the invalidation after every replay
+    return compat.guarded_tensor(meta, storage)
 
 
 def _invalidate(live: list[Any]) -> None:
     if not live:
         return
-    kill = torch._C._set_storage_data_ptr_access_error_msg
     for storage in live:
-        kill(storage._cdata, STALE_MESSAGE)
+        compat.kill_storage(storage, STALE_MESSAGE)
     live.clear()
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import CaptureError, ConfigError, explain
+from . import compat
 from .capturing import capturing
 from .frames import callable_name, user_location
 
@@ -122,16 +123,20 @@ def warm_up(
     stream: torch.cuda.Stream,
     *,
     checked: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    after_each: Callable[[], None] | None = None,
 ) -> float:
     """Run ``fn`` ``n`` times on ``stream``; return the seconds it took (synchronized).
     ``checked()`` is entered around the runs and left before the wait for the GPU: ranks
     compare the collectives the runs issued there, so a rank that issued more raises instead
-    of waiting forever for peers that never match them."""
+    of waiting forever for peers that never match them. ``after_each()`` runs after each run
+    (the Python-state snapshot)."""
     start = time.perf_counter()
     stream.wait_stream(torch.cuda.current_stream())
     with checked(), torch.cuda.stream(stream), uncached_autocast():
         for _ in range(n):
             fn(*args, **kwargs)
+            if after_each is not None:
+                after_each()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -165,7 +170,7 @@ def capture(
     # every recording) would free memory the graph still uses: an illegal memory access at the
     # next replay. Clearing them now makes the capture allocate its workspace inside its pool,
     # which lives as long as the graph. (PyTorch's cudagraph trees do the same.)
-    torch._C._cuda_clearCublasWorkspaces()
+    compat.clear_cublas_workspaces()
     reserved_before = torch.cuda.memory_reserved(device)
     graph = torch.cuda.CUDAGraph()
     start = time.perf_counter()
@@ -202,7 +207,7 @@ def capture(
         torch.cuda.synchronize(device)
         # Drop the workspace map's reference to the block in our pool, so eager matmuls on this
         # stream do not share memory with the graph.
-        torch._C._cuda_clearCublasWorkspaces()
+        compat.clear_cublas_workspaces()
         return Recording(
             graph=graph,
             output=output,

@@ -1,9 +1,20 @@
 """The one replay path: check, copy-in, replay, invalidate the previous outputs, write-back, outputs.
 
 A :class:`Replayer` is one captured graph with its static inputs and outputs. Plain graphs,
-buckets and exact shapes all replay through it: :meth:`Replayer.call` for a call whose
-arguments still need checking and copying, :meth:`Replayer.replay_static` for a caller that
-filled the static buffers itself. Everything the check needs is precomputed here, once.
+buckets, exact shapes and training steps all replay through it: :meth:`Replayer.call` for a call
+whose arguments still need checking and copying, :meth:`Replayer.enter` then
+:meth:`Replayer.replay_static` for a caller that fills the static buffers itself. Everything the
+check needs is precomputed here, once. Before anything is written, every replay checks
+
+1. the modes (``modes.Modes``: autocast, grad and inference mode, TF32...) against the capture's;
+2. gradients: under grad mode, that nothing the call reads requires grad (a replay records no
+   autograd history);
+3. the calling thread. Guarded outputs alias the graph's memory, and a read from one thread
+   can race with another thread's replay in either order, so once a second thread calls, every
+   output is a copy made under the graph's lock (one ``CudaGraphsWarning``). Outputs handed
+   out before that switch are the one remaining hazard: while any of them is still referenced,
+   a call from another thread is answered eagerly (:class:`OutputsInUse`) rather than
+   replaying over memory someone may be reading.
 """
 
 from __future__ import annotations
@@ -12,20 +23,24 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import CudaGraphsError, ReplayTimeoutError, explain
-from .addresses import compiled_module
+from ..errors import CudaGraphsError, CudaGraphsWarning, ReplayTimeoutError, explain
+from . import compat
+from .frames import user_stacklevel
+from .modes import Modes, needs_gradients, refuse_gradients
 from .outputs import make_emitter
 from .tree import Signature
 
-__all__ = ["Counters", "Replayer"]
+__all__ = ["Counters", "OutputsInUse", "Replayer"]
 
 log = logging.getLogger("cudagraphs")
+_get_ident = threading.get_ident
 
 
 @dataclass
@@ -41,6 +56,11 @@ class _Mismatch(Exception):
     """Raised inside the fast check; the slow check then explains what differed."""
 
 
+class OutputsInUse(Exception):
+    """Internal: another thread still holds outputs of this graph from before a second thread
+    called it; the caller answers this call by running the function eagerly."""
+
+
 class Replayer:
     """A captured graph and what a call needs to replay it; see the module doc."""
 
@@ -54,20 +74,37 @@ class Replayer:
         policy: str,
         counters: Counters,
         *,
+        modes: Modes | None = None,
+        grad_sources: Sequence[torch.Tensor] | None = (),
         timeout_s: float | None = None,
         name: str = "the graph",
     ):
+        """``modes``: taken when the capture began (default: now). ``grad_sources``: the
+        tensors besides the inputs whose ``requires_grad`` would give eager's outputs a
+        gradient path (parameters, closure tensors); ``None`` for a recording that runs its own
+        backward (a training step), which checks no gradients."""
         self.graph = graph
+        self.name = name
         # With a timeout, each replay waits for the GPU (at most timeout_s) before returning.
         self.wait: Callable[[], None] | None = (
             functools.partial(wait_for_replay, timeout_s, name) if timeout_s else None
         )
         self.signature = signature
         self.counters = counters
-        emitter = make_emitter(output, policy)
-        self._guarded_parts = getattr(emitter, "single_parts", lambda: None)()
-        self.emit: Callable[[], Any] = getattr(emitter, "emit", emitter)
-        self.invalidate: Callable[[], None] | None = getattr(emitter, "invalidate", None)
+        self.policy = policy
+        self.output = output
+        self._emitter = make_emitter(output, policy)
+        self.emit: Callable[[], Any] = getattr(self._emitter, "emit", self._emitter)
+        self.invalidate: Callable[[], None] | None = getattr(self._emitter, "invalidate", None)
+        self.modes = modes if modes is not None else Modes(name)
+        self.same_modes = self.modes.guard.check
+        self.inference = self.modes.inference
+        self.grad_sources = tuple(grad_sources) if grad_sources is not None else ()
+        # Captured with grad mode on (nothing required grad then): every call checks that
+        # nothing requires grad now. Captured under no_grad: grad mode on is a mode change.
+        self.check_grad = grad_sources is not None and self.modes.seen["grad mode"] == "on"
+        self.owner: int | None = None  # the thread of the calls so far
+        self.shared = False  # a second thread called: outputs are copies from then on
         self.writeback = tuple((i, static[i]) for i in mutated)
         if mutated:
             log.info(
@@ -86,13 +123,20 @@ class Replayer:
         self.n_args = signature.spec.num_leaves
 
     def call(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Check each leaf against the capture, copy the tensors that need it, replay.
+        """The whole replay of a call (under the caller's lock): modes, gradients and thread
+        (:meth:`enter`), each leaf checked against the capture and the tensors that are not
+        in place copied, the replay, the previous outputs marked dead, write-back, outputs.
 
-        The check is a flat loop over what capture precomputed; any doubt (a non-tensor, a
-        stale output, a value that compares oddly) goes to the slow check, which explains.
+        Kept in one frame, since on a small graph the host's work before the launch adds to
+        latency one for one; any doubt in the check goes to the slow check, which explains.
         """
+        self.enter(leaves)
         copied = self._copy_in(leaves, args, kwargs)
-        self._replay()
+        try:
+            self.graph.replay()
+        finally:  # after the launch, so that this host work overlaps the GPU's (see _replay)
+            if self.invalidate is not None:
+                self.invalidate()
         if self.wait is not None:
             self.wait()
         counters = self.counters
@@ -102,78 +146,47 @@ class Replayer:
             self._write_back(leaves)
         return self.emit()
 
-    def entry(
-        self,
-        lock: threading.RLock,
-        unchanged: Callable[[], bool] | None,
-        fallback: Callable[[tuple[Any, ...], dict[str, Any]], Any],
-    ) -> Callable[..., Any] | None:
-        """The whole call, in one frame, for a graph of one positional tensor and nothing else
-        (the common case); ``None`` for any other signature.
+    def enter(self, leaves: Sequence[Any] = ()) -> None:
+        """The checks that come before anything is written (for a caller that stages the
+        static inputs itself before :meth:`replay_static`): modes, gradients, thread."""
+        if not (self.same_modes() and torch.is_inference_mode_enabled() is self.inference):
+            self.modes.refuse(self._grad_tensors(leaves))  # raises, or accepts the new state
+            self.same_modes = self.modes.guard.check
+        if self.check_grad:
+            self._check_gradients(leaves)
+        if _get_ident() != self.owner:
+            self._from_thread()
 
-        Under ``lock``, with the address guard's one-call ``unchanged`` check (``None``: no
-        guard): a call that does not fit (keyword arguments, another arity, anything the guard
-        watches changed) goes to ``fallback(args, kwargs)``, the general path, which explains
-        or recaptures. Only what must precede the replay comes before it; everything the call
-        reads is a local of this closure.
-        """
-        if not (self.flat and self.n_args == 1 and len(self.slots) == 1 and not self.frozen):
-            return None
-        if self.writeback or self.wait is not None:
-            return None
-        _, buf, ptr, shape, dtype, dev, stride = self.slots[0]
-        invalidate = self.invalidate
-        compiled = compiled_module()
-        if compiled is not None and hasattr(compiled, "Entry"):
-            # The same steps in C: no Python frame at all between the caller and the replay.
-            return compiled.Entry(
-                acquire=lock.acquire, release=lock.release, unchanged=unchanged,
-                fallback=fallback, explain=functools.partial(_explain_args, self.signature),
-                buf=buf, shape=shape, dtype=dtype, device=dev, address=ptr, stride=stride,
-                copy=buf.copy_, invalidate=invalidate, replay=self.graph.replay, emit=self.emit,
-                counters=self.counters, guarded=self._guarded_parts,
-            )  # fmt: skip
-        # Nothing here refers back to this Replayer: no cycle, so dropping it frees the graph
-        # at once (a recapture releases the old recording before making the new one).
-        replay, emit, counters, signature = (
-            self.graph.replay,
-            self.emit,
-            self.counters,
-            self.signature,
-        )
+    def _grad_tensors(self, leaves: Sequence[Any]) -> list[Any]:
+        inputs = [leaves[i] for i, *_ in self.slots] if len(leaves) == self.n_args else []
+        return [*inputs, *self.grad_sources]
 
-        acquire, release = lock.acquire, lock.release  # cheaper than a with-statement
+    def _check_gradients(self, leaves: Sequence[Any]) -> None:
+        if (why := needs_gradients(self._grad_tensors(leaves))) is not None:
+            refuse_gradients(self.name, why)
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            acquire()
-            try:
-                if kwargs or len(args) != 1 or (unchanged is not None and not unchanged()):
-                    return fallback(args, kwargs)
-                x = args[0]
-                copied = 0
-                if x is not buf:
-                    try:
-                        if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
-                            raise _Mismatch
-                        moved = x.data_ptr() != ptr or x.stride() != stride  # stale output raises
-                    except Exception:
-                        _explain(signature, args, {})
-                        raise
-                    if moved:
-                        buf.copy_(x)
-                        copied = 1
-                try:
-                    replay()
-                finally:  # after the launch: see _replay
-                    if invalidate is not None:
-                        invalidate()
-                counters.replays += 1
-                counters.copies += copied
-                return emit()
-            finally:
-                release()
-
-        return call
+    def _from_thread(self) -> None:
+        """A call from a thread other than the one of the calls so far (or the first call)."""
+        me = _get_ident()
+        if self.owner is None:
+            self.owner = me
+            return
+        if not self.shared:
+            self.shared = True
+            if self.policy == "guarded":
+                self.emit = make_emitter(self.output, "clone")
+                warnings.warn(
+                    f"cudagraphs: {self.name} is called from a second thread; its outputs are "
+                    "now copies made under the graph's lock, since a replay from one thread "
+                    "would overwrite what another is reading. For zero-copy outputs across "
+                    "threads capture with outputs='alias' and hold g.lock over each call and "
+                    "every read of its outputs.",
+                    CudaGraphsWarning,
+                    stacklevel=user_stacklevel(),
+                )
+        in_use = getattr(self._emitter, "in_use", None)
+        if in_use is not None and in_use():
+            raise OutputsInUse
 
     def _copy_in(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         """Check every leaf and copy the tensors that are not already in place; how many."""
@@ -200,13 +213,14 @@ class Replayer:
         if dst:
             # One multi-tensor kernel for several inputs: fewer launches in front of the replay.
             if len(dst) > 1:
-                torch._foreach_copy_(dst, src)
+                compat.foreach_copy(dst, src)
             else:
                 dst[0].copy_(src[0])
         return len(dst)
 
     def replay_static(self) -> Any:
-        """Replay on whatever the static input buffers hold now; return the outputs."""
+        """Replay on whatever the static input buffers hold now; return the outputs. The
+        caller ran :meth:`enter` before it wrote the buffers."""
         self._replay()
         if self.wait is not None:
             self.wait()
@@ -243,16 +257,12 @@ class Replayer:
                 back_dst.append(leaves[i])
                 back_src.append(buf)
         if back_dst:
-            torch._foreach_copy_(back_dst, back_src)
+            compat.foreach_copy(back_dst, back_src)
             self.counters.writebacks += len(back_dst)
 
     def explain_mismatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Raise the precise error for a call the fast check refused."""
         _explain(self.signature, args, kwargs)
-
-
-def _explain_args(signature: Signature, args: tuple[Any, ...]) -> None:
-    _explain(signature, args, {})
 
 
 def _explain(signature: Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -19,15 +19,8 @@ import torch
 
 from ..errors import CudaGraphsWarning, StateWriteError, explain
 from .frames import callable_name, user_stacklevel
-from .state import (
-    Snapshot,
-    Versions,
-    WriteRecorder,
-    Written,
-    is_compiled,
-    reachable_tensors,
-    storage_key,
-)
+from .reach import is_compiled, reachable_tensors
+from .state import Snapshot, Versions, WriteRecorder, Written, storage_key
 
 __all__ = ["SideEffects", "report"]
 

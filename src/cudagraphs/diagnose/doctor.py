@@ -22,8 +22,9 @@ import optree
 import torch
 
 from ..core.guards import closure_tensors, modules_of
+from ..core.reach import reachable_tensors
 from ..core.side_effects import SideEffects
-from ..core.state import RngState, reachable_tensors, storage_key
+from ..core.state import RngState, storage_key
 from ..core.tree import NAMESPACE, Signature, flatten, leaf_paths
 from .findings import KINDS, Collector, Finding, Report
 from .verify import random_like

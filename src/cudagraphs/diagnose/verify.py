@@ -24,8 +24,9 @@ import optree
 import torch
 
 from ..core.frames import callable_name, user_stacklevel
+from ..core.reach import named_roots
 from ..core.side_effects import SideEffects
-from ..core.state import Snapshot, Written, named_roots
+from ..core.state import Snapshot, Written
 from ..core.tree import NAMESPACE, leaf_paths
 from ..errors import CudaGraphsWarning, VerificationError, explain
 

@@ -157,7 +157,8 @@ class Decoder:
     def prepare(self, mode: str) -> None:
         """Capture every rung's graph for ``mode`` now: ``"greedy"`` or ``"sample"``, with
         ``"+padded"`` for requests of left-padded prompts (captured on the first such request)."""
-        with self.lock:
+        # Decoding is inference: captured (and replayed, in generate) without autograd.
+        with self.lock, torch.no_grad():
             missing = [n for n in self.rungs if (n, mode) not in self.graphs]
             if not missing:
                 return

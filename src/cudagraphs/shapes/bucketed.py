@@ -29,9 +29,11 @@ from typing import Any
 import optree
 import torch
 
+from ..core import compat
 from ..core.frames import callable_name
 from ..core.graphed import Graphed, State
 from ..core.pool import Pool
+from ..core.replayer import OutputsInUse
 from ..core.side_effects import SideEffects
 from ..core.tree import NAMESPACE, Signature, flatten
 from ..errors import ConfigError, explain
@@ -265,6 +267,10 @@ class Bucketed:
             self._shared[0].rows_written(rung)
             return bucket.graphed(*args)
         bucket.graphed.refresh()  # a guarded tensor moved: captured again on the same views
+        try:
+            bucket.graphed.enter_replay(list(args))  # modes, gradients, thread: before staging
+        except OutputsInUse:
+            return _SLOW  # the full path answers it eagerly
         for shared, x, view in zip(self._shared, args, bucket.views):
             shared.stage_box(x, view, (n,), bucket.combo)
         out = bucket.graphed.replay_static()
@@ -289,12 +295,12 @@ class Bucketed:
         args, kwargs = optree.tree_unflatten(self.signature.spec, call_leaves)
         eager = bucket.graphed.state is State.EAGER
         if eager:  # no capture saw the mutations: watch the version counters instead
-            versions = [view._version for view in bucket.views]
+            versions = [compat.version(view) for view in bucket.views]
         out = bucket.graphed(*args, **kwargs)
         stats.hits[combo] += 1
         for k, inp in enumerate(self.inputs):
             view = bucket.views[k]
-            if bucket.mutated[k] or (eager and view._version != versions[k]):
+            if bucket.mutated[k] or (eager and compat.version(view) != versions[k]):
                 self._shared[k].written_by_function(view.shape[0])
                 x = leaves[inp.index]
                 if x is not view:

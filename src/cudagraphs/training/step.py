@@ -58,7 +58,9 @@ class TrainStep(Graphed[R]):
     (warm-up steps still to run eagerly before the capture).
     """
 
-    warn_grad_outputs = False  # the loss has grad history at capture; replays return it detached
+    records_gradients = (
+        True  # its backward is inside the recording; replays return the loss detached
+    )
 
     def __init__(
         self,

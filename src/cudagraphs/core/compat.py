@@ -1,0 +1,245 @@
+"""The one doorway to PyTorch's private names.
+
+Everything here is a name PyTorch does not promise to keep. Each is used only through this
+module (``tests/test_layers.py`` fails on a private torch name anywhere else), each has a
+fallback or a clear error when a PyTorch release drops it, and each says what it is for.
+Tested on torch 2.11 (the GPU machine) and 2.13 (CI); ``pyproject.toml`` claims no older one.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import CudaGraphsError, explain
+
+__all__ = [
+    "OPS_DISPATCH_MODE",
+    "begin_allocate_to_pool",
+    "clear_cublas_workspaces",
+    "end_allocate_to_pool",
+    "foreach_copy",
+    "global_state_guard",
+    "guarded_storage",
+    "guarded_tensor",
+    "kill_storage",
+    "op_name",
+    "op_returns_alias",
+    "op_writes",
+    "raise_compile_limits",
+    "release_pool",
+    "sleep_cycles",
+    "storage_use_count",
+    "tensor_address_reader",
+    "tensors_at_addresses",
+    "torch_function_enabled",
+    "version",
+]
+
+_C: Any = torch._C
+
+
+def _missing(name: str, purpose: str) -> CudaGraphsError:
+    return CudaGraphsError(
+        explain(
+            f"this PyTorch ({torch.__version__}) has no {name}",
+            f"cudagraphs uses it to {purpose}",
+            "install a PyTorch release cudagraphs supports (2.11 or newer)",
+        )
+    )
+
+
+def version(value: Any) -> int:
+    """A tensor's version counter: bumped by every in-place write (how writes by compiled
+    kernels, which no dispatch mode sees, are noticed)."""
+    return value._version
+
+
+# --- the global modes a recording freezes (modes.py) ------------------------------------------
+
+
+class _PythonStateGuard:
+    """The same check in Python, where PyTorch's C guard is missing."""
+
+    def __init__(self) -> None:
+        self.state = self._now()
+
+    @staticmethod
+    def _now() -> tuple[Any, ...]:
+        matmul = torch.backends.cuda.matmul
+        return (
+            torch.is_grad_enabled(),
+            torch.get_default_dtype(),
+            torch.are_deterministic_algorithms_enabled(),
+            matmul.allow_tf32,
+            matmul.allow_fp16_reduced_precision_reduction,
+            matmul.allow_bf16_reduced_precision_reduction,
+            *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cuda", "cpu")),
+        )
+
+    def check(self) -> bool:
+        return self._now() == self.state
+
+
+def global_state_guard() -> Any:
+    """An object whose ``check()`` is True while grad mode, autocast (every device type),
+    TF32 and reduced-precision settings, the default dtype and determinism are as now: the
+    guard torch.compile checks before running compiled code, one C call."""
+    guards = getattr(getattr(_C, "_dynamo", None), "guards", None)
+    make = getattr(guards, "GlobalStateGuard", None)
+    return make() if make is not None else _PythonStateGuard()
+
+
+def torch_function_enabled() -> bool:
+    """Whether ``__torch_function__`` overrides are on (``DisableTorchFunction`` turns it off)."""
+    check = getattr(_C, "_is_torch_function_enabled", None)
+    return bool(check()) if check is not None else True
+
+
+# --- guarded outputs (outputs.py) -------------------------------------------------------------
+
+
+def guarded_storage(data_ptr: int, device: torch.device, nbytes: int) -> Any:
+    """A storage that aliases ``nbytes`` at ``data_ptr`` without owning them: what a guarded
+    output is built on, so that marking it dead refuses every later read."""
+    return _C._construct_storage_from_data_pointer(data_ptr, device, nbytes)
+
+
+def guarded_tensor(meta: dict[str, Any], storage: Any) -> torch.Tensor:
+    """A tensor of ``meta``'s size, strides, offset and dtype on ``storage``."""
+    return _C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storage)
+
+
+def kill_storage(storage: Any, message: str) -> None:
+    """Make every later data access through ``storage`` (and its views) raise ``message``."""
+    _C._set_storage_data_ptr_access_error_msg(storage._cdata, message)
+
+
+def storage_use_count(storage: Any) -> int:
+    """How many owners ``storage`` has (the storage object itself and every tensor on it):
+    above 1 while any output tensor or view built on it is alive somewhere."""
+    return _C._storage_Use_Count(storage._cdata)
+
+
+def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i, as one multi-tensor kernel where PyTorch has it."""
+    copy = getattr(torch, "_foreach_copy_", None)
+    if copy is not None:
+        copy(list(dst), list(src))
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s)
+
+
+# --- capture (recorder.py, capturing.py) ------------------------------------------------------
+
+
+def clear_cublas_workspaces() -> None:
+    """Free cuBLAS's per-stream workspaces, so that a capture allocates its own in its pool."""
+    _C._cuda_clearCublasWorkspaces()
+
+
+def begin_allocate_to_pool(device_index: int, pool: Any) -> None:
+    """Route every allocation on ``device_index`` to ``pool`` (and take a reference on it)."""
+    _C._cuda_beginAllocateToPool(device_index, pool)
+
+
+def end_allocate_to_pool(device_index: int, pool: Any) -> None:
+    _C._cuda_endAllocateToPool(device_index, pool)
+
+
+def release_pool(device_index: int, pool: Any) -> None:
+    _C._cuda_releasePool(device_index, pool)
+
+
+# --- the address check (addresses.py) ---------------------------------------------------------
+
+
+def tensor_address_reader() -> int | None:
+    """The address of PyTorch's exported ``PyObject* -> data pointer`` function (made for
+    Inductor's C++ wrapper), for the compiled address check; ``None`` where not exported."""
+    guards = getattr(getattr(_C, "_dynamo", None), "guards", None)
+    reader = getattr(guards, "_torchinductor_pyobject_tensor_data_ptr", None)
+    return reader if isinstance(reader, int) else None
+
+
+def tensors_at_addresses(
+    tensors: Sequence[torch.Tensor], ptrs: Sequence[int]
+) -> Callable[[], bool] | None:
+    """A one-call check that each tensor is at its address (cudagraph trees' helper, CUDA
+    builds); ``None`` where missing."""
+    equal = getattr(_C, "_tensors_data_ptrs_at_indices_equal", None)
+    if equal is None:
+        return None
+    return functools.partial(equal, list(tensors), list(ptrs), list(range(len(tensors))))
+
+
+# --- ops as the dispatcher sees them (state.py, diagnose/watches.py) --------------------------
+
+
+def op_name(func: Any) -> str:
+    """The schema name of an aten op (``aten::add_``)."""
+    return func._schema.name
+
+
+def op_writes(func: Any) -> list[tuple[int, str]]:
+    """``(position, name)`` of the arguments an op's schema marks as written."""
+    return [
+        (i, a.name)
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
+
+
+def op_returns_alias(func: Any) -> bool:
+    """Whether an op returns a view or alias of an argument."""
+    return any(r.alias_info is not None for r in func._schema.returns)
+
+
+def _dispatch_mode_base() -> type:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+#: The base class of a mode that sees every aten op (PyTorch's TorchDispatchMode).
+OPS_DISPATCH_MODE: type = _dispatch_mode_base()
+
+
+# --- optimizers (training/optimizers.py) -------------------------------------------------------
+
+
+def declare_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
+    """What ``__init__`` sets for ``fused=True``: GradScaler then hands ``grad_scale`` and
+    ``found_inf`` to ``step()`` instead of syncing on ``found_inf``."""
+    optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
+    if hasattr(optimizer, "_need_device_dtype_check_for_fused"):
+        optimizer._need_device_dtype_check_for_fused = True  # type: ignore[attr-defined]
+
+
+# --- torch.compile and timing (integrations, tools) -------------------------------------------
+
+
+def raise_compile_limits(at_least: int) -> dict[str, int]:
+    """The Dynamo recompile limits needed for ``at_least`` compiled variants of one function;
+    returned as the settings to pass to ``torch._dynamo.config.patch`` (never set globally)."""
+    config = torch._dynamo.config
+    return {
+        name: at_least
+        for name in ("recompile_limit", "cache_size_limit")
+        if hasattr(config, name) and getattr(config, name) < at_least
+    }
+
+
+def compile_config_patch(settings: dict[str, int]) -> Any:
+    """A context manager applying Dynamo config ``settings`` for its duration (this thread's
+    compile calls see them; nothing is changed for the rest of the process)."""
+    return torch._dynamo.config.patch(settings)
+
+
+def sleep_cycles(cycles: int) -> None:
+    """Keep the GPU busy spinning for about ``cycles`` clock cycles (a timing aid)."""
+    torch.cuda._sleep(cycles)

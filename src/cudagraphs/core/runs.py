@@ -1,0 +1,96 @@
+"""The runs a capture makes: warm-up on the static inputs, then the recording, with what they
+changed found and put back.
+
+Around the runs: the writes to tensors outside the inputs (``side_effects``: restored after a
+warm-up on the library's own account), the plain Python values the function changes from run
+to run (``python_state``: refused), the inputs the function writes in place (their version
+counters), and the collectives each rank issued (``collectives``: compared across ranks, since
+ranks whose graphs differ would hang at the first replay).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import optree
+
+from ..options import Options
+from . import collectives, compat, python_state, recorder, side_effects
+from .frames import callable_name
+from .recorder import Recording
+from .state import Written
+from .tree import Signature
+
+__all__ = ["Run", "warm_up_and_capture"]
+
+_capture_lock = threading.RLock()  # one capture at a time per process: captures share streams
+
+
+@dataclass
+class Run:
+    recording: Recording
+    written: Written  # what warm-up wrote outside the inputs (put back under "restore")
+    mutated: list[int]  # leaf indices of the inputs the function writes in place
+    warmup_s: float
+
+
+def warm_up_and_capture(
+    fn: Any,
+    signature: Signature,
+    static: list[Any],
+    options: Options,
+    *,
+    warmup: int,
+    stream: Any,
+    settled: bool,
+) -> Run:
+    """``warmup`` eager runs of ``fn`` on the static input leaves ``static``, then the capture.
+
+    ``settled``: the function already ran for real before (the lazy form's eager calls), so
+    the state before the capture counts as a settled run for the Python-state check.
+    """
+    name = callable_name(fn)
+    args, kwargs = optree.tree_unflatten(signature.spec, static)
+    inputs = [static[i] for i in signature.tensor_index]
+    roots = [static[i] for i in signature.frozen_index]
+    plain = python_state.Snapshot(fn, roots, options.harmless_state)
+    if settled:
+        plain.take()
+    with _capture_lock:
+        effects = side_effects.SideEffects(
+            fn, inputs, roots, options.side_effects if warmup else "keep"
+        )
+        with effects.running():
+            warmup_s = recorder.warm_up(
+                fn, args, kwargs, warmup, stream,
+                checked=functools.partial(collectives.compared_across_ranks, f"{name} (warm-up)"),
+                after_each=plain.take,
+            )  # fmt: skip
+        written = effects.finish()
+        side_effects.report(effects, fn)
+        versions = [compat.version(x) for x in inputs]
+        shared = options.pool
+        # Ranks whose graphs hold different collectives would hang at the first replay.
+        with collectives.compared_across_ranks(name):
+            recording = recorder.capture(
+                fn,
+                args,
+                kwargs,
+                stream=stream,
+                pool=shared.handle if hasattr(type(shared), "handle") else shared,
+                capture_error_mode=options.capture_error_mode,
+            )
+        plain.take()
+        if hasattr(type(shared), "record"):
+            shared.record(recording.pool_bytes)
+        # Values the runs changed go back only where the runs were the library's own.
+        plain.check(restore=bool(warmup) and options.side_effects == "restore")
+    mutated = [
+        i
+        for i, x, before in zip(signature.tensor_index, inputs, versions)
+        if compat.version(x) != before
+    ]
+    return Run(recording, written, mutated, warmup_s)
