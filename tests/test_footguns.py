@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -576,4 +577,199 @@ def test_graph_over_torch_compile_of_the_decode_step(llama: tuple) -> None:
     torch._dynamo.reset()
     got, _, graphed = graph_decode(model, config, prompt, 24, wrap=torch.compile, warmup=3)
     assert graphed.state is cg.State.CAPTURED
+    assert torch.equal(got, expected)
+
+
+# ---------------------------------------------------------------- what a graph freezes beyond tensors
+
+
+def small_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).cuda().eval()
+
+
+@cuda
+def test_autocast_at_call_is_checked_against_the_capture() -> None:
+    model = small_mlp()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        fp32 = cg.graph(model, x)
+        with (
+            torch.autocast("cuda", dtype=torch.bfloat16),
+            pytest.raises(cg.ModeMismatchError, match=r"autocast\(cuda\) was off"),
+        ):
+            fp32(x)  # eager here returns bf16: the fp32 recording must not answer
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            amp = cg.graph(model, x)
+            y = torch.randn(8, 64, device="cuda")
+            got, expected = amp(y), model(y)
+            assert got.dtype == expected.dtype == torch.bfloat16
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+        with pytest.raises(cg.ModeMismatchError, match=r"autocast\(cuda\) was bfloat16"):
+            amp(y)  # the reverse
+
+
+@cuda
+def test_a_call_that_needs_gradients_raises() -> None:
+    model = small_mlp()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(8, 64, device="cuda"))
+    with pytest.raises(cg.GradientsNotRecordedError, match=r"cg\.graph_autograd"):
+        g(torch.randn(8, 64, device="cuda"))
+    with pytest.raises(cg.GradientsNotRecordedError):
+        cg.graph(small_mlp(), torch.randn(8, 64, device="cuda"))  # captured with grad on
+
+
+class CountingMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = small_mlp()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.net(x)
+
+
+class FlagFlipper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = small_mlp()
+        self.negate = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.negate = not self.negate
+        y = self.net(x)
+        return -y if self.negate else y
+
+
+@cuda
+@torch.no_grad()
+def test_python_state_the_forward_changes_is_refused_at_capture() -> None:
+    x = torch.randn(8, 64, device="cuda")
+    with pytest.raises(cg.FrozenStateError, match=r"CountingMLP\.calls"):
+        cg.graph(CountingMLP().cuda(), x)
+    with pytest.raises(cg.FrozenStateError, match=r"FlagFlipper\.negate"):
+        cg.graph(FlagFlipper().cuda(), x)
+    counted = CountingMLP().cuda()
+    g = cg.graph(counted, x, harmless_state=("calls",))
+    for _ in range(3):
+        y = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(g(y), counted.net(y))
+
+
+def hammer(
+    call: Any, model: nn.Module, pattern: str, threads: int = 8, calls: int = 500
+) -> list[int]:
+    """``threads`` threads x ``calls`` calls, each result compared with eager: (wrong, raised
+    without naming a fix)."""
+    counts = [0, 0]
+    lock = threading.Lock()
+
+    def worker(seed: int) -> None:
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        for _ in range(calls):
+            x = torch.randn(8, 64, device="cuda", generator=generator)
+            try:
+                if pattern == "clone":
+                    y = call(x).clone()
+                else:
+                    y = call(x)
+                    y = y + 0  # a read of the output
+                expected = model(x)
+                ok = torch.allclose(y, expected, rtol=1e-4, atol=1e-4)
+                error = None
+            except RuntimeError as failure:
+                ok, error = True, failure
+            with lock:
+                if not ok:
+                    counts[0] += 1
+                if error is not None and "fix" not in str(error) and "clone" not in str(error):
+                    counts[1] += 1
+
+    with torch.no_grad():
+        pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    return counts
+
+
+@cuda
+@pytest.mark.parametrize("pattern", ["clone", "read"])
+@pytest.mark.parametrize("kind", ["plain", "bucketed"])
+def test_threads_never_see_another_calls_output(kind: str, pattern: str) -> None:
+    model = small_mlp()
+    with torch.no_grad(), pytest.warns(cg.CudaGraphsWarning, match="second thread"):
+        example = torch.randn(8, 64, device="cuda")
+        g = cg.graph(model, example, **({"buckets": {"B": [4, 8]}} if kind == "bucketed" else {}))
+        g(example)  # the main thread calls first: the workers are the "second thread"
+        wrong, unexplained = hammer(g, model, pattern)
+    assert wrong == 0 and unexplained == 0
+
+
+@cuda
+def test_random_draws_in_a_device_loop_are_refused() -> None:
+    def walk(x: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cg.while_loop(
+            lambda x, i: i < 8, lambda x, i: (x + torch.randn_like(x), i + 1), (x, i),
+            max_iterations=8,
+        )  # fmt: skip
+
+    start = (torch.zeros(4096, device="cuda"), torch.zeros((), dtype=torch.long, device="cuda"))
+    with pytest.raises(cg.RandomInLoopError, match="randn_like") as info:
+        cg.graph(walk, *start)
+    assert "before the loop" in str(info.value)
+
+    def branchy(x: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def body(x: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            step = cg.cond(i % 2 == 0, lambda v: v + torch.randn_like(v), lambda v: v, (x,))
+            return step, i + 1
+
+        return cg.while_loop(lambda x, i: i < 8, body, (x, i), max_iterations=8)
+
+    with pytest.raises(cg.RandomInLoopError):
+        cg.graph(branchy, *start)
+    noise = torch.randn(8, 4096, device="cuda")
+
+    def predrawn(x: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cg.while_loop(
+            lambda x, i: i < 8, lambda x, i: (x + noise[i], i + 1), (x, i), max_iterations=8
+        )
+
+    g = cg.graph(predrawn, *start, outputs="clone")
+    walks = []
+    for _ in range(4):
+        noise.normal_()
+        walks.append(g(*start)[0])
+    variance = torch.stack(walks).var().item()
+    assert 8 * 0.9 < variance < 8 * 1.1
+
+
+@cuda
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_sliding_window_decoders_give_generate_tokens_past_the_window(kind: str) -> None:
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+
+    from cudagraphs.integrations.transformers import Decoder
+
+    torch.manual_seed(3)
+    common = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=16, max_position_embeddings=128,
+    )  # fmt: skip
+    if kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(num_hidden_layers=2, **common))
+    else:
+        model = Gemma2ForCausalLM(Gemma2Config(num_hidden_layers=4, head_dim=16, **common))
+    model = model.cuda().eval()
+    prompt = torch.randint(1, 512, (3, 12), device="cuda")
+    with torch.no_grad():
+        expected = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
+            min_new_tokens=40, do_sample=False, cache_implementation="static", pad_token_id=0,
+        )  # fmt: skip
+    decoder = Decoder(model, max_batch=4, max_length=52)
+    assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
+    got = decoder.generate(prompt, max_new_tokens=40, eos_token_id=None)
     assert torch.equal(got, expected)

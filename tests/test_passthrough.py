@@ -42,7 +42,7 @@ def test_a_call_that_needs_gradients_raises_on_cpu_as_on_a_gpu() -> None:
     frozen = torch.nn.Linear(8, 4).requires_grad_(False)
     with pytest.warns(cg.CudaGraphsWarning):
         h = cg.graph(frozen, torch.randn(2, 8))
-    with pytest.raises(cg.GradientsNotRecordedError, match=r"shape \(2, 8\) requires grad"):
+    with pytest.raises(cg.GradientsNotRecordedError, match="requires grad"):
         h(torch.randn(2, 8, requires_grad=True))  # an input that requires grad
     x = torch.randn(2, 8)
     torch.testing.assert_close(h(x), frozen(x))  # nothing requires grad: eager's answer

@@ -30,8 +30,9 @@ from typing import Any
 import optree
 import torch
 
+from ..core.draws import RandomDraws
 from ..core.tree import NAMESPACE
-from ..errors import ConfigError, InputMismatchError, explain
+from ..errors import ConfigError, InputMismatchError, RandomInLoopError, explain
 from ..options import check_positive_int
 from . import conditional
 
@@ -52,7 +53,20 @@ def while_loop(
     structure, with tensors of the same shapes, dtypes and devices. Inside a ``cg.graph``
     capture the loop is one WHILE node: its body is recorded once and its memory reused on
     every iteration. The state tensors returned are the loop's own buffers (the inputs are not
-    written). Random numbers drawn in the body repeat on every iteration of one replay.
+    written).
+
+    The body is recorded once, so random numbers drawn inside it would repeat on every
+    iteration of one replay: a body (or a ``cg.cond`` branch inside it) that draws is refused
+    at capture with :class:`~cudagraphs.errors.RandomInLoopError`. Right::
+
+        noise = torch.randn(steps, *x.shape, device="cuda")       # drawn before the loop
+        def body(x, i):
+            return x + noise[i], i + 1                             # one slice per iteration
+
+    Wrong::
+
+        def body(x, i):
+            return x + torch.randn_like(x), i + 1                  # RandomInLoopError
     """
     check_positive_int("max_iterations", max_iterations, "a loop on the device needs a bound")
     state = tuple(state)
@@ -68,7 +82,9 @@ def while_loop(
     node = conditional.Condition(device, "while")
     node.set_loop(_flag(cond_fn(*buffers), "cond_fn", buffers), count, max_iterations, node.outer)
     with node.body() as stream:
-        new = _same_state(body_fn(*buffers), buffers, "body_fn")
+        with RandomDraws() as draws:
+            new = _same_state(body_fn(*buffers), buffers, "body_fn")
+        _refuse_draws(draws, "body_fn", max_iterations)
         for mine, theirs in zip(buffers, new):
             if isinstance(mine, torch.Tensor) and mine is not theirs:
                 mine.copy_(theirs)
@@ -116,6 +132,23 @@ def cond(
                 _same_tensor(value, mine, f"output {i} of false_fn", "true_fn's")
                 mine.copy_(value)
     return out
+
+
+def _refuse_draws(draws: RandomDraws, what: str, iterations: int) -> None:
+    if not draws.found:
+        return
+    op, where = draws.found[0]
+    raise RandomInLoopError(
+        explain(
+            f"cg.while_loop: {what} draws random numbers ({op} at {where})",
+            "the body is recorded once and every iteration of a replay runs that recording, "
+            "so each iteration would add the same noise (each replay draws new numbers, but "
+            "not each iteration)",
+            f"draw the noise for all {iterations} iterations before the loop (for example "
+            f"noise = torch.randn({iterations}, *x.shape, device=x.device)) and pass it in "
+            "the loop state with an iteration counter to index it",
+        )
+    )
 
 
 def _capturing(values: Sequence[Any]) -> bool:

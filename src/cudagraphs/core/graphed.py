@@ -42,7 +42,7 @@ from . import diagnostics, recorder, runs
 from .entry import Entry
 from .frames import callable_name, user_stacklevel
 from .guards import AddressGuard, closure_tensors, modules_of
-from .modes import Modes, needs_gradients, refuse_gradients
+from .modes import Modes, outputs_needing_gradients, refuse_gradients
 from .outputs import detach_outputs
 from .replayer import Counters, Replayer
 from .stats import Costs, Stats, snapshot
@@ -130,15 +130,15 @@ class Graphed(Entry[R]):
             self._grad_sources = sources
         return self._grad_sources
 
-    def check_gradients(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Refuse a call that needs gradients (a graph records none), in every state, so that
-        a CPU pass-through behaves as the graph does on a GPU."""
-        if self.records_gradients or not torch.is_grad_enabled():
-            return
-        leaves = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
-        why = needs_gradients([*leaves, *self.gradient_sources()])
-        if why is not None:
-            refuse_gradients(callable_name(self.fn), why)
+    def check_output_gradients(self, output: Any) -> Any:
+        """An eager call's output (the CPU pass-through, the lazy form's warm-up calls):
+        refused where it carries a gradient path, as a capture is, so that the same code
+        behaves the same on a CPU and a GPU."""
+        if not self.records_gradients and torch.is_grad_enabled():
+            why = outputs_needing_gradients(output)
+            if why is not None:
+                refuse_gradients(callable_name(self.fn), why)
+        return output
 
     def answer_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
         """Answer one call by running ``fn`` eagerly: another thread still holds outputs of
@@ -192,7 +192,6 @@ class Graphed(Entry[R]):
                     return self._call_general(args, kwargs)
             else:
                 self.signature.check(args, kwargs)
-            self.check_gradients(args, kwargs)
             if self.eager_warmups_left > 0:
                 self.eager_warmups_left -= 1
                 return self.eager_warmup_call(args, kwargs)
@@ -201,9 +200,8 @@ class Graphed(Entry[R]):
         if state is State.EAGER:
             assert self.signature is not None
             self.signature.check(args, kwargs)
-            self.check_gradients(args, kwargs)
             self._costs.eager_calls += 1
-            return self.fn(*args, **kwargs)
+            return self.check_output_gradients(self.fn(*args, **kwargs))
         leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
         replayer = self.replayer
         assert replayer is not None
@@ -219,7 +217,7 @@ class Graphed(Entry[R]):
         stream = self.options.stream or recorder.default_stream(self.device)
         output = recorder.run_on_side_stream(self.fn, args, kwargs, stream)
         self._costs.eager_calls += 1
-        return self.prepare_eager_output(output)
+        return self.prepare_eager_output(self.check_output_gradients(output))
 
     def prepare_eager_output(self, output: Any) -> Any:
         """What an eager call hands back (a training step detaches its loss here)."""
@@ -305,12 +303,6 @@ class Graphed(Entry[R]):
         options = self.options
         name = callable_name(self.fn)
         modes = Modes(name)  # the caller's modes: what every replay is checked against
-        if not self.records_gradients:
-            why = needs_gradients(
-                [leaves[i] for i in signature.tensor_index] + self.gradient_sources()
-            )
-            if why is not None:
-                refuse_gradients(name, why)
         self.before_capture()
         # Static input buffers: clones of the examples, so the examples themselves are never
         # touched by warm-up. Normal (not inference) tensors, so in-place mutation by the
@@ -328,6 +320,10 @@ class Graphed(Entry[R]):
             settled=not warmup and self.eager_warmups_left < options.warmup,
         )  # fmt: skip
         recording, written, mutated = run.recording, run.written, run.mutated
+        # Eager's outputs carry a gradient path; a replay's never would.
+        why = None if self.records_gradients else outputs_needing_gradients(recording.output)
+        if why is not None and modes.seen["grad mode"] == "on":
+            refuse_gradients(name, why)
         self._costs.warmup_s = run.warmup_s
         self._costs.restored_bytes += written.nbytes
         if written.names:
@@ -337,7 +333,7 @@ class Graphed(Entry[R]):
         self._costs.static_input_bytes = sum(x.nbytes for x in inputs)
         self.pool = recording.graph.pool()
         self.inputs, self.input_kwargs = args, kwargs
-        output = detach_outputs(recording.output, self.fn, warn=not self.records_gradients)
+        output = detach_outputs(recording.output)
         self.replayer = Replayer(
             recording.graph, signature, static, mutated, output, options.outputs, self._counters,
             modes=modes, timeout_s=options.replay_timeout_s, name=name,

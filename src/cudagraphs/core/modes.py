@@ -22,12 +22,14 @@ Wrong::
 
 The check is one C call (PyTorch's global-state guard, the one torch.compile checks before
 running compiled code) plus the inference-mode flag. Gradients are separate: a replay records no
-autograd history, so a call that needs gradients is refused (:func:`gradient_sources`).
+autograd history, so a capture whose outputs would carry a gradient path, and a call that could
+give eager's outputs one (grad mode switched on, a tensor that now requires grad), is refused
+with :class:`~cudagraphs.errors.GradientsNotRecordedError`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +37,7 @@ import torch
 from ..errors import GradientsNotRecordedError, ModeMismatchError, explain
 from . import compat
 
-__all__ = ["Modes", "describe", "needs_gradients"]
+__all__ = ["Modes", "describe", "needs_gradients", "outputs_needing_gradients", "refuse_gradients"]
 
 _AUTOCAST_DEVICES = ("cuda", "cpu")
 
@@ -111,6 +113,25 @@ def needs_gradients(tensors: Iterable[torch.Tensor]) -> str | None:
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.requires_grad:
             return _tensor_words(t)
+    return None
+
+
+def outputs_needing_gradients(output: Any) -> str | None:
+    """Which output of an eager run carries a gradient path (``None``: none does)."""
+    import optree
+
+    for t in optree.tree_leaves(output, namespace="cudagraphs"):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return f"its output of shape {tuple(t.shape)} requires grad"
+    return None
+
+
+def newly_requiring_grad(tensors: Sequence[Any], at_capture: Sequence[bool]) -> str | None:
+    """Under grad mode: a tensor that requires grad now but did not at capture (eager's
+    outputs may now carry a gradient path); ``None`` if there is none."""
+    for t, before in zip(tensors, at_capture):
+        if not before and isinstance(t, torch.Tensor) and t.requires_grad:
+            return _tensor_words(t) + " (it did not at capture)"
     return None
 
 

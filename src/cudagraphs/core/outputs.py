@@ -27,7 +27,6 @@ A graph writes its outputs into the same memory on every replay. Three ways to h
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -35,9 +34,7 @@ from typing import Any
 import optree
 import torch
 
-from ..errors import CudaGraphsWarning
 from . import compat
-from .frames import callable_name, user_stacklevel
 
 __all__ = ["detach_outputs", "make_emitter"]
 
@@ -166,17 +163,11 @@ def _invalidate(live: list[Any]) -> None:
     live.clear()
 
 
-def detach_outputs(output: Any, fn: Callable[..., Any], *, warn: bool) -> Any:
-    """Detach tensor outputs once, at capture: a replay records no autograd history."""
+def detach_outputs(output: Any) -> Any:
+    """Detach tensor outputs once, at capture: a replay records no autograd history (a
+    capture whose outputs need gradients is refused before this; a training step's loss is
+    handed out detached)."""
     leaves, spec = optree.tree_flatten(output, namespace="cudagraphs")
-    if warn and any(isinstance(t, torch.Tensor) and t.requires_grad for t in leaves):
-        warnings.warn(
-            f"cudagraphs: {callable_name(fn)} returns tensors that require grad, but a graph "
-            "replay records no autograd history, so the outputs are detached. For inference wrap "
-            "the capture in torch.no_grad() or torch.inference_mode().",
-            CudaGraphsWarning,
-            stacklevel=user_stacklevel(),
-        )
     return optree.tree_unflatten(
         spec, [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
     )

@@ -33,7 +33,7 @@ import torch
 from ..errors import CudaGraphsError, CudaGraphsWarning, ReplayTimeoutError, explain
 from . import compat
 from .frames import user_stacklevel
-from .modes import Modes, needs_gradients, refuse_gradients
+from .modes import Modes, newly_requiring_grad, refuse_gradients
 from .outputs import make_emitter
 from .tree import Signature
 
@@ -100,8 +100,9 @@ class Replayer:
         self.same_modes = self.modes.guard.check
         self.inference = self.modes.inference
         self.grad_sources = tuple(grad_sources) if grad_sources is not None else ()
-        # Captured with grad mode on (nothing required grad then): every call checks that
-        # nothing requires grad now. Captured under no_grad: grad mode on is a mode change.
+        # Captured with grad mode on (and outputs without a gradient path): every call checks
+        # that no input or source requires grad that did not at capture. Captured under
+        # no_grad, grad mode on is a mode change (modes.Modes.refuse).
         self.check_grad = grad_sources is not None and self.modes.seen["grad mode"] == "on"
         self.owner: int | None = None  # the thread of the calls so far
         self.shared = False  # a second thread called: outputs are copies from then on
@@ -121,6 +122,9 @@ class Replayer:
         self.frozen = tuple(zip(signature.frozen_index, signature.frozen_values))
         self.flat = signature.is_flat  # positional leaves only: calls need no flattening
         self.n_args = signature.spec.num_leaves
+        self.grad_at_capture = tuple(
+            t.requires_grad for t in self._grad_tensors(static)
+        ) if self.check_grad else ()  # fmt: skip
 
     def call(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """The whole replay of a call (under the caller's lock): modes, gradients and thread
@@ -162,7 +166,8 @@ class Replayer:
         return [*inputs, *self.grad_sources]
 
     def _check_gradients(self, leaves: Sequence[Any]) -> None:
-        if (why := needs_gradients(self._grad_tensors(leaves))) is not None:
+        tensors = self._grad_tensors(leaves)
+        if (why := newly_requiring_grad(tensors, self.grad_at_capture)) is not None:
             refuse_gradients(self.name, why)
 
     def _from_thread(self) -> None:

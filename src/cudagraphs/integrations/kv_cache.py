@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ConfigError, explain
 
-__all__ = ["RungCaches", "cache_keyword"]
+__all__ = ["RungCaches", "cache_keyword", "full_length_layers"]
 
 _ROWS = ("keys", "values")  # per-layer tensors with a batch dimension first
 
@@ -31,6 +31,7 @@ class RungCaches:
         self.max_length = max_length
         largest = max(rungs)
         big = StaticCache(config=model.config, max_cache_len=max_length)
+        full_length_layers(big, max_length)
         _initialize(model, big, largest)
         self.caches: dict[int, Any] = {largest: big}
         for n in rungs:
@@ -50,6 +51,36 @@ class RungCaches:
             getattr(layer, name).numel() * getattr(layer, name).element_size()
             for layer in largest.layers
             for name in _ROWS
+        )
+
+
+def full_length_layers(cache: Any, max_length: int) -> None:
+    """Give every sliding-window layer of ``cache`` a full-length static layer instead.
+
+    A sliding-window layer keeps a plain Python int (its cumulative length) and branches on
+    it: a recording would freeze the branch of its first step and, once the window is full,
+    keep writing at the growing position, past the layer's end (a device-side assert that
+    kills the process). A full-length layer is written at the token's position like any other,
+    and the model's sliding-window mask, built from the config, keeps each query within its
+    window, so attention sees the same keys. Costs the memory of the full length for those
+    layers. Any other layer kind with Python-side state is refused.
+    """
+    from transformers.cache_utils import StaticLayer
+
+    for k, layer in enumerate(cache.layers):
+        if isinstance(layer, StaticLayer) and not getattr(layer, "is_sliding", False):
+            continue
+        if getattr(layer, "is_sliding", False):
+            cache.layers[k] = StaticLayer(max_cache_len=max_length)
+            continue
+        raise ConfigError(
+            explain(
+                f"the model's cache layer {k} is a {type(layer).__name__}",
+                "decode graphs replay a recorded step; a cache layer that keeps its position "
+                "or window on the host would be frozen at the recorded step",
+                "use a model whose cache layers are full or sliding-window attention (Llama, "
+                "Mistral, Qwen2, Gemma 2, ...), or decode it with model.generate",
+            )
         )
 
 

@@ -1,0 +1,39 @@
+"""Which random numbers a piece of code draws: for recordings that replay a body many times.
+
+A CUDA graph replays random ops with fresh numbers on every replay (PyTorch advances the
+generator's offset per replay), but a loop body recorded once inside a graph (``cg.while_loop``)
+runs the same recorded draws on every iteration of one replay: an 8-step random walk would add
+the same step 8 times. :class:`RandomDraws` sees each seeded random op (``randn``, ``rand``,
+``dropout``, ``multinomial``, ``normal_``...) while such a body is recorded, so the loop can
+refuse it with the fix instead of repeating noise silently.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .compat import OPS_DISPATCH_MODE, op_name
+from .frames import user_frame
+
+__all__ = ["RandomDraws"]
+
+
+class RandomDraws(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
+    """``with RandomDraws() as draws: ...``; then ``draws.found``: ``(op, file:line)`` of each
+    random op run inside (eager code; compiled kernels are not seen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, str]] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # else Dynamo marks a compiled function's code as never to compile again
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            filename, line = user_frame()
+            self.found.append((op_name(func), f"{filename}:{line}"))
+        return func(*args, **(kwargs or {}))

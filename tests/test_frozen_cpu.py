@@ -1,0 +1,245 @@
+"""Nothing frozen silently, on the CPU: modes, gradients, plain Python state, threads, random
+draws in device loops and sliding-window caches, through the captured call path (the CPU
+stand-in of conftest.py) where the logic runs without a GPU. The GPU versions are in
+test_footguns.py."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphs as cg
+from cudagraphs.core.draws import RandomDraws
+from cudagraphs.core.python_state import Snapshot
+from cudagraphs.core.replayer import Counters, OutputsInUse, Replayer
+from cudagraphs.core.tree import Signature
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval()
+
+
+def test_autocast_at_call_differs_from_capture_raises(stand_in: None) -> None:
+    model = mlp()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(2, 8), outputs="clone")
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(g(x), model(x))
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            pytest.raises(
+                cg.ModeMismatchError, match=r"autocast\(cpu\) was off at capture, is bfloat16"
+            ),
+        ):
+            g(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            amp = cg.graph(model, torch.randn(2, 8), outputs="clone")
+            out = amp(x)
+            assert out.dtype == model(x).dtype == torch.bfloat16
+        with pytest.raises(cg.ModeMismatchError, match=r"autocast\(cpu\) was bfloat16"):
+            amp(x)  # the reverse: captured under autocast, called without
+
+
+def test_grad_mode_on_at_call_raises_naming_graph_autograd(stand_in: None) -> None:
+    model = mlp()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(2, 8), outputs="clone")
+    with pytest.raises(cg.GradientsNotRecordedError, match=r"cg\.graph_autograd"):
+        g(torch.randn(2, 8))  # parameters require grad: eager would record history
+    model.requires_grad_(False)
+    with pytest.raises(cg.ModeMismatchError, match="grad mode was off at capture, is on"):
+        g(torch.randn(2, 8))  # nothing requires grad, but the modes still differ
+    with torch.inference_mode(), pytest.raises(cg.ModeMismatchError, match="inference mode"):
+        g(torch.randn(2, 8))
+
+
+def test_capture_whose_outputs_need_gradients_is_refused(stand_in: None) -> None:
+    with pytest.raises(cg.GradientsNotRecordedError, match=r"output of shape \(2, 4\)"):
+        cg.graph(mlp(), torch.randn(2, 8), outputs="clone")
+    frozen = mlp().requires_grad_(False)
+    g = cg.graph(
+        frozen, torch.randn(2, 8), outputs="clone"
+    )  # grad mode on, nothing requires grad: fine
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(g(x), frozen(x))
+    with pytest.raises(cg.GradientsNotRecordedError, match="did not at capture"):
+        g(torch.randn(2, 8, requires_grad=True))
+    frozen[0].weight.requires_grad_(True)
+    with pytest.raises(cg.GradientsNotRecordedError, match="did not at capture"):
+        g(x)
+
+
+def test_a_thread_count_change_is_not_a_mode_change(stand_in: None) -> None:
+    model = mlp()
+    before = torch.get_num_threads()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(2, 8), outputs="clone")
+        try:
+            torch.set_num_threads(1 if before > 1 else 2)
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(g(x), model(x))
+        finally:
+            torch.set_num_threads(before)
+
+
+class Counted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.net(x)
+
+
+class Flipping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flip = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.flip = not self.flip
+        return x * 2 if self.flip else -x
+
+
+@torch.no_grad()
+def test_a_counter_in_forward_is_refused_naming_it_unless_declared(stand_in: None) -> None:
+    model = Counted()
+    with pytest.raises(cg.FrozenStateError, match=r"Counted\.calls was \d+, became \d+") as info:
+        cg.graph(model, torch.randn(2, 8), outputs="clone")
+    assert info.value.names == ["Counted.calls"]
+    assert "harmless_state=('calls',)" in str(info.value)
+    assert model.calls == 0  # the library's own runs were put back
+    g = cg.graph(model, torch.randn(2, 8), harmless_state=("calls",), outputs="clone")
+    assert model.calls == 0 and g.state is cg.State.CAPTURED
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(g(x), model.net(x))
+
+
+@torch.no_grad()
+def test_a_flag_the_forward_flips_is_refused(stand_in: None) -> None:
+    with pytest.raises(cg.FrozenStateError, match=r"Flipping\.flip was (True|False)"):
+        cg.graph(Flipping(), torch.randn(4), outputs="clone")
+    with pytest.raises(cg.FrozenStateError, match="flip"):
+        lazy = cg.graph(Flipping(), warmup=2, outputs="clone")
+        for _ in range(3):
+            lazy(torch.randn(4))
+
+
+def test_the_snapshot_reaches_closures_caches_and_arguments() -> None:
+    layer = SimpleNamespace(length=0, window=16, name="a")
+    cache = SimpleNamespace(layers=[layer])
+    state = {"steps": 0}
+
+    def step(x: torch.Tensor, c: Any) -> torch.Tensor:
+        c.layers[0].length += 1
+        state["steps"] += 1  # a dict entry, not an instance attribute: not inspected
+        return x
+
+    snapshot = Snapshot(step, [cache])
+    for _ in range(3):
+        step(torch.ones(1), cache)
+        snapshot.take()
+    changes = snapshot.changes()
+    assert [name for name, _, _ in changes] == ["argument SimpleNamespace.layers[0].length"]
+    with pytest.raises(cg.FrozenStateError, match="length was 1, became 2"):
+        snapshot.check(restore=True)
+    assert layer.length == 0  # put back
+    steady = Snapshot(step, [cache], harmless=("length",))
+    for _ in range(3):
+        step(torch.ones(1), cache)
+        steady.take()
+    steady.check(restore=False)
+    assert layer.length == 3
+
+
+def replayer_with(in_use: list[bool]) -> Replayer:
+    x = torch.randn(3)
+    signature, leaves = Signature.of_call((x,), {})
+    graph: Any = SimpleNamespace(replay=lambda: None)
+    replayer = Replayer(graph, signature, leaves, [], x * 2, "clone", Counters())
+    replayer.policy = "guarded"  # the guarded emitter needs CUDA; its in_use() is what matters
+    replayer._emitter = SimpleNamespace(in_use=lambda: in_use[0])
+    replayer.emit = lambda: "guarded output"
+    return replayer
+
+
+def call_from_thread(replayer: Replayer) -> Any:
+    result: list[Any] = []
+
+    def run() -> None:
+        x = torch.randn(3)
+        try:
+            result.append(replayer.call([x], (x,), {}))
+        except BaseException as error:
+            result.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+def test_a_second_thread_switches_guarded_outputs_to_copies() -> None:
+    in_use = [False]
+    replayer = replayer_with(in_use)
+    x = torch.randn(3)
+    assert replayer.call([x], (x,), {}) == "guarded output"  # the first thread: zero-copy
+    in_use[0] = True  # that output is still alive when another thread calls
+    with pytest.warns(cg.CudaGraphsWarning, match="second thread"):
+        assert isinstance(call_from_thread(replayer), OutputsInUse)  # answered eagerly
+    assert replayer.shared
+    in_use[0] = False
+    out = call_from_thread(replayer)
+    assert isinstance(out, torch.Tensor)  # a copy, owned by the caller
+    again = replayer.call([x], (x,), {})
+    assert isinstance(again, torch.Tensor) and again is not out  # the first thread: copies too
+
+
+def test_random_draws_are_seen_by_the_loop_check() -> None:
+    x = torch.ones(8)
+    with RandomDraws() as draws:
+        _ = x * 2
+    assert draws.found == []
+    with RandomDraws() as draws:
+        _ = x + torch.randn_like(x)
+        _ = nn.functional.dropout(x, 0.5)
+    assert [op for op, _ in draws.found] == ["aten::randn_like", "aten::bernoulli_"]
+    assert draws.found[0][1].endswith(".py:" + draws.found[0][1].rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+def test_sliding_window_models_decode_as_generate_does(stand_in: None, kind: str) -> None:
+    """Sliding-window layers get full-length layers (the model's sliding mask windows them):
+    through the captured path, past the window, tokens equal generate's."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+
+    from cudagraphs.integrations.transformers import Decoder
+
+    torch.manual_seed(3)
+    common = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=16, max_position_embeddings=128,
+    )  # fmt: skip
+    if kind == "mistral":
+        model = MistralForCausalLM(MistralConfig(num_hidden_layers=2, **common)).eval()
+    else:
+        model = Gemma2ForCausalLM(Gemma2Config(num_hidden_layers=4, head_dim=16, **common)).eval()
+    prompt = torch.randint(1, 256, (3, 12))  # no pad id (0) inside: generate would mask it
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40,
+            min_new_tokens=40, do_sample=False, cache_implementation="static", pad_token_id=0,
+        )  # fmt: skip
+    decoder = Decoder(model, max_batch=4, max_length=52)
+    assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
+    got = decoder.generate(prompt, max_new_tokens=40, eos_token_id=None)
+    assert torch.equal(got, expected)
