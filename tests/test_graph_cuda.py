@@ -302,14 +302,14 @@ def test_dropout_draws_new_masks_on_every_replay() -> None:
     assert 0.45 < keep < 0.55
 
 
-def test_outputs_requiring_grad_are_detached_with_a_warning() -> None:
+def test_a_capture_whose_outputs_need_gradients_is_refused() -> None:
     model = torch.nn.Linear(4, 4).cuda()
-    with pytest.warns(cg.CudaGraphsWarning, match="require grad"):
+    with pytest.raises(cg.GradientsNotRecordedError, match=r"cg\.graph_autograd"):
+        cg.graph(model, rand(2, 4))  # eager's output has a gradient path; a replay's never
+    with torch.no_grad():
         g = cg.graph(model, rand(2, 4))
-    x = rand(2, 4)
-    out = g(x)
-    assert not out.requires_grad
-    torch.testing.assert_close(out, model(x).detach())
+        x = rand(2, 4)
+        torch.testing.assert_close(g(x), model(x))
 
 
 def test_inference_mode_capture_and_mutation_detection() -> None:

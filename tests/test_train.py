@@ -14,6 +14,7 @@ import cudagraphs as cg
 from cudagraphs.core.guards import modules_of
 from cudagraphs.training.activations import ActivationOrder
 from cudagraphs.training.optimizers import OptimizerWatch, make_graph_safe
+from cudagraphs.training.schedules import DeviceHyperparameters
 
 
 def mlp() -> nn.Module:
@@ -129,10 +130,12 @@ def test_optimizer_watch_notices_what_a_recording_would_ignore() -> None:
     assert "betas" in watch.stale()
     opt.param_groups[0]["betas"] = (0.9, 0.999)
     assert watch.stale() is None
-    opt.param_groups[0]["lr"] = 1e-3  # replaces the tensor the graph reads
-    assert "'lr'" in watch.stale()
-    opt.param_groups[0]["lr"] = watch.groups[0][0][1]
+    hyperparameters = DeviceHyperparameters(opt)
+    lr = opt.param_groups[0]["lr"]
+    opt.param_groups[0]["lr"] = 1e-3  # a hand-written schedule: refreshed before the replay
     assert watch.stale() is None
+    hyperparameters.refresh()
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(1e-3)
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert "load_state_dict" in watch.stale()
     watch._record()
@@ -188,3 +191,57 @@ def test_graph_autograd_chain_stage_format_is_checked(monkeypatch) -> None:
         cg.graph_autograd_chain([mlp()])  # type: ignore[list-item]
     with pytest.raises(cg.ConfigError, match="needs CUDA tensor example inputs"):
         cg.graph_autograd_chain([(mlp(), (torch.randn(4, 8),))])
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"momentum": 0.9},
+        {"momentum": 0.9, "dampening": 0.1, "weight_decay": 1e-2},
+        {"momentum": 0.8, "nesterov": True, "maximize": True},
+        {},
+    ],
+)
+def test_graph_safe_sgd_steps_as_torch_sgd_does(settings: dict) -> None:
+    torch.manual_seed(0)
+    ours, theirs = mlp(), mlp()
+    theirs.load_state_dict(ours.state_dict())
+    opts = [
+        cg.GraphSafeSGD(ours.parameters(), lr=0.05, **settings),
+        torch.optim.SGD(theirs.parameters(), lr=0.05, **settings),
+    ]
+    for _ in range(20):
+        x = torch.randn(16, 8)
+        for model, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            (-loss if settings.get("maximize") else loss).backward()  # bounded either way
+            opt.step()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_graph_safe_sgd_follows_a_momentum_schedule() -> None:
+    torch.manual_seed(1)
+    ours, theirs = mlp(), mlp()
+    theirs.load_state_dict(ours.state_dict())
+    opts = [
+        cg.GraphSafeSGD(ours.parameters(), lr=0.05, momentum=0.9),
+        torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9),
+    ]
+    schedules = [
+        torch.optim.lr_scheduler.CyclicLR(o, 0.001, 0.01, step_size_up=3, cycle_momentum=True)
+        for o in opts
+    ]
+    seen = set()
+    for _ in range(12):
+        x = torch.randn(16, 8)
+        for model, opt, schedule in zip((ours, theirs), opts, schedules):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+            schedule.step()
+        seen.add(round(opts[0].param_groups[0]["momentum"], 6))
+    assert len(seen) > 3  # the momentum really moved
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -368,3 +369,51 @@ def test_graph_autograd_captured_inside_autocast_follows_weight_updates() -> Non
     with torch.autocast("cuda", dtype=torch.bfloat16):
         x = torch.randn(32, 128, device="cuda")
         torch.testing.assert_close(graphed(x), reference(x), rtol=2e-2, atol=2e-2)
+
+
+def scheduled(kind: str) -> tuple[Any, Any, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 8)).cuda()
+    if kind == "adamw-onecycle":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=1e-2, total_steps=40, cycle_momentum=True
+        )
+    else:
+        opt = cg.GraphSafeSGD(model.parameters(), lr=0.05, momentum=0.9)
+        schedule = torch.optim.lr_scheduler.CyclicLR(
+            opt, 0.01, 0.1, step_size_up=5, cycle_momentum=True
+        )
+    return model, opt, schedule
+
+
+@pytest.mark.parametrize("kind", ["adamw-onecycle", "sgd-cyclic"])
+def test_momentum_schedules_replay_without_capturing_again(kind: str) -> None:
+    """OneCycleLR cycles AdamW's betas, CyclicLR the SGD momentum: both are read from device
+    tensors refreshed before each replay, so 30 steps replay one capture, and the parameters
+    follow eager's with the same optimizer implementation."""
+    graphed_model, graphed_opt, graphed_schedule = scheduled(kind)
+    eager_model, eager_opt, eager_schedule = scheduled(kind)
+    cg.make_graph_safe(eager_opt)  # the same implementation, stepped eagerly
+
+    def make_step(model: nn.Module, opt: Any) -> Any:
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return loss.detach()
+
+        return step
+
+    graphed = cg.train_step(make_step(graphed_model, graphed_opt), optimizer=graphed_opt)
+    eager = make_step(eager_model, eager_opt)
+    for _ in range(30):
+        x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 8, device="cuda")
+        graphed(x, y)
+        eager(x, y)
+        graphed_schedule.step()
+        eager_schedule.step()
+    assert graphed.state is cg.State.CAPTURED and graphed.stats.recaptures == 0
+    for a, b in zip(graphed_model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

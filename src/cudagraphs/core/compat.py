@@ -26,6 +26,8 @@ __all__ = [
     "guarded_storage",
     "guarded_tensor",
     "kill_storage",
+    "op_argument_defaults",
+    "op_argument_names",
     "op_name",
     "op_returns_alias",
     "op_writes",
@@ -183,6 +185,16 @@ def tensors_at_addresses(
 def op_name(func: Any) -> str:
     """The schema name of an aten op (``aten::add_``)."""
     return func._schema.name
+
+
+def op_argument_names(func: Any) -> list[str]:
+    """The names of an op's arguments, in order."""
+    return [a.name for a in func._schema.arguments]
+
+
+def op_argument_defaults(func: Any) -> dict[str, Any]:
+    """The default values of an op's arguments that have one."""
+    return {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
 
 
 def op_writes(func: Any) -> list[tuple[int, str]]:

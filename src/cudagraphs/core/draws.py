@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .compat import OPS_DISPATCH_MODE, op_name
+from .compat import OPS_DISPATCH_MODE, op_argument_defaults, op_argument_names, op_name
 from .frames import user_frame
 
 __all__ = ["RandomDraws"]
@@ -33,7 +33,20 @@ class RandomDraws(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
         return True  # else Dynamo marks a compiled function's code as never to compile again
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
             filename, line = user_frame()
             self.found.append((op_name(func), f"{filename}:{line}"))
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a seeded op draws here: attention and dropout kernels carry the tag but draw
+    nothing with a dropout probability of 0 or outside training."""
+    values = op_argument_defaults(func)
+    values.update(zip(op_argument_names(func), args))
+    values.update(kwargs)
+    for name in ("dropout_p", "p"):
+        if name in values and isinstance(values[name], (int, float)) and values[name] == 0:
+            return False
+    return values.get("train", True) is not False

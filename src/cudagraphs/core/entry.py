@@ -34,8 +34,8 @@ class Entry(Generic[R]):
         with self.lock:
             try:
                 guard = self.guard
-                if guard is not None and (reason := guard.stale()) is not None:
-                    self._on_stale(reason)
+                if guard is not None and not guard.check() and (reason := guard.stale()):
+                    self._on_stale(reason)  # the common answer, check(), is one C call
                 replayer = self.replayer
                 if (
                     replayer is not None

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CaptureError, ConfigError, explain
+from ..errors import CaptureError, ConfigError, CudaGraphsError, explain
 from . import compat
 from .capturing import capturing
 from .frames import callable_name, user_location
@@ -218,6 +218,8 @@ def capture(
     _recover(graph, device, stream)
     if isinstance(failure, (KeyboardInterrupt, SystemExit)):
         raise failure
+    if isinstance(failure, CudaGraphsError) and not isinstance(failure, CaptureError):
+        raise failure  # the library's own refusal (a random draw in a loop body): it explains
     primary = failure if failure is not None else end_failure
     assert primary is not None
     kind, what, fix = classify_failure(primary, end_failure)

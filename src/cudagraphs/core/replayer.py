@@ -41,6 +41,7 @@ __all__ = ["Counters", "OutputsInUse", "Replayer"]
 
 log = logging.getLogger("cudagraphs")
 _get_ident = threading.get_ident
+_inference_enabled = torch.is_inference_mode_enabled
 
 
 @dataclass
@@ -132,10 +133,46 @@ class Replayer:
         in place copied, the replay, the previous outputs marked dead, write-back, outputs.
 
         Kept in one frame, since on a small graph the host's work before the launch adds to
-        latency one for one; any doubt in the check goes to the slow check, which explains.
+        latency one for one: the common case (same modes, same thread) is decided inline and
+        only a call with something to refuse or note takes :meth:`enter`; any doubt in the
+        input check goes to the slow check, which explains.
         """
-        self.enter(leaves)
-        copied = self._copy_in(leaves, args, kwargs)
+        if (
+            self.check_grad
+            or _get_ident() != self.owner
+            or not (self.same_modes() and _inference_enabled() is self.inference)
+        ):
+            self.enter(leaves)  # anything to check or refuse there: the slow path explains
+        dst: list[torch.Tensor] | None = None
+        src: list[torch.Tensor] = []
+        try:
+            for i, buf, ptr, shape, dtype, dev, stride in self.slots:
+                x = leaves[i]
+                if x is buf:
+                    continue  # the static buffer itself: no copy
+                if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
+                    raise _Mismatch
+                if x.data_ptr() == ptr and x.stride() == stride:  # a stale output raises
+                    continue
+                if dst is None:
+                    dst = []
+                dst.append(buf)
+                src.append(x)
+            for i, value in self.frozen:
+                x = leaves[i]
+                if x is not value and (type(x) is not type(value) or x != value):
+                    raise _Mismatch
+        except Exception:
+            self.explain_mismatch(args, kwargs)
+            raise
+        copied = 0
+        if dst is not None:
+            # One multi-tensor kernel for several inputs: fewer launches in front of the replay.
+            if len(dst) > 1:
+                compat.foreach_copy(dst, src)
+            else:
+                dst[0].copy_(src[0])
+            copied = len(dst)
         try:
             self.graph.replay()
         finally:  # after the launch, so that this host work overlaps the GPU's (see _replay)
@@ -153,7 +190,7 @@ class Replayer:
     def enter(self, leaves: Sequence[Any] = ()) -> None:
         """The checks that come before anything is written (for a caller that stages the
         static inputs itself before :meth:`replay_static`): modes, gradients, thread."""
-        if not (self.same_modes() and torch.is_inference_mode_enabled() is self.inference):
+        if not (self.same_modes() and _inference_enabled() is self.inference):
             self.modes.refuse(self._grad_tensors(leaves))  # raises, or accepts the new state
             self.same_modes = self.modes.guard.check
         if self.check_grad:
@@ -192,36 +229,6 @@ class Replayer:
         in_use = getattr(self._emitter, "in_use", None)
         if in_use is not None and in_use():
             raise OutputsInUse
-
-    def _copy_in(self, leaves: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-        """Check every leaf and copy the tensors that are not already in place; how many."""
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        try:
-            for i, buf, ptr, shape, dtype, dev, stride in self.slots:
-                x = leaves[i]
-                if x is buf:
-                    continue
-                if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
-                    raise _Mismatch
-                if x.data_ptr() == ptr and x.stride() == stride:
-                    continue
-                dst.append(buf)
-                src.append(x)
-            for i, value in self.frozen:
-                x = leaves[i]
-                if x is not value and (type(x) is not type(value) or x != value):
-                    raise _Mismatch
-        except Exception:
-            self.explain_mismatch(args, kwargs)
-            raise
-        if dst:
-            # One multi-tensor kernel for several inputs: fewer launches in front of the replay.
-            if len(dst) > 1:
-                compat.foreach_copy(dst, src)
-            else:
-                dst[0].copy_(src[0])
-        return len(dst)
 
     def replay_static(self) -> Any:
         """Replay on whatever the static input buffers hold now; return the outputs. The

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
+from ..core import compat
 from ..errors import ConfigError, explain
+from .schedules import DeviceHyperparameters, GraphSafeSGD, device_keys
 
 __all__ = ["OptimizerWatch", "make_graph_safe", "optimizer_tensors"]
 
@@ -72,16 +74,11 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, *, switch: bool = True) ->
                 group["capturable"] = True
             if setting == "fused":
                 group["foreach"] = False  # fused and foreach are exclusive
-                # What __init__ sets for fused=True: GradScaler then hands grad_scale and
-                # found_inf to step() instead of syncing on found_inf.
-                optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]
-                if hasattr(optimizer, "_need_device_dtype_check_for_fused"):
-                    optimizer._need_device_dtype_check_for_fused = True  # type: ignore[attr-defined]
+                compat.declare_amp_scaling(optimizer)
             changes.append(f"param_groups[{k}]: {setting}=True")
-        if not isinstance(group["lr"], torch.Tensor):
-            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
-            changes.append(f"param_groups[{k}]: lr as a device tensor")
         _move_counters(optimizer, group["params"], device)
+    if plan and not isinstance(optimizer, GraphSafeSGD):
+        changes += DeviceHyperparameters(optimizer).install()
     if changes:
         log.info("cudagraphs: %s made graph-safe: %s", name, "; ".join(changes))
     return changes
@@ -105,6 +102,8 @@ def _check_group(
                 "create the optimizer with differentiable=False for a captured training step",
             )
         )
+    if isinstance(optimizer, GraphSafeSGD):
+        return None  # its step reads everything from device tensors
     if group.get("capturable") or (group.get("fused") and "capturable" not in group):
         return None
     setting = _graph_safe_setting(optimizer, group, params)
@@ -141,6 +140,10 @@ def _graph_safe_setting(
 ) -> str | None:
     if group.get("fused") and "capturable" in group:
         return "capturable"  # fused Adam still has to be told it is being captured
+    if "capturable" in group and ("max_momentum" in group or "base_momentum" in group):
+        # A scheduler cycles momentum (OneCycleLR, CyclicLR): the capturable form reads
+        # betas from device tensors, the fused kernel takes them as constants.
+        return "capturable"
     if isinstance(optimizer, _CUDA_FUSED) and all(p.is_floating_point() for p in params):
         return "fused"
     if "capturable" in group:
@@ -195,8 +198,14 @@ class OptimizerWatch:
 
     def _record(self) -> None:
         self.seen_loads = self.loads
+        # Hyperparameters the step reads from device tensors follow any schedule (refreshed
+        # before each replay, schedules.DeviceHyperparameters): not stale when they change.
         self.groups = [
-            [(key, value) for key, value in group.items() if key != "params"]
+            [
+                (key, value)
+                for key, value in group.items()
+                if key != "params" and key not in device_keys(self.optimizer, group)
+            ]
             for group in self.optimizer.param_groups
         ]
 
@@ -215,6 +224,7 @@ class OptimizerWatch:
                 if isinstance(value, torch.Tensor) or isinstance(now, torch.Tensor) or now != value:
                     return (
                         f"{self.name}.param_groups[{k}][{key!r}] changed from {value!r} to {now!r} "
-                        "(the recording froze it; only the tensor learning rate updates in place)"
+                        "(the recording froze it; hyperparameters kept on the device follow "
+                        "schedules: see cudagraphs.training.schedules)"
                     )
         return None

@@ -31,6 +31,7 @@ from ..core.tree import NAMESPACE
 from ..options import OptionKwargs, Options
 from .distributed import checked_warmup
 from .optimizers import OptimizerWatch, make_graph_safe, optimizer_tensors
+from .schedules import DeviceHyperparameters
 
 __all__ = ["TRAIN_STEP_OPTIONS", "TrainStep", "train_step"]
 
@@ -76,6 +77,7 @@ class TrainStep(Graphed[R]):
         self.optimizers = tuple(optimizers)
         self.switch_optimizer = switch_optimizer
         self._prepared = False
+        self._hyperparameters: list[DeviceHyperparameters] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         if not self._prepared:
@@ -87,10 +89,15 @@ class TrainStep(Graphed[R]):
                 )  # fmt: skip
                 for optimizer in self.optimizers:
                     make_graph_safe(optimizer, switch=self.switch_optimizer)
+                self._hyperparameters = [DeviceHyperparameters(o) for o in self.optimizers]
             else:  # CPU parameters: every step runs eagerly, none is a warm-up
                 self.eager_warmups_left = 0
             self._prepared = True
-        return super().__call__(*args, **kwargs)
+        with self.lock:
+            # Values a scheduler wrote since the last step go to the tensors the graph reads.
+            for hyperparameters in self._hyperparameters:
+                hyperparameters.refresh()
+            return super().__call__(*args, **kwargs)
 
     def _on_cuda(self) -> bool:
         if not torch.cuda.is_available():
