@@ -4,6 +4,7 @@ lower layers never import higher ones, and ``import cudagraphs`` stays light."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -163,3 +164,39 @@ def test_train_step_refuses_options_it_does_not_take() -> None:
 def test_config_error_hint_suggests_the_default() -> None:
     with pytest.raises(cg.ConfigError, match="pass outputs='guarded' \\(the default\\)"):
         cg.graph(lambda x: x, outputs="copy")
+
+
+# Private torch names: ``torch._X`` / ``torch.cuda._X`` attributes, the dispatcher's
+# ``_schema``, version counters, optimizer internals, and private torch modules.
+_PRIVATE_TORCH = re.compile(
+    r"torch(\.[A-Za-z]\w*)*\._[A-Za-z]|\._version\b|\._schema\b|\._cdata\b"
+    r"|_step_supports_amp_scaling|_need_device_dtype_check|torch\.utils\._"
+)
+
+
+def test_private_torch_names_are_used_only_in_the_doorway_module() -> None:
+    """Every private PyTorch name goes through ``core/compat.py`` (one place to gate and
+    update when PyTorch changes); comments and docstrings do not count."""
+    offenders = []
+    for name, path in _modules().items():
+        if name == "cudagraphs.core.compat":
+            continue
+        source = path.read_text()
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Attribute, ast.ImportFrom, ast.Import)):
+                text = ast.unparse(node)
+                if _PRIVATE_TORCH.search(text):
+                    offenders.append(f"{path.relative_to(SRC)}:{node.lineno}: {text}")
+    assert sorted(set(offenders)) == []
+
+
+def test_the_doorway_check_sees_a_private_name() -> None:
+    """The check above is not vacuous: a use planted in a module's source is found."""
+    planted = ast.parse("x = torch._C._cuda_clearCublasWorkspaces()\ny = t._version")
+    found = [
+        ast.unparse(n)
+        for n in ast.walk(planted)
+        if isinstance(n, ast.Attribute) and _PRIVATE_TORCH.search(ast.unparse(n))
+    ]
+    assert "torch._C._cuda_clearCublasWorkspaces" in found and "t._version" in found

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..core import compat
 from ..core.capturing import active_capture
 from ..errors import CaptureError, ConditionalNodesUnavailable, explain
 from . import kernels
@@ -92,7 +93,7 @@ def available() -> str | None:
     """``None`` when this machine can run conditional nodes, else why not, in words."""
     if not torch.cuda.is_available():
         return "no CUDA device"
-    if not hasattr(torch._C, "_cuda_beginAllocateToPool"):
+    if not compat.routes_allocations_to_pools():
         # a body's tensors must come from the graph's pool (PyTorch 2.8 has the routing)
         return f"PyTorch {torch.__version__} cannot route a body's allocations to the graph's pool"
     try:

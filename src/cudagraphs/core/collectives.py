@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import CollectiveMismatchError, explain
+from .compat import OPS_DISPATCH_MODE
 
 __all__ = ["CollectiveLog", "compare_across_ranks", "compared_across_ranks", "distributed_active"]
 
@@ -41,7 +41,7 @@ def distributed_active() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-class CollectiveLog(TorchDispatchMode):
+class CollectiveLog(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
     """Records ``(collective, [(shape, dtype), ...])`` for each collective a run issues."""
 
     def __init__(self) -> None:

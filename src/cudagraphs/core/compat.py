@@ -30,9 +30,11 @@ __all__ = [
     "op_argument_names",
     "op_name",
     "op_returns_alias",
+    "op_schema_arguments",
     "op_writes",
     "raise_compile_limits",
     "release_pool",
+    "routes_allocations_to_pools",
     "sleep_cycles",
     "storage_use_count",
     "tensor_address_reader",
@@ -157,6 +159,11 @@ def release_pool(device_index: int, pool: Any) -> None:
     _C._cuda_releasePool(device_index, pool)
 
 
+def routes_allocations_to_pools() -> bool:
+    """Whether this PyTorch can route allocations to a graph's pool mid-capture (2.8+)."""
+    return hasattr(_C, "_cuda_beginAllocateToPool")
+
+
 # --- the address check (addresses.py) ---------------------------------------------------------
 
 
@@ -185,6 +192,11 @@ def tensors_at_addresses(
 def op_name(func: Any) -> str:
     """The schema name of an aten op (``aten::add_``)."""
     return func._schema.name
+
+
+def op_schema_arguments(func: Any) -> list[Any]:
+    """An op's schema arguments (each with ``name`` and ``alias_info``)."""
+    return list(func._schema.arguments)
 
 
 def op_argument_names(func: Any) -> list[str]:

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import compat
+from .compat import OPS_DISPATCH_MODE, op_name, op_returns_alias, op_schema_arguments
 
 __all__ = [
     "RngState",
@@ -105,7 +107,7 @@ class _Store:
         return result
 
 
-class WriteRecorder(TorchDispatchMode):
+class WriteRecorder(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
     """A dispatch mode that copies each storage an eager run writes, before the first write.
 
     Right::
@@ -175,8 +177,8 @@ def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
     """``(position, name)`` of every argument an aten op writes in place (or into, ``out=``)."""
     found = _WRITES.get(func)
     if found is None:
-        arguments = func._schema.arguments
-        unmarked = _UNMARKED_WRITES.get(func._schema.name, ())
+        arguments = op_schema_arguments(func)
+        unmarked = _UNMARKED_WRITES.get(op_name(func), ())
         found = tuple(
             (i, a.name)
             for i, a in enumerate(arguments)
@@ -187,7 +189,7 @@ def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
 
 
 def _returns_alias(func: Any) -> bool:
-    return any(r.alias_info is not None for r in func._schema.returns)
+    return op_returns_alias(func)
 
 
 class Snapshot:
@@ -203,11 +205,11 @@ class Snapshot:
         for name, t in named:
             self._store.save(storage_key(t), name, t)
             if not t.is_inference():  # inference tensors keep no version counter
-                self._versions.append((name, t, t._version))
+                self._versions.append((name, t, compat.version(t)))
         self._rng = RngState()
 
     def changed(self) -> list[str]:
-        return [name for name, t, version in self._versions if t._version != version]
+        return [name for name, t, version in self._versions if compat.version(t) != version]
 
     def restore(self) -> None:
         self._store.restore()
@@ -215,7 +217,7 @@ class Snapshot:
 
     def written(self) -> Written:
         """The snapshot's tensors whose version moved (what a run wrote, of these)."""
-        moved = {storage_key(t) for _, t, v in self._versions if t._version != v}
+        moved = {storage_key(t) for _, t, v in self._versions if compat.version(t) != v}
         result = Written()
         for key, saved in self._store.saved.items():
             if key in moved:
@@ -231,12 +233,12 @@ class Versions:
     def __init__(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         # Inference tensors (a model built under torch.inference_mode()) keep no version
         # counter; outside inference mode nothing can write them in place anyway.
-        self._versions = [(name, t, t._version) for name, t in named if not t.is_inference()]
+        self._versions = [(name, t, compat.version(t)) for name, t in named if not t.is_inference()]
 
     def changed(self, ignore: Iterable[torch.Tensor] = ()) -> list[str]:
         skip = {storage_key(t) for t in ignore}
         return [
             name
             for name, t, version in self._versions
-            if t._version != version and storage_key(t) not in skip
+            if compat.version(t) != version and storage_key(t) not in skip
         ]

@@ -19,8 +19,8 @@ from typing import Any
 import optree
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core.compat import OPS_DISPATCH_MODE, op_name, op_returns_alias
 from ..core.frames import user_frame
 from ..core.state import storage_key, written_arguments
 from .findings import Collector
@@ -114,7 +114,7 @@ _DYNAMIC_OPS = {
 }
 
 
-class DispatchWatch(TorchDispatchMode):
+class DispatchWatch(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
     def __init__(
         self,
         collector: Collector,
@@ -137,7 +137,7 @@ class DispatchWatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        name = func._schema.name
+        name = op_name(func)
         tensors = [t for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         shapes = tuple(tuple(t.shape) for t in tensors)
         filename, lineno = user_frame()
@@ -181,7 +181,7 @@ class DispatchWatch(TorchDispatchMode):
                 c.add("closure-tensor", name, where=label)
                 self.known.add(key)  # report each external tensor once
         out = func(*args, **kwargs)
-        aliasing = any(r.alias_info is not None for r in func._schema.returns)
+        aliasing = op_returns_alias(func)
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.known.add(storage_key(t))

@@ -34,6 +34,7 @@ import torch
 
 from ..api import graph
 from ..control.flow import while_loop
+from ..core import compat
 from ..core.pool import Pool
 from ..errors import ConfigError, explain
 from ..options import check_positive_int
@@ -385,9 +386,13 @@ class Decoder:
 
 def _compiled(fn: Callable[..., Any], compile: bool | str, rungs: int) -> Callable[..., Any]:
     mode = None if compile is True else compile
-    config = torch._dynamo.config
-    # One compiled variant per batch rung (its own shapes and cache): keep them all.
-    for limit in ("recompile_limit", "cache_size_limit"):
-        if hasattr(config, limit) and getattr(config, limit) < 2 * rungs + 8:
-            setattr(config, limit, 2 * rungs + 8)
-    return torch.compile(fn, mode=mode, dynamic=False)
+    compiled = torch.compile(fn, mode=mode, dynamic=False)
+    # One compiled variant per batch rung: Dynamo's recompile limit must admit them all, raised
+    # only around this function's calls (warm-up, capture), not for the rest of the process.
+    limits = compat.raise_compile_limits(2 * rungs + 8)
+
+    def within_limits(*args: Any, **kwargs: Any) -> Any:
+        with compat.compile_config_patch(limits):
+            return compiled(*args, **kwargs)
+
+    return within_limits if limits else compiled

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from ..core import compat
 from .timing import sync
 
 __all__ = ["Profile", "profile"]
@@ -276,7 +277,7 @@ def gpu_time_us(launch: Callable[[], Any], rounds: int = 20) -> float:
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000)  # ~1 ms of spinning: longer than issuing the work takes
+        compat.sleep_cycles(2_000_000)  # ~1 ms of spinning: longer than issuing the work takes
         start.record()
         launch()
         end.record()

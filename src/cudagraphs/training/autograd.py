@@ -29,6 +29,7 @@ from typing import Any
 import optree
 import torch
 
+from ..core import compat
 from ..core.frames import callable_name
 from ..core.graphed import Graphed
 from ..core.guards import AddressGuard, modules_of
@@ -205,7 +206,7 @@ class GraphedAutograd:
                 src.append(given)
         if dst:
             with torch.no_grad():
-                torch._foreach_copy_(dst, src)
+                compat.foreach_copy(dst, src)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:  # one call at a time: the static inputs and outputs are shared
