@@ -200,3 +200,27 @@ def test_the_doorway_check_sees_a_private_name() -> None:
         if isinstance(n, ast.Attribute) and _PRIVATE_TORCH.search(ast.unparse(n))
     ]
     assert "torch._C._cuda_clearCublasWorkspaces" in found and "t._version" in found
+
+
+class _Model(__import__("torch").nn.Module):
+    def forward(self, x):  # type: ignore[no-untyped-def]
+        return x * 2
+
+
+@pytest.mark.parametrize("entry", ["graph", "graph_autograd"])
+@pytest.mark.parametrize("kind", ["module", "function"])
+def test_a_misspelt_option_is_refused_with_the_suggestion(entry: str, kind: str) -> None:
+    import torch
+
+    fn = _Model() if kind == "module" else (lambda x: x * 2)
+    with pytest.raises(cg.ConfigError, match="did you mean warmup="):
+        getattr(cg, entry)(fn, torch.ones(2), warmpu=5)
+
+
+def test_train_step_refuses_a_misspelt_option() -> None:
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(cg.ConfigError, match="did you mean warmup="):
+        cg.train_step(lambda x: model(x).sum(), optimizer=opt, warmpu=5)

@@ -178,15 +178,32 @@ _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(Optio
 
 
 def split_options(
-    fn: Callable[..., Any] | None, kwargs: dict[str, Any], *, extra: Sequence[str] = ()
+    fn: Callable[..., Any] | None,
+    kwargs: dict[str, Any],
+    *,
+    extra: Sequence[str] = (),
+    allowed: Sequence[str] | None = None,
+    entry: str = "cg.graph",
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``(options, example_kwargs)`` from one keyword dict.
+    """``(options, example_kwargs)`` from one keyword dict, for every entry point that takes
+    options and example keywords together (``allowed``: the entry's own options, default all).
 
-    A keyword that is not an option, that ``fn`` does not accept, and that is close to an option
-    name is a typo (``warmpu=3``, ``output="clone"``): raise :class:`ConfigError` naming the
-    option, instead of freezing it as an example argument the first call then trips over.
+    A keyword that is not an option, that ``fn`` does not accept (a module: its ``forward``),
+    and that is close to an option name is a typo (``warmpu=3``, ``output="clone"``): raise
+    :class:`ConfigError` naming the option, instead of freezing it as an example argument the
+    first call then trips over. An option of ``cg.graph`` that this entry does not take, and
+    that ``fn`` does not take either, raises too.
     """
-    names = (*OPTION_NAMES, *extra)
+    names = (*(OPTION_NAMES if allowed is None else allowed), *extra)
+    for key in kwargs:
+        if key in OPTION_NAMES and key not in names and not _accepts(fn, key):
+            raise ConfigError(
+                explain(
+                    f"{entry} does not take the option {key}=",
+                    f"{entry} accepts only its own options: {', '.join(names)}",
+                    f"remove {key}=, or use cg.graph for it",
+                )
+            )
     options = {k: v for k, v in kwargs.items() if k in names}
     rest = {k: v for k, v in kwargs.items() if k not in names}
     for key in rest:
@@ -206,6 +223,8 @@ def split_options(
 def _accepts(fn: Callable[..., Any] | None, key: str) -> bool:
     if fn is None:
         return False
+    if isinstance(fn, torch.nn.Module):  # its __call__ takes (*args, **kwargs): ask forward
+        fn = fn.forward
     try:
         parameters = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):

@@ -12,7 +12,7 @@ from torch import nn
 from ..core import recorder
 from ..core.side_effects import SideEffects
 from ..errors import ConfigError, explain
-from ..options import Options
+from ..options import Options, split_options
 from .activations import ActivationOrder
 from .autograd import GraphedAutograd
 
@@ -94,7 +94,7 @@ def graph_autograd(fn: Callable[..., Any], /, *example_args: Any, **kwargs: Any)
     Options: ``warmup``, ``pool``, ``stream``, ``capture_error_mode`` and ``modules``, as for
     :func:`cudagraphs.graph`; other keywords are example inputs.
     """
-    settings, example_kwargs = _split(kwargs)
+    settings, example_kwargs = _split(fn, kwargs)
     return _build([(fn, example_args, example_kwargs)], settings)[0]
 
 
@@ -119,9 +119,10 @@ def graph_autograd_chain(
     return _build(stages, settings.replace(on_stale="raise"))
 
 
-def _split(kwargs: dict[str, Any]) -> tuple[Options, dict[str, Any]]:
-    options = {k: v for k, v in kwargs.items() if k in AUTOGRAD_OPTIONS}
-    examples = {k: v for k, v in kwargs.items() if k not in AUTOGRAD_OPTIONS}
+def _split(fn: Any, kwargs: dict[str, Any]) -> tuple[Options, dict[str, Any]]:
+    options, examples = split_options(
+        fn, kwargs, allowed=AUTOGRAD_OPTIONS, entry="cg.graph_autograd"
+    )
     settings = Options.from_kwargs(options, entry="graph_autograd", allowed=AUTOGRAD_OPTIONS)
     return settings.replace(on_stale="raise"), examples
 
