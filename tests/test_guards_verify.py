@@ -54,3 +54,36 @@ def test_tolerance_fits_the_dtype() -> None:
         > tolerance(torch.float64)["rtol"]
     )
     assert tolerance(torch.int64) == {"rtol": 0.0, "atol": 0.0}
+
+
+def test_another_librarys_apply_patch_made_after_import_survives_guards() -> None:
+    import gc
+
+    import torch
+    from torch import nn
+
+    from cudagraphs.core.guards import AddressGuard, release_unused_hooks
+
+    gc.collect()
+    release_unused_hooks()  # guards of earlier tests: gone, so torch.nn is as it was
+    original = nn.Module._apply
+    calls: list[str] = []
+
+    def theirs(self: nn.Module, *args: object, **kwargs: object) -> object:
+        calls.append(type(self).__name__)
+        return original(self, *args, **kwargs)
+
+    nn.Module._apply = theirs  # another library, after cudagraphs was imported
+    try:
+        model = nn.Linear(2, 2)
+        guard = AddressGuard(model)
+        model.to(torch.float64)  # runs through both wrappers while the guard lives
+        assert calls == ["Linear"]
+        del guard
+        gc.collect()
+        release_unused_hooks()
+        assert nn.Module._apply is theirs  # put back as it was found, not as at import
+        model.to(torch.float32)
+        assert calls == ["Linear", "Linear"]
+    finally:
+        nn.Module._apply = original

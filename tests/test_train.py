@@ -245,3 +245,33 @@ def test_graph_safe_sgd_follows_a_momentum_schedule() -> None:
     assert len(seen) > 3  # the momentum really moved
     for a, b in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "settings", [{}, {"weight_decay": 1e-2, "amsgrad": True}, {"maximize": True}]
+)
+def test_graph_safe_adamw_steps_as_torch_adamw_does(settings: dict) -> None:
+    torch.manual_seed(0)
+    ours, theirs = mlp(), mlp()
+    theirs.load_state_dict(ours.state_dict())
+    opts = [
+        cg.GraphSafeAdamW(ours.parameters(), lr=1e-2, **settings),
+        torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False, **settings),
+    ]
+    schedules = [
+        torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=30, cycle_momentum=True)
+        for o in opts
+    ]
+    betas = set()
+    for _ in range(25):
+        x = torch.randn(16, 8)
+        for model, opt, schedule in zip((ours, theirs), opts, schedules):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            (-loss if settings.get("maximize") else loss).backward()
+            opt.step()
+            schedule.step()
+        betas.add(round(opts[0].param_groups[0]["betas"][0], 6))
+    assert len(betas) > 5  # OneCycleLR really cycled betas[0]
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -208,7 +208,7 @@ def test_grad_scaler_without_fused_step_is_a_capture_error_naming_the_sync() -> 
     assert any(f.kind == "grad-scaler" for f in caught.value.findings), caught.value.findings
 
 
-def test_lr_assignment_and_load_state_dict_recapture_and_stay_correct(caplog) -> None:
+def test_lr_assignment_replays_and_load_state_dict_recaptures_correctly(caplog) -> None:
     torch.manual_seed(0)
     eager_model = mlp()
     graphed_model = copy.deepcopy(eager_model)
@@ -222,7 +222,7 @@ def test_lr_assignment_and_load_state_dict_recapture_and_stay_correct(caplog) ->
     snapshot = None
     with caplog.at_level(logging.WARNING, logger="cudagraphs"):
         for i, (x, y) in enumerate(data):
-            if i == 8:  # a float lr replaces the tensor the graph reads
+            if i == 8:  # a float lr: copied into the tensor the graph reads, no recapture
                 eager_opt.param_groups[0]["lr"] = 3e-4
                 graphed_opt.param_groups[0]["lr"] = 3e-4
             if i == 12:
@@ -232,7 +232,7 @@ def test_lr_assignment_and_load_state_dict_recapture_and_stay_correct(caplog) ->
                 graphed_opt.load_state_dict(copy.deepcopy(snapshot))
             eager_step(x, y)
             graphed_step(x, y)
-    assert graphed_step.stats.recaptures == 2
+    assert graphed_step.stats.recaptures == 1  # load_state_dict replaced the state tensors
     assert "capturing again" in caplog.text
     assert_params_close(graphed_model, eager_model, rtol=1e-5)
 
@@ -375,7 +375,7 @@ def scheduled(kind: str) -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 8)).cuda()
     if kind == "adamw-onecycle":
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+        opt = cg.GraphSafeAdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
         schedule = torch.optim.lr_scheduler.OneCycleLR(
             opt, max_lr=1e-2, total_steps=40, cycle_momentum=True
         )
@@ -389,9 +389,9 @@ def scheduled(kind: str) -> tuple[Any, Any, Any]:
 
 @pytest.mark.parametrize("kind", ["adamw-onecycle", "sgd-cyclic"])
 def test_momentum_schedules_replay_without_capturing_again(kind: str) -> None:
-    """OneCycleLR cycles AdamW's betas, CyclicLR the SGD momentum: both are read from device
-    tensors refreshed before each replay, so 30 steps replay one capture, and the parameters
-    follow eager's with the same optimizer implementation."""
+    """OneCycleLR cycles AdamW's betas, CyclicLR the SGD momentum: the graph-safe optimizers
+    read them from device tensors refreshed before each replay, so 30 steps replay one
+    capture, and the parameters follow eager's with the same optimizer implementation."""
     graphed_model, graphed_opt, graphed_schedule = scheduled(kind)
     eager_model, eager_opt, eager_schedule = scheduled(kind)
     cg.make_graph_safe(eager_opt)  # the same implementation, stepped eagerly

@@ -51,7 +51,7 @@ from .training.autograd import GraphedAutograd
 from .training.autograd_chain import graph_autograd, graph_autograd_chain
 from .training.distributed import capture_stream, ddp
 from .training.optimizers import make_graph_safe
-from .training.schedules import GraphSafeSGD
+from .training.schedules import GraphSafeAdamW, GraphSafeSGD
 from .training.step import TrainStep, train_step
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ __all__ = [
     "Finding",
     "FrozenStateError",
     "GradientsNotRecordedError",
+    "GraphSafeAdamW",
     "GraphSafeSGD",
     "Graphed",
     "GraphedAutograd",

@@ -45,7 +45,7 @@ _generation_bytes = bytearray(8)
 _live_guards: weakref.WeakSet[AddressGuard] = weakref.WeakSet()
 _hook_handles: list[Any] = []
 _removal_pending = False  # the last guard died; remove the hooks at the next safe point
-_original_apply = nn.Module._apply
+_wrapped_apply: Any = None  # what nn.Module._apply was when the hooks went in (see _install_hooks)
 
 
 def _bump(*_: Any) -> None:
@@ -62,7 +62,7 @@ def _bump(*_: Any) -> None:
 
 def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     try:
-        return _original_apply(self, *args, **kwargs)
+        return _wrapped_apply(self, *args, **kwargs)
     finally:
         _bump()
 
@@ -83,8 +83,12 @@ def _install_hooks() -> None:
         )
     )
     # Module._apply (behind .to(), .cuda(), .half() ...) writes new buffer objects straight into
-    # _buffers, past the registration hooks: count it as a reassignment too.
-    nn.Module._apply = _apply  # type: ignore[method-assign]
+    # _buffers, past the registration hooks: count it as a reassignment too. Whatever is there
+    # now (another library's wrapper, installed after this module was imported) is what runs.
+    global _wrapped_apply
+    if nn.Module._apply is not _apply:  # never wrap ourselves (left in place by a wrapper)
+        _wrapped_apply = nn.Module._apply
+        nn.Module._apply = _apply  # type: ignore[method-assign]
 
 
 def _remove_hooks() -> None:
@@ -109,8 +113,8 @@ def release_unused_hooks() -> None:
     for handle in _hook_handles:
         handle.remove()
     _hook_handles.clear()
-    if nn.Module._apply is _apply:
-        nn.Module._apply = _original_apply  # type: ignore[method-assign]
+    if nn.Module._apply is _apply:  # else another library wrapped ours since: leave theirs
+        nn.Module._apply = _wrapped_apply  # type: ignore[method-assign]
 
 
 def hooks_installed() -> bool:

@@ -26,7 +26,7 @@ import torch
 
 from ..core import compat
 from ..errors import ConfigError, explain
-from .schedules import DeviceHyperparameters, GraphSafeSGD, device_keys
+from .schedules import GRAPH_SAFE, DeviceHyperparameters, device_keys
 
 __all__ = ["OptimizerWatch", "make_graph_safe", "optimizer_tensors"]
 
@@ -77,8 +77,17 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, *, switch: bool = True) ->
                 compat.declare_amp_scaling(optimizer)
             changes.append(f"param_groups[{k}]: {setting}=True")
         _move_counters(optimizer, group["params"], device)
-    if plan and not isinstance(optimizer, GraphSafeSGD):
+    if plan and not isinstance(optimizer, GRAPH_SAFE):
         changes += DeviceHyperparameters(optimizer).install()
+    if any("max_momentum" in g for g in optimizer.param_groups) and not isinstance(
+        optimizer, GRAPH_SAFE
+    ):
+        log.warning(
+            "cudagraphs: a scheduler cycles %s's momentum, which its step reads as a Python "
+            "float: each change captures the step again (correct, not faster). "
+            "cg.GraphSafeAdamW / cg.GraphSafeSGD read it from the device instead.",
+            name,
+        )
     if changes:
         log.info("cudagraphs: %s made graph-safe: %s", name, "; ".join(changes))
     return changes
@@ -102,7 +111,7 @@ def _check_group(
                 "create the optimizer with differentiable=False for a captured training step",
             )
         )
-    if isinstance(optimizer, GraphSafeSGD):
+    if isinstance(optimizer, GRAPH_SAFE):
         return None  # its step reads everything from device tensors
     if group.get("capturable") or (group.get("fused") and "capturable" not in group):
         return None
@@ -140,10 +149,6 @@ def _graph_safe_setting(
 ) -> str | None:
     if group.get("fused") and "capturable" in group:
         return "capturable"  # fused Adam still has to be told it is being captured
-    if "capturable" in group and ("max_momentum" in group or "base_momentum" in group):
-        # A scheduler cycles momentum (OneCycleLR, CyclicLR): the capturable form reads
-        # betas from device tensors, the fused kernel takes them as constants.
-        return "capturable"
     if isinstance(optimizer, _CUDA_FUSED) and all(p.is_floating_point() for p in params):
         return "fused"
     if "capturable" in group:

@@ -11,12 +11,11 @@ back in the group. Schedulers already update a tensor learning rate in place.
 
 Which ones live on the device depends on what the step implementation can read from a tensor:
 
-- torch's Adam/AdamW: ``lr`` (fused or capturable) and, in the capturable form, ``betas`` (the
-  form :func:`~cudagraphs.training.optimizers.make_graph_safe` picks when a scheduler cycles
-  momentum);
-- :class:`GraphSafeSGD`: ``lr``, ``momentum``, ``dampening`` and ``weight_decay`` (torch's SGD
-  branches on ``momentum != 0`` in Python, so it cannot take a tensor there);
-- every other graph-safe optimizer: ``lr``.
+- torch's optimizers (fused or capturable): ``lr`` only. Their steps take ``betas``,
+  ``momentum``, ``eps`` and ``weight_decay`` as Python numbers (SGD branches on
+  ``momentum != 0``; capturable Adam's ``lerp`` with a tensor ``betas[0]`` syncs in torch 2.11);
+- :class:`GraphSafeAdamW`: ``lr``, ``betas``, ``eps`` and ``weight_decay``;
+- :class:`GraphSafeSGD`: ``lr``, ``momentum``, ``dampening`` and ``weight_decay``.
 
 Anything else that changes after capture is still seen by ``OptimizerWatch`` (capture again).
 """
@@ -28,21 +27,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceHyperparameters", "GraphSafeSGD", "device_keys"]
+__all__ = ["GRAPH_SAFE", "DeviceHyperparameters", "GraphSafeAdamW", "GraphSafeSGD", "device_keys"]
 
 
 def device_keys(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
     """The hyperparameters of ``group`` that this optimizer's step reads from device tensors."""
-    if isinstance(optimizer, GraphSafeSGD):
-        return ("lr", "momentum", "dampening", "weight_decay")
-    betas = group.get("betas")
-    if (
-        isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
-        and group.get("capturable")
-        and not group.get("fused")
-        and isinstance(betas, tuple)
-    ):
-        return ("lr", "betas")
+    if isinstance(optimizer, GRAPH_SAFE):
+        return optimizer.DEVICE_KEYS
     return ("lr",)
 
 
@@ -50,63 +41,97 @@ def _scalar(value: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float32, device=device)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class DeviceHyperparameters:
-    """The device tensors of one optimizer's hyperparameters; :meth:`refresh` before a replay."""
+    """The device tensors of one optimizer's hyperparameters; :meth:`refresh` before a replay.
+
+    For torch's optimizers that is the learning rate (a 0-dim tensor in ``param_groups``, which
+    schedulers fill in place; a float written over it is copied in and the tensor put back);
+    the graph-safe optimizers below keep their own tensors and refresh them themselves.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer):
         self.optimizer = optimizer
-        self.tensors: list[dict[str, Any]] = []
+        self.tensors: list[torch.Tensor | None] = []
         self.install()
 
     def install(self) -> list[str]:
-        """Replace float hyperparameters by device tensors (where the step reads them so);
-        what was changed, in words."""
+        """Make each group's learning rate a device tensor; what was changed, in words."""
         changes = []
         self.tensors = []
+        if isinstance(self.optimizer, GRAPH_SAFE):
+            return changes
         for k, group in enumerate(self.optimizer.param_groups):
-            params = group["params"]
-            device = params[0].device if params else torch.device("cpu")
-            mine: dict[str, Any] = {}
-            for key in device_keys(self.optimizer, group):
-                value = group.get(key)
-                if key == "betas":
-                    if not all(isinstance(b, torch.Tensor) for b in value):
-                        value = tuple(
-                            b if isinstance(b, torch.Tensor) else _scalar(b, device) for b in value
-                        )
-                        group[key] = value
-                        changes.append(f"param_groups[{k}]: betas as device tensors")
-                elif not isinstance(value, torch.Tensor) and not isinstance(
-                    self.optimizer, GraphSafeSGD
-                ):
-                    value = _scalar(value, device)
-                    group[key] = value
-                    changes.append(f"param_groups[{k}]: {key} as a device tensor")
-                mine[key] = value
-            self.tensors.append(mine)
+            if not group["params"]:
+                self.tensors.append(None)
+                continue
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = _scalar(group["lr"], group["params"][0].device)
+                changes.append(f"param_groups[{k}]: lr as a device tensor")
+            self.tensors.append(group["lr"])
         return changes
 
     def refresh(self) -> None:
         """Copy values written into ``param_groups`` since the last replay into the device
-        tensors the recording reads, and put those tensors back into the groups."""
-        if isinstance(self.optimizer, GraphSafeSGD):
+        tensors the recording reads (and put those tensors back into the groups)."""
+        if isinstance(self.optimizer, GRAPH_SAFE):
             self.optimizer.refresh()
             return
-        for group, mine in zip(self.optimizer.param_groups, self.tensors):
-            for key, tensor in mine.items():
-                now = group.get(key)
-                if now is tensor:
-                    continue
-                if key == "betas":
-                    for held, value in zip(tensor, now):
-                        if value is not held:
-                            held.fill_(float(value))
-                else:
-                    tensor.fill_(float(now))
-                group[key] = tensor
+        for group, tensor in zip(self.optimizer.param_groups, self.tensors):
+            now = group["lr"]
+            if tensor is None or now is tensor:
+                continue
+            tensor.fill_(float(now))
+            group["lr"] = tensor
 
 
-class GraphSafeSGD(torch.optim.SGD):
+class _DeviceScalars:
+    """Per group, 0-dim device tensors of the hyperparameters in ``DEVICE_KEYS`` (``betas`` is
+    two), refreshed from the groups' plain floats outside captures."""
+
+    DEVICE_KEYS: tuple[str, ...] = ()
+    param_groups: list[dict[str, Any]]
+
+    def _start_scalars(self) -> None:
+        self._device: list[dict[str, torch.Tensor]] = []
+        self._seen: list[dict[str, float]] = []
+
+    def _flat(self, group: dict[str, Any]) -> dict[str, float]:
+        values: dict[str, float] = {}
+        for key in self.DEVICE_KEYS:
+            value = group[key]
+            if key == "betas":
+                values["beta1"], values["beta2"] = (float(b) for b in value)
+            else:
+                values[key] = float(value)
+        return values
+
+    def refresh(self) -> None:
+        """Copy the groups' current values into the device tensors (a kernel only for a value
+        that changed). Never inside a capture: the copy would be recorded with today's value."""
+        for k, group in enumerate(self.param_groups):
+            values = self._flat(group)
+            if k >= len(self._device):
+                device = group["params"][0].device
+                self._device.append({n: _scalar(v, device) for n, v in values.items()})
+                self._seen.append(values)
+                continue
+            tensors, seen = self._device[k], self._seen[k]
+            for name, value in values.items():
+                if value != seen[name]:  # a float written by a scheduler or the user
+                    tensors[name].fill_(value)
+                    seen[name] = value
+
+    def _scalars(self) -> list[dict[str, torch.Tensor]]:
+        if not _capturing():
+            self.refresh()
+        return self._device
+
+
+class GraphSafeSGD(_DeviceScalars, torch.optim.SGD):
     """``torch.optim.SGD`` whose ``lr``, ``momentum``, ``dampening`` and ``weight_decay`` are
     read from device tensors, so a recorded step follows any schedule of them.
 
@@ -124,38 +149,19 @@ class GraphSafeSGD(torch.optim.SGD):
 
     ``param_groups`` keep plain floats (what schedulers read and write); the tensors are
     refreshed from them at every eager ``step()`` and, in a captured step, before each replay.
-    The update is SGD's (with momentum, dampening, Nesterov, weight decay and maximize), written
-    with tensor scalars; momentum buffers start as the first gradient, as in torch's SGD.
+    The update is SGD's (momentum, dampening, Nesterov, weight decay, maximize), written with
+    tensor scalars; momentum buffers start as the first gradient, as in torch's SGD.
     """
+
+    DEVICE_KEYS = ("lr", "momentum", "dampening", "weight_decay")
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, **kwargs: Any):
         kwargs.pop("foreach", None)
         kwargs.pop("fused", None)
         super().__init__(params, lr=lr, foreach=False, **kwargs)
-        self._device: list[dict[str, torch.Tensor]] = []
-        self._seen: list[dict[str, float]] = []
+        self._start_scalars()
         # Whether each group keeps momentum buffers: decided once (a schedule may pass 0).
         self._with_momentum = [float(g["momentum"]) != 0 for g in self.param_groups]
-
-    def refresh(self) -> None:
-        """Copy the groups' current values into the device tensors (kernels only for values
-        that changed). Never inside a capture: the copy would be recorded with today's value."""
-        for k, group in enumerate(self.param_groups):
-            if k >= len(self._device):
-                device = group["params"][0].device
-                self._device.append({key: _scalar(group[key], device) for key in _SGD_KEYS})
-                self._seen.append({key: float(group[key]) for key in _SGD_KEYS})
-                continue
-            tensors, seen = self._device[k], self._seen[k]
-            for key in _SGD_KEYS:
-                value = group[key]
-                if isinstance(value, torch.Tensor):  # a tensor lr from make_graph_safe
-                    if value is not tensors[key]:
-                        tensors[key] = value
-                    continue
-                if float(value) != seen[key]:  # a float written by a scheduler or the user
-                    tensors[key].fill_(float(value))
-                    seen[key] = float(value)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -163,9 +169,7 @@ class GraphSafeSGD(torch.optim.SGD):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-            self.refresh()
-        for k, (group, hyper) in enumerate(zip(self.param_groups, self._device)):
+        for k, (group, hyper) in enumerate(zip(self.param_groups, self._scalars())):
             lr, momentum = hyper["lr"], hyper["momentum"]
             dampening, decay = hyper["dampening"], hyper["weight_decay"]
             for p in group["params"]:
@@ -185,4 +189,68 @@ class GraphSafeSGD(torch.optim.SGD):
         return loss
 
 
-_SGD_KEYS = ("lr", "momentum", "dampening", "weight_decay")
+class GraphSafeAdamW(_DeviceScalars, torch.optim.AdamW):
+    """``torch.optim.AdamW`` whose ``lr``, ``betas``, ``eps`` and ``weight_decay`` are read
+    from device tensors, so a recorded step follows any schedule of them (``OneCycleLR`` with
+    ``cycle_momentum=True`` cycles ``betas[0]``).
+
+    Right::
+
+        opt = cg.GraphSafeAdamW(model.parameters(), lr=1e-3, weight_decay=1e-2)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, 1e-2, total_steps=1000)
+        step = cg.train_step(step_fn, optimizer=opt)   # no recapture as betas cycle
+
+    Wrong (correct results, but slow): ``torch.optim.AdamW`` with the same scheduler; its
+    step reads ``betas`` as Python floats, so every change captures the step again.
+
+    The update is AdamW's (decoupled weight decay, bias correction, ``amsgrad``, ``maximize``),
+    written with tensor scalars; ``param_groups`` keep plain floats.
+    """
+
+    DEVICE_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, **kwargs: Any):
+        for setting in ("foreach", "fused", "capturable", "differentiable"):
+            kwargs.pop(setting, None)
+        super().__init__(params, lr=lr, foreach=False, **kwargs)
+        self._start_scalars()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, hyper in zip(self.param_groups, self._scalars()):
+            lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
+            eps, decay = hyper["eps"], hyper["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = -p.grad if group["maximize"] else p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+                    if group["amsgrad"]:
+                        state["max_exp_avg_sq"] = torch.zeros_like(p)
+                step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+                step.add_(1)
+                p.mul_(1 - lr * decay)
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad * (1 - beta2))
+                if group["amsgrad"]:
+                    torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
+                    second = state["max_exp_avg_sq"]
+                else:
+                    second = exp_avg_sq
+                bias1 = 1 - beta1**step
+                bias2 = 1 - beta2**step
+                denom = (second.sqrt() / bias2.sqrt()).add_(eps)
+                p.sub_((lr / bias1) * exp_avg / denom)
+        return loss
+
+
+#: The optimizers whose steps read every scheduled hyperparameter from the device.
+GRAPH_SAFE = (GraphSafeSGD, GraphSafeAdamW)
