@@ -757,7 +757,10 @@ def test_random_draws_in_a_device_loop_are_refused() -> None:
 
     def predrawn(x: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cg.while_loop(
-            lambda x, i: i < 8, lambda x, i: (x + noise[i], i + 1), (x, i), max_iterations=8
+            lambda x, i: i < 8,
+            lambda x, i: (x + noise.index_select(0, i.view(1))[0], i + 1),
+            (x, i),
+            max_iterations=8,
         )
 
     g = cg.graph(predrawn, *start, outputs="clone")

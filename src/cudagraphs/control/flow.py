@@ -60,8 +60,8 @@ def while_loop(
     at capture with :class:`~cudagraphs.errors.RandomInLoopError`. Right::
 
         noise = torch.randn(steps, *x.shape, device="cuda")       # drawn before the loop
-        def body(x, i):
-            return x + noise[i], i + 1                             # one slice per iteration
+        def body(x, i):                                            # i: a 0-dim device tensor
+            return x + noise.index_select(0, i.view(1))[0], i + 1  # (noise[i] reads i on the host)
 
     Wrong::
 
@@ -146,7 +146,8 @@ def _refuse_draws(draws: RandomDraws, what: str, iterations: int) -> None:
             "not each iteration)",
             f"draw the noise for all {iterations} iterations before the loop (for example "
             f"noise = torch.randn({iterations}, *x.shape, device=x.device)) and pass it in "
-            "the loop state with an iteration counter to index it",
+            "the loop state with an iteration counter i (a device tensor) to pick its slice: "
+            "noise.index_select(0, i.view(1))[0]",
         )
     )
 
