@@ -124,6 +124,9 @@ class Batcher:
         self.recorder = MetricsRecorder(max_batch, rungs)
         self._queue: deque[_Request] = deque()
         self._ready = threading.Condition()
+        # Grad and inference mode are per thread: the worker runs under the creator's, the
+        # modes the graph was most likely captured under (a graph checks them on every call).
+        self._modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         self._closed = False
         self._worker = threading.Thread(
             target=self._loop, name=f"cudagraphs-batcher-{self.name}", daemon=True
@@ -232,9 +235,11 @@ class Batcher:
     # --- the worker ---------------------------------------------------------------------
 
     def _loop(self) -> None:
-        while (batch := self._gather()) is not None:
-            if batch:
-                self._serve(batch)
+        grad, inference = self._modes
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad and not inference):
+            while (batch := self._gather()) is not None:
+                if batch:
+                    self._serve(batch)
 
     def _gather(self) -> list[_Request] | None:
         """The next batch, in arrival order: full, or the oldest request waited max_wait.
