@@ -243,3 +243,15 @@ def test_sliding_window_models_decode_as_generate_does(stand_in: None, kind: str
     assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
     got = decoder.generate(prompt, max_new_tokens=40, eos_token_id=None)
     assert torch.equal(got, expected)
+
+
+def test_a_batchers_worker_runs_under_the_modes_of_its_creator(stand_in: None) -> None:
+    """Grad and inference mode are per thread: a graph captured under inference mode in one
+    thread and replayed by a batcher's worker thread must see the same modes there."""
+    model = mlp()
+    with torch.inference_mode():
+        g = cg.graph(model, torch.randn(4, 8), buckets={"B": [2, 4]}, outputs="clone")
+        with cg.Batcher(g, torch.randn(1, 8), max_batch=4, max_wait_ms=1) as batcher:
+            x = torch.randn(3, 8)
+            got = batcher.run(x, timeout=30)
+            torch.testing.assert_close(got, model(x))
