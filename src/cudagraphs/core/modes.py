@@ -94,13 +94,20 @@ class Modes:
         if now["grad mode"] == "on" and (why := needs_gradients(sources)) is not None:
             raise GradientsNotRecordedError(_gradients_message(self.name, why))
         what = "; ".join(f"{k} was {was} at capture, is {is_} now" for k, was, is_ in changed)
+        per_thread = any(k in ("grad mode", "inference mode") for k, _, _ in changed)
+        threads = (
+            " (grad and inference mode are per thread: a worker thread starts with grad mode "
+            "on, so enter torch.inference_mode() or torch.no_grad() in the thread that calls)"
+            if per_thread
+            else ""
+        )
         raise ModeMismatchError(
             explain(
                 f"{self.name} is called under other modes than it was captured under: {what}",
                 "the recording holds the kernels those modes chose at capture (dtypes, fused "
                 "paths, math settings); replaying it would not give eager's answer",
                 "call it under the modes it was captured under, or capture one graph per mode: "
-                "create (and first call) each graph inside the `with` block it is used in",
+                f"create (and first call) each graph inside the `with` block it is used in{threads}",
             )
         )
 
