@@ -50,11 +50,8 @@ def test_bad_arguments_are_refused_with_usage() -> None:
 @pytest.mark.parametrize(
     ("source", "target", "message"),
     [
-        ("def make(:\n", "make", "syntax error"),
-        ("raise ValueError('no model here')\n", "make", "ValueError: no model here"),
         ("def step(x):\n    return x\n", "step", "it is the function itself, not a maker"),
         ("def make():\n    return 3, 4, 5, 6\n", "make", "must return (callable, args)"),
-        ("def make():\n    raise KeyError('weights')\n", "make", "make() raised KeyError"),
         ("x = 1\n", "make", "has no function 'make'"),
     ],
 )
@@ -68,6 +65,59 @@ def test_target_mistakes_are_one_line_with_exit_code_2(
         assert proc.returncode == 2, proc.stderr
         assert message in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
         assert f"usage: python -m cudagraphs {command}" in proc.stderr  # the subcommand's usage
+
+
+@pytest.mark.parametrize(
+    ("source", "message", "line"),
+    [
+        ("def make(:\n", "syntax error", 1),
+        ("raise ValueError('no model here')\n", "ValueError: no model here", 1),
+        ("def make():\n    raise KeyError('weights')\n", "make() raised KeyError", 2),
+        (
+            "def boom(x):\n    raise RuntimeError('inside the function')\n"
+            "def make():\n    return boom, (1,)\n",
+            "RuntimeError: inside the function",
+            2,
+        ),
+    ],
+)
+def test_the_users_own_code_raising_is_one_line_with_exit_code_3(
+    tmp_path: Path, source: str, message: str, line: int
+) -> None:
+    path = tmp_path / "target.py"
+    path.write_text(source)
+    for command in ("doctor", "bench"):
+        proc = cli(command, f"{path}:make")
+        assert proc.returncode == 3, proc.stderr
+        assert message in proc.stderr and "Traceback" not in proc.stderr + proc.stdout
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        if "syntax error" not in message:
+            assert f"{path}:{line}" in proc.stderr  # the user's frame
+        full = cli(command, "--traceback", f"{path}:make")
+        assert full.returncode == 3 and "Traceback" in full.stderr
+
+
+def test_piped_tables_keep_whole_column_names(tmp_path: Path) -> None:
+    path = tmp_path / "target.py"
+    path.write_text(
+        "import torch\ndef make():\n    return torch.nn.Linear(4, 4), (torch.randn(2, 4),)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}  # like `| cat`: no terminal
+    proc = subprocess.run(
+        [sys.executable, "-m", "cudagraphs", "bench", f"{path}:make", "--calls", "2", "--windows", "1"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "reduce-overhead" in proc.stdout and "cudagraphs+compile" in proc.stdout
+    assert "…" not in proc.stdout
+
+
+def test_the_console_script_names_itself(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "cudagraphs"
+    if not script.exists():
+        pytest.skip("the console script is installed by pip install -e .")
+    proc = subprocess.run([str(script), "nonsense"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "usage: cudagraphs" in proc.stderr
 
 
 def test_a_non_python_path_is_refused(tmp_path: Path) -> None:

@@ -141,14 +141,16 @@ class Report:
         return [asdict(f) for f in self.findings]
 
     def __rich__(self) -> Any:
+        from rich.markup import escape
         from rich.table import Table
 
-        table = Table(title=f"cg.doctor: {self.function}: {len(self.findings)} finding(s)")
+        table = Table(title=escape(f"cg.doctor: {self.function}: {len(self.findings)} finding(s)"))
         for column in ("kind", "severity", "where", "what", "fix"):
             table.add_column(column, overflow="fold")
         for f in self.findings:
             where = f"{os.path.basename(f.filename)}:{f.lineno}"
-            table.add_row(f.kind, f.severity, where, f.message, f.fix)
+            # Findings quote code (`x[mask]`): text, never markup.
+            table.add_row(*(escape(t) for t in (f.kind, f.severity, where, f.message, f.fix)))
         return table
 
     def __str__(self) -> str:

@@ -1,5 +1,10 @@
-"""Command line: ``python -m cudagraphs demo | bench FILE.py:FUNC | doctor FILE.py:FUNC |
-serve FILE.py:MAKE``."""
+"""Command line: ``cudagraphs demo | bench FILE.py:FUNC | doctor FILE.py:FUNC | serve FILE.py:MAKE``
+(also ``python -m cudagraphs ...``).
+
+Exit codes: 0 done (doctor: no blocking finding), 1 doctor found a blocking finding, 2 a usage
+mistake (one line and the subcommand's usage), 3 the user's own code raised (one line naming
+the user's frame; ``--traceback`` prints the whole traceback).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +16,38 @@ from typing import Any
 __all__ = ["main"]
 
 
+USER_CODE_RAISED = 3
+
+
+class UserCodeRaised(Exception):
+    """The user's file, maker or function raised: reported in one line, exit code 3."""
+
+    def __init__(self, what: str, error: BaseException):
+        super().__init__(what)
+        self.what, self.error = what, error
+
+
+def _prog() -> str:
+    """The name the command was invoked by: the console script's, or ``python -m cudagraphs``."""
+    invoked = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    if not invoked or invoked in ("__main__.py", "-c") or invoked.endswith(".py"):
+        return "python -m cudagraphs"
+    return invoked
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m cudagraphs",
+        prog=_prog(),
         description="CUDA graphs in PyTorch, safe, fast and easy.",
+        epilog="exit codes: 0 done, 1 doctor found a blocking finding, 2 usage mistake, "
+        "3 your code raised (--traceback for the whole traceback)",
     )
     parser.add_argument("--version", action="version", version=f"cudagraphs {_version()}")
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        help="when your code raises, print the whole traceback instead of one line",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
@@ -31,9 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         help="list what in a function would break capture or corrupt a graph",
         description="FILE.py:FUNC names a function that takes no arguments and returns "
         "(callable, args) or (callable, args, kwargs); the callable is examined on those inputs. "
-        "Exit code 1 when a finding breaks capture or would make replays wrong.",
+        "Exit code 1 when a finding breaks capture or would make replays wrong, 3 when your "
+        "code raised.",
     )
     doctor.add_argument("target", metavar="FILE.py:FUNC")
+    _traceback_option(doctor)
     bench = commands.add_parser(
         "bench",
         help="time a function eagerly, compiled and graphed, side by side",
@@ -42,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         "then timed side by side; prints a table, optionally writes JSON and a PNG chart.",
     )
     bench.add_argument("target", metavar="FILE.py:FUNC")
+    _traceback_option(bench)
     bench.add_argument(
         "--modes",
         default=None,
@@ -69,12 +103,15 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        return _serve(serve, args)
-    if args.command == "doctor":
-        return _doctor(doctor, args.target)
-    if args.command == "bench":
-        return _bench(bench, args)
+    try:
+        if args.command == "serve":
+            return _serve(serve, args)
+        if args.command == "doctor":
+            return _doctor(doctor, args.target)
+        if args.command == "bench":
+            return _bench(bench, args)
+    except UserCodeRaised as raised:
+        return _report_user_error(raised, full=args.traceback)
     if args.command == "demo":
         if args.calls < 1 or args.windows < 1:
             demo.error("--calls and --windows must be at least 1")
@@ -86,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from rich.console import Console
 
     from .bench import MODES, bench
 
@@ -103,18 +139,21 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.plot is not None and args.plot.suffix.lower() != ".png":
         parser.error(f"--plot writes a PNG; give a path ending in .png, got {str(args.plot)!r}")
     fn, fn_args, fn_kwargs = _load_target(parser, args.target)
-    report = bench(
-        fn,
-        *fn_args,
-        modes=modes,
-        compile_mode=args.compile_mode,
-        calls=args.calls,
-        windows=args.windows,
-        check=not args.no_check,
-        name=args.target,
-        **fn_kwargs,
-    )
-    console = Console()
+    try:
+        report = bench(
+            fn,
+            *fn_args,
+            modes=modes,
+            compile_mode=args.compile_mode,
+            calls=args.calls,
+            windows=args.windows,
+            check=not args.no_check,
+            name=args.target,
+            **fn_kwargs,
+        )
+    except Exception as error:
+        raise UserCodeRaised(f"benchmarking {args.target}", error) from error
+    console = _console()
     console.print(report)
     if report.profile is not None:
         console.print(report.profile)
@@ -148,9 +187,9 @@ def _call_maker(parser: argparse.ArgumentParser, target: str) -> tuple[Any, str]
     try:
         spec.loader.exec_module(module)
     except SyntaxError as error:
-        parser.error(f"{path}:{error.lineno}: syntax error: {error.msg}; fix the file")
+        raise UserCodeRaised(f"{path}:{error.lineno}: syntax error: {error.msg}", error) from error
     except Exception as error:
-        parser.error(f"importing {path} raised {_one_line(error)}; fix the file")
+        raise UserCodeRaised(f"importing {path}", error) from error
     factory = getattr(module, name, None)
     if not callable(factory):
         parser.error(f"{path} has no function {name!r}")
@@ -168,7 +207,7 @@ def _call_maker(parser: argparse.ArgumentParser, target: str) -> tuple[Any, str]
     try:
         made = factory()
     except Exception as error:
-        parser.error(f"{name}() raised {_one_line(error)}")
+        raise UserCodeRaised(f"{name}()", error) from error
     return made, name
 
 
@@ -207,6 +246,44 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _traceback_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--traceback",
+        action="store_true",
+        default=argparse.SUPPRESS,  # the top-level flag's value stands unless given here
+        help="when your code raises, print the whole traceback instead of one line",
+    )
+
+
+def _console() -> Any:
+    """A console that never cuts a table: piped or redirected output gets a wide page (rich
+    would otherwise assume 80 columns and truncate column names)."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, 200))
+
+
+def _report_user_error(raised: UserCodeRaised, *, full: bool) -> int:
+    """One line: what was running, the error, and the user's frame; or the whole traceback."""
+    import traceback
+
+    from ..core.frames import user_location
+
+    error = raised.error
+    if full:
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    else:
+        where = user_location(error)
+        at = f" at {where}" if where else ""
+        print(
+            f"error: {raised.what} raised {_one_line(error)}{at} (--traceback for the whole "
+            "traceback)",
+            file=sys.stderr,
+        )
+    return USER_CODE_RAISED
+
+
 def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
@@ -222,13 +299,15 @@ def _version() -> str:
 
 
 def _doctor(parser: argparse.ArgumentParser, target: str) -> int:
-    from rich.console import Console
 
     from ..diagnose.doctor import doctor
 
     fn, fn_args, fn_kwargs = _load_target(parser, target)
-    report = doctor(fn, *fn_args, **fn_kwargs)
-    console = Console()
+    try:
+        report = doctor(fn, *fn_args, **fn_kwargs)
+    except Exception as error:
+        raise UserCodeRaised(f"examining {target}", error) from error
+    console = _console()
     if report.findings:
         console.print(report)
     else:
