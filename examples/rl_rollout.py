@@ -51,7 +51,8 @@ with torch.no_grad():
     print("mean reward over", STEPS, "steps:", reward.mean().item())
     print("state advanced in place:", not torch.equal(state["pos"], eager_state["pos"]))
 
-    for name, fn in [("eager", rollout), ("graphed", graphed)]:
+    label = "graphed" if graphed.state is cg.State.CAPTURED else "cg.graph, eager (no CUDA)"
+    for name, fn in [("eager", rollout), (label, graphed)]:
         s = fresh_state()
         fn(s)
         if device == "cuda":

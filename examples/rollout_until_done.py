@@ -44,7 +44,8 @@ def main() -> None:
     _, steps = graphed(position, velocity)
     print(f"episode lengths equal eager: {torch.equal(steps, eager_steps)}; "
           f"longest {int(steps.max())} steps")  # fmt: skip
-    for name, fn in (("eager (Python loop)", rollout), ("cg.graph (one launch)", graphed)):
+    label = "cg.graph (one launch)" if graphed.state is cg.State.CAPTURED else "eager (no CUDA)"
+    for name, fn in (("eager (Python loop)", rollout), (label, graphed)):
         fn(position, velocity)
         if DEVICE == "cuda":
             torch.cuda.synchronize()

@@ -222,3 +222,12 @@ def _rectangular(value: Any) -> bool:
         return False
     inner = [len(v) if isinstance(v, list) else -1 for v in value]
     return len(set(inner)) == 1 and all(_rectangular(v) for v in value)
+
+
+if __name__ == "__main__":
+    # Started through the command line, which runs uvicorn on the app `make()` builds:
+    print(
+        "This file defines the app; start the server with\n"
+        "    python -m cudagraphs serve examples/serve_http.py:make --port 8000\n"
+        "then: curl -s localhost:8000/healthz (the module docstring lists the endpoints)."
+    )

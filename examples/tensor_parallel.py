@@ -107,6 +107,7 @@ def check(rank: int, world: int, device: torch.device) -> dict[str, float]:
         timings = {
             name: _time(fn, x, device) for name, fn in (("eager", shard), ("graphed", graphed))
         }
+        timings["captured"] = graphed.state is cg.State.CAPTURED
     return {"max_abs_error": max(errors), **timings}
 
 
@@ -130,9 +131,10 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     figures = check(rank, world, device)
     if rank == 0:
+        label = "graphed" if figures["captured"] else "cg.graph, eager (no CUDA)"
         print(
-            f"tensor-parallel block over {world} ranks on {device.type}: max |graphed - single| "
-            f"{figures['max_abs_error']:.2e}; eager {figures['eager']:.0f} µs, graphed "
+            f"tensor-parallel block over {world} ranks on {device.type}: max |{label} - single| "
+            f"{figures['max_abs_error']:.2e}; eager {figures['eager']:.0f} µs, {label} "
             f"{figures['graphed']:.0f} µs per call (batch 1, {SEQUENCE} tokens)"
         )
     dist.destroy_process_group()

@@ -60,7 +60,8 @@ for x, y in data[:5]:
     loss = step(x, y)
     ref_loss = ref_step(x, y)
     sched.step(), ref_sched.step()
-print(f"after 5 steps: graphed loss {loss.item():.5f}, eager loss {ref_loss.item():.5f}")
+label = "graphed" if step.state is cg.State.CAPTURED else "cg.train_step, eager (no CUDA),"
+print(f"after 5 steps: {label} loss {loss.item():.5f}, eager loss {ref_loss.item():.5f}")
 drift = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
 print(f"max parameter difference from eager training: {drift:.2e}")
 

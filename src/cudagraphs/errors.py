@@ -16,6 +16,7 @@ __all__ = [
     "ConditionalNodesUnavailable",
     "ConfigError",
     "CudaGraphsError",
+    "CudaRequiredError",
     "FrozenStateError",
     "GradientsNotRecordedError",
     "ModeMismatchError",
@@ -38,12 +39,29 @@ def explain(what: str, why: str, fix: str) -> str:
     return f"{what}\n  why: {why}\n  fix: {fix}"
 
 
+def require_cuda(entry: str) -> None:
+    """Raise :class:`CudaRequiredError` (one line) when this machine has no CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CudaRequiredError(
+            f"{entry} needs a CUDA GPU, and this machine has none (torch.cuda.is_available() "
+            "is False); on a CPU, cg.graph and cg.train_step run eagerly behind the same checks"
+        )
+
+
 class CudaGraphsError(RuntimeError):
     """Root of every error raised by cudagraphs."""
 
 
 class ConfigError(CudaGraphsError):
     """An argument to ``cg.graph`` (or another entry point) is invalid before anything runs."""
+
+
+class CudaRequiredError(ConfigError):
+    """An entry point that only makes sense on a CUDA GPU was called on a machine without one
+    (``cg.capture_stream``, ``cg.ddp``, ``cg.make_graph_safe``). ``cg.graph`` and
+    ``cg.train_step`` instead run eagerly there, behind the same checks."""
 
 
 class InputMismatchError(CudaGraphsError):

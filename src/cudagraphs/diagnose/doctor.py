@@ -14,6 +14,7 @@ optimizer state) is put back to its exact bytes afterwards, and so are the RNG s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import optree
 import torch
 
+from ..core.frames import user_frame
 from ..core.guards import closure_tensors, modules_of
 from ..core.reach import reachable_tensors
 from ..core.side_effects import SideEffects
@@ -30,7 +32,7 @@ from .findings import KINDS, Collector, Finding, Report
 from .verify import random_like
 from .watches import DispatchWatch, FunctionWatch, as_if_capturing, patched_calls, sync_debug
 
-__all__ = ["Finding", "Report", "doctor"]
+__all__ = ["Finding", "Report", "doctor", "relocate"]
 
 
 def _reachable_state(fn: Callable[..., Any], args: Any) -> list[Any]:
@@ -126,6 +128,9 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     """
 
     rng = RngState()  # the fresh inputs below draw from it too
+    # Where a finding has no frame of the user's (a torch module's own code, called from the
+    # library), it is reported at the line that called the doctor.
+    caller = user_frame()
     try:
         objects = _reachable_state(fn, (args, kwargs))
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
@@ -153,8 +158,39 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
             )
     finally:
         rng.restore()
-    ordered = sorted(findings.values(), key=lambda f: (f.filename, f.lineno, f.kind))
+    placed = [relocate(f, *caller) for f in findings.values()]
+    ordered = sorted(_one_per_cause(placed), key=lambda f: (f.filename, f.lineno, f.kind))
     return Report(function=name, findings=ordered)
+
+
+def relocate(finding: Finding, filename: str, lineno: int) -> Finding:
+    """``finding`` at ``filename:lineno`` where no frame of the user's was found for it."""
+    if finding.filename != "<unknown>" or filename == "<unknown>":
+        return finding
+    return dataclasses.replace(finding, filename=filename, lineno=lineno)
+
+
+# A step that is not capturable (optimizer) or a scaler's step (grad-scaler) explains everything
+# else its own code does on that line: a host read, a CPU tensor, a branch, its state writes.
+_CAUSES = ("optimizer", "grad-scaler")
+
+
+def _one_per_cause(findings: Any) -> list[Finding]:
+    """One finding per cause, with a fix that works on this machine."""
+    found = list(findings)
+    causes = {(f.filename, f.lineno) for f in found if f.kind in _CAUSES}
+    kept = [f for f in found if f.kind in _CAUSES or (f.filename, f.lineno) not in causes]
+    if torch.cuda.is_available():
+        return kept
+    return [
+        dataclasses.replace(f, fix=_CPU_OPTIMIZER_FIX) if f.kind == "optimizer" else f for f in kept
+    ]
+
+
+_CPU_OPTIMIZER_FIX = (
+    "on this machine (no CUDA) the step runs eagerly and needs no change; on a GPU pass the "
+    "optimizer to cg.train_step, which switches it to its fused or capturable form"
+)
 
 
 def _outputs_aliasing_inputs(

@@ -9,6 +9,7 @@ the user's frame; ``--traceback`` prints the whole traceback).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -246,6 +247,19 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _maker_location(target: str) -> tuple[str, int]:
+    """``(file, line)`` of FUNC's ``def`` in FILE.py:FUNC (the maker that built the model)."""
+    import inspect
+
+    path, _, name = target.rpartition(":")
+    module = sys.modules.get(Path(path).stem)
+    factory = getattr(module, name, None)
+    try:
+        return str(Path(path)), inspect.getsourcelines(factory)[1]  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return str(Path(path)), 0
+
+
 def _traceback_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--traceback",
@@ -300,13 +314,17 @@ def _version() -> str:
 
 def _doctor(parser: argparse.ArgumentParser, target: str) -> int:
 
-    from ..diagnose.doctor import doctor
+    from ..diagnose.doctor import doctor, relocate
 
     fn, fn_args, fn_kwargs = _load_target(parser, target)
     try:
         report = doctor(fn, *fn_args, **fn_kwargs)
     except Exception as error:
         raise UserCodeRaised(f"examining {target}", error) from error
+    # A finding inside a torch module's own code (a BatchNorm's statistics) has no frame of
+    # the user's: it is the maker's, which built the module.
+    maker = _maker_location(target)
+    report = dataclasses.replace(report, findings=[relocate(f, *maker) for f in report.findings])
     console = _console()
     if report.findings:
         console.print(report)

@@ -51,7 +51,13 @@ def _safety(console: Console, model: torch.nn.Module, shape: tuple[int, ...], de
             first.sum()
         except RuntimeError as error:
             console.print(f"  stale output read  -> {str(error)[:110]}...")
-    console.print(f"  stats: {g.stats}")
+    if device == "cuda":
+        console.print(f"  stats: {g.stats}")
+    else:
+        console.print(
+            f"  stats: {g.stats.calls} call(s) answered eagerly (no CUDA: nothing captured, "
+            "no replays); on a GPU the same line counts replays, copies and recaptures"
+        )
 
 
 def _cpu_demo(console: Console, calls: int, windows: int) -> int:

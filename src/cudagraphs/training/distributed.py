@@ -29,7 +29,7 @@ from torch import nn
 
 from ..core import recorder
 from ..core.guards import modules_of
-from ..errors import ConfigError, explain
+from ..errors import ConfigError, explain, require_cuda
 
 __all__ = ["DDP_WARMUP", "capture_stream", "checked_warmup", "ddp"]
 
@@ -43,6 +43,7 @@ _BUILT_ON = "cudagraphs_capture_stream"  # set on a DDP model built by ddp(): th
 def capture_stream(device: torch.device | int | str | None = None) -> torch.cuda.Stream:
     """The side stream cudagraphs warms up and captures on for ``device`` (default: the current
     CUDA device); one per device, shared by every capture that is not given ``stream=``."""
+    require_cuda("cg.capture_stream()")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return recorder.default_stream(
@@ -71,6 +72,7 @@ def ddp(module: nn.Module, **ddp_kwargs: Any) -> nn.parallel.DistributedDataPara
         model = DistributedDataParallel(model.cuda(rank), device_ids=[rank])
     """
     ddp_kwargs.setdefault("gradient_as_bucket_view", True)
+    require_cuda("cg.ddp()")
     params = list(module.parameters())
     if not params or not params[0].is_cuda:
         raise ConfigError(

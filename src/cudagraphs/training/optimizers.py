@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..core import compat
-from ..errors import ConfigError, explain
+from ..errors import ConfigError, explain, require_cuda
 from .schedules import GRAPH_SAFE, DeviceHyperparameters, device_keys
 
 __all__ = ["OptimizerWatch", "make_graph_safe", "optimizer_tensors"]
@@ -57,6 +57,7 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, *, switch: bool = True) ->
         setting = _check_group(optimizer, k, group, params, switch)
         devices = {p.device for p in params}
         if len(devices) > 1 or next(iter(devices)).type != "cuda":
+            require_cuda(f"cg.make_graph_safe({name})")  # none here: say that, not "move it"
             raise ConfigError(
                 explain(
                     f"{name}.param_groups[{k}] holds parameters on {sorted(map(str, devices))}",
