@@ -15,6 +15,7 @@ import warnings
 import torch
 
 import cudagraphs as cg
+from cudagraphs.integrations.kv_cache import cache_keyword
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
@@ -40,6 +41,7 @@ config = LlamaConfig(
 )
 torch.manual_seed(0)
 model = LlamaForCausalLM(config).to(device).eval()
+CACHE = cache_keyword(model)  # `cache=` in newer transformers, `past_key_values=` before
 prompt = torch.randint(0, config.vocab_size, (BATCH, PROMPT), device=device)
 
 
@@ -51,11 +53,11 @@ def sync() -> None:
 def eager_loop() -> torch.Tensor:
     """What one writes by hand: prefill, then one forward per token over a static cache."""
     cache = StaticCache(config=config, max_cache_len=PROMPT + NEW)
-    logits = model(prompt, past_key_values=cache).logits
+    logits = model(prompt, **{CACHE: cache}).logits
     tokens = [prompt, logits[:, -1:].argmax(-1)]
     for i in range(NEW - 1):
         position = torch.tensor([PROMPT + i], device=device)
-        out = model(tokens[-1], past_key_values=cache, cache_position=position)
+        out = model(tokens[-1], cache_position=position, **{CACHE: cache})
         tokens.append(out.logits[:, -1:].argmax(-1))
     return torch.cat(tokens, dim=1)
 
