@@ -12,7 +12,6 @@ sync per window). Ratios are the figures to read; absolute times move between ru
 from __future__ import annotations
 
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
