@@ -21,3 +21,32 @@ def test_the_buckets_example_runs_without_cuda() -> None:
         exec(compile(block, "README.md", "exec"), scope)
     assert scope["y"].shape == (37, 256)
     assert scope["g"].stats.hits[(64,)] == 1
+
+
+def _figures_script():  # type: ignore[no-untyped-def]
+    import importlib.machinery
+    import importlib.util
+
+    path = str(Path(__file__).resolve().parents[1] / "scripts" / "readme-figures")
+    loader = importlib.machinery.SourceFileLoader("readme_figures", path)
+    spec = importlib.util.spec_from_loader("readme_figures", loader)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    loader.exec_module(module)
+    return module
+
+
+def test_the_readmes_figure_tables_match_the_gpu_report() -> None:
+    figures = _figures_script()
+    report = (Path(__file__).resolve().parents[1] / "reports" / "gpu.md").read_text()
+    assert figures.render(README, report) == README, "run scripts/readme-figures"
+
+
+def test_a_figure_that_drifts_from_its_report_is_caught() -> None:
+    figures = _figures_script()
+    report = (Path(__file__).resolve().parents[1] / "reports" / "gpu.md").read_text()
+    start = README.index("<!-- figures:overhead -->")
+    row = README.index("| MLP 256-256-16", start)
+    drifted = README.replace(
+        README[row : README.index("\n", row)], "| MLP 256-256-16 | 1 | 2 | 3 | 4 |"
+    )
+    assert figures.render(drifted, report) != drifted
