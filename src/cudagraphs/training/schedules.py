@@ -125,10 +125,22 @@ class _DeviceScalars:
                     tensors[name].fill_(value)
                     seen[name] = value
 
-    def _scalars(self) -> list[dict[str, torch.Tensor]]:
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """One optimizer step (``closure`` as in torch), reading hyperparameters from the
+        device tensors (refreshed first, outside captures)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         if not _capturing():
             self.refresh()
-        return self._device
+        for k, (group, hyper) in enumerate(zip(self.param_groups, self._device)):
+            self._update_group(k, group, hyper)
+        return loss
+
+    def _update_group(self, k: int, group: dict[str, Any], hyper: dict[str, torch.Tensor]) -> None:
+        raise NotImplementedError
 
 
 class GraphSafeSGD(_DeviceScalars, torch.optim.SGD):
@@ -163,30 +175,23 @@ class GraphSafeSGD(_DeviceScalars, torch.optim.SGD):
         # Whether each group keeps momentum buffers: decided once (a schedule may pass 0).
         self._with_momentum = [float(g["momentum"]) != 0 for g in self.param_groups]
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for k, (group, hyper) in enumerate(zip(self.param_groups, self._scalars())):
-            lr, momentum = hyper["lr"], hyper["momentum"]
-            dampening, decay = hyper["dampening"], hyper["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = -p.grad if group["maximize"] else p.grad
-                grad = grad + decay * p
-                if self._with_momentum[k]:
-                    state = self.state[p]
-                    buf = state.get("momentum_buffer")
-                    if buf is None:
-                        state["momentum_buffer"] = buf = grad.clone()
-                    else:
-                        buf.mul_(momentum).add_((1 - dampening) * grad)
-                    grad = grad + momentum * buf if group["nesterov"] else buf
-                p.sub_(lr * grad)
-        return loss
+    def _update_group(self, k: int, group: dict[str, Any], hyper: dict[str, torch.Tensor]) -> None:
+        lr, momentum = hyper["lr"], hyper["momentum"]
+        dampening, decay = hyper["dampening"], hyper["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = -p.grad if group["maximize"] else p.grad
+            grad = grad + decay * p
+            if self._with_momentum[k]:
+                state = self.state[p]
+                buf = state.get("momentum_buffer")
+                if buf is None:
+                    state["momentum_buffer"] = buf = grad.clone()
+                else:
+                    buf.mul_(momentum).add_((1 - dampening) * grad)
+                grad = grad + momentum * buf if group["nesterov"] else buf
+            p.sub_(lr * grad)
 
 
 class GraphSafeAdamW(_DeviceScalars, torch.optim.AdamW):
@@ -215,41 +220,34 @@ class GraphSafeAdamW(_DeviceScalars, torch.optim.AdamW):
         super().__init__(params, lr=lr, foreach=False, **kwargs)
         self._start_scalars()
 
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group, hyper in zip(self.param_groups, self._scalars()):
-            lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
-            eps, decay = hyper["eps"], hyper["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = -p.grad if group["maximize"] else p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                    if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = torch.zeros_like(p)
-                step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
-                step.add_(1)
-                p.mul_(1 - lr * decay)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad * (1 - beta2))
+    def _update_group(self, k: int, group: dict[str, Any], hyper: dict[str, torch.Tensor]) -> None:
+        lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
+        eps, decay = hyper["eps"], hyper["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = -p.grad if group["maximize"] else p.grad
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
                 if group["amsgrad"]:
-                    torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
-                    second = state["max_exp_avg_sq"]
-                else:
-                    second = exp_avg_sq
-                bias1 = 1 - beta1**step
-                bias2 = 1 - beta2**step
-                denom = (second.sqrt() / bias2.sqrt()).add_(eps)
-                p.sub_((lr / bias1) * exp_avg / denom)
-        return loss
+                    state["max_exp_avg_sq"] = torch.zeros_like(p)
+            step, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+            step.add_(1)
+            p.mul_(1 - lr * decay)
+            exp_avg.lerp_(grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(grad, grad * (1 - beta2))
+            if group["amsgrad"]:
+                torch.maximum(state["max_exp_avg_sq"], exp_avg_sq, out=state["max_exp_avg_sq"])
+                second = state["max_exp_avg_sq"]
+            else:
+                second = exp_avg_sq
+            bias1 = 1 - beta1**step
+            bias2 = 1 - beta2**step
+            denom = (second.sqrt() / bias2.sqrt()).add_(eps)
+            p.sub_((lr / bias1) * exp_avg / denom)
 
 
 #: The optimizers whose steps read every scheduled hyperparameter from the device.
