@@ -199,7 +199,12 @@ class Replayer:
             self._from_thread()
 
     def _grad_tensors(self, leaves: Sequence[Any]) -> list[Any]:
-        inputs = [leaves[i] for i, *_ in self.slots] if len(leaves) == self.n_args else []
+        """The call's tensor inputs (``None`` each where the call has another arity, which the
+        input check then refuses), then the gradient sources: aligned with the capture's."""
+        if len(leaves) == self.n_args:
+            inputs = [leaves[i] for i, *_ in self.slots]
+        else:
+            inputs = [None] * len(self.slots)
         return [*inputs, *self.grad_sources]
 
     def _check_gradients(self, leaves: Sequence[Any]) -> None:
