@@ -224,3 +224,14 @@ def test_train_step_refuses_a_misspelt_option() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(cg.ConfigError, match="did you mean warmup="):
         cg.train_step(lambda x: model(x).sum(), optimizer=opt, warmpu=5)
+
+
+def test_the_decoder_and_the_batcher_refuse_a_misspelt_option() -> None:
+    import torch
+
+    from cudagraphs.integrations.transformers import Decoder
+
+    with pytest.raises(cg.ConfigError, match="did you mean max_wait_ms="):
+        cg.Batcher(lambda x: x, torch.ones(1, 2), max_batch=4, max_wait=5)
+    with pytest.raises(cg.ConfigError, match="did you mean steps_per_graph="):
+        Decoder(object(), max_batch=1, max_length=16, steps_per_grph=4)  # before the model

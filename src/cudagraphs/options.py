@@ -29,6 +29,7 @@ __all__ = [
     "Options",
     "OutputPolicy",
     "check_positive_int",
+    "refuse_unknown_keywords",
     "split_options",
 ]
 
@@ -218,6 +219,29 @@ def split_options(
                 )
             )
     return options, rest
+
+
+def refuse_unknown_keywords(
+    entry: str, given: dict[str, Any], signature_of: Callable[..., Any]
+) -> None:
+    """``ConfigError`` with "did you mean" for a keyword an entry point does not take (for
+    entry points whose own keyword parameters, read from ``signature_of``, are their options:
+    ``Decoder``, ``Batcher``)."""
+    allowed = [
+        p.name
+        for p in inspect.signature(signature_of).parameters.values()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
+    ]
+    for key, value in given.items():
+        close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}=? " if close else ""
+        raise ConfigError(
+            explain(
+                f"{entry} got an unknown keyword argument {key}={value!r}",
+                f"{entry} accepts only: {', '.join(allowed)}",
+                f"{hint}remove or respell it",
+            )
+        )
 
 
 def _accepts(fn: Callable[..., Any] | None, key: str) -> bool:

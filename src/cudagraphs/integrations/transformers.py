@@ -37,7 +37,7 @@ from ..control.flow import while_loop
 from ..core import compat
 from ..core.pool import Pool
 from ..errors import ConfigError, explain
-from ..options import check_positive_int
+from ..options import check_positive_int, refuse_unknown_keywords
 from ..shapes.ladders import powers_of_two
 from .kv_cache import RungCaches, cache_keyword
 from .requests import (
@@ -102,7 +102,9 @@ class Decoder:
         do_sample: bool = False,
         warmup: int = 2,
         until_eos: bool = False,
+        **unknown: Any,
     ):
+        refuse_unknown_keywords("Decoder", unknown, Decoder.__init__)
         start = time.perf_counter()
         check_model(model)
         for name, value in (

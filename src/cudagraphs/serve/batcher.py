@@ -41,7 +41,7 @@ import torch
 
 from ..core.tree import NAMESPACE
 from ..errors import BatcherClosed, ConfigError, DeadlineExceeded, Overloaded, explain
-from ..options import check_positive_int
+from ..options import check_positive_int, refuse_unknown_keywords
 from .metrics import BatcherMetrics, MetricsRecorder, prometheus
 from .requests import RequestSpec, concatenate, split, to_device
 
@@ -86,7 +86,9 @@ class Batcher:
         deadline_s: float | None = None,
         name: str | None = None,
         request_device: str | torch.device | None = None,
+        **unknown: Any,
     ):
+        refuse_unknown_keywords("cg.Batcher", unknown, Batcher.__init__)
         ladders = getattr(fn, "ladders", None)
         rungs = (
             sorted(next(iter(ladders.values())))
