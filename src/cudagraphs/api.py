@@ -65,11 +65,19 @@ def graph(
 
     Args:
         fn: the callable to capture.
-        *example_args, **example_kwargs: example inputs: pytrees (tuples, lists, dicts,
+        *example_args: example inputs (and, among the keywords, example keyword inputs):
+            pytrees (tuples, lists, dicts,
             namedtuples, dataclasses) of tensors and plain values. Keywords named like an
             option below cannot be passed this way; capture lazily and call instead. A keyword
             close to an option's name that ``fn`` does not take (``warmpu=3``) raises
             :class:`ConfigError`.
+        buckets: capture one graph per bucket of input sizes (:class:`cudagraphs.Buckets`, or
+            the shorthand ``{"B": [1, 2, 4, 8]}`` for dimension 0 of every tensor input), or
+            ``"exact"``: one graph per exact shape seen, at most ``max_graphs``, LRU evicted.
+            Returns a :class:`cudagraphs.Bucketed` (or ``ExactShapes``) instead of a ``Graphed``.
+        max_graphs: with ``buckets="exact"``, how many shapes keep a graph.
+
+    Other Parameters:
         warmup: eager runs on a side stream before capture (allocator, cuBLAS, autotuning).
             With examples they run on clones of the examples and what they write is put back;
             without, the first ``warmup`` calls are your real calls, run eagerly and answered
@@ -112,10 +120,6 @@ def graph(
             enum, tuple of these) held by an object ``fn`` reaches that changes between
             warm-up runs raises :class:`FrozenStateError` at capture, since every replay would
             repeat the one recorded run's branch or constant.
-        buckets: capture one graph per bucket of input sizes (:class:`cudagraphs.Buckets`, or
-            the shorthand ``{"B": [1, 2, 4, 8]}`` for dimension 0 of every tensor input), or
-            ``"exact"``: one graph per exact shape seen, at most ``max_graphs``, LRU evicted.
-            Returns a :class:`cudagraphs.Bucketed` (or ``ExactShapes``) instead of a ``Graphed``.
 
     Raises:
         CaptureError: capture failed (host sync, CPU tensor, ...), with the user's line.
