@@ -142,17 +142,8 @@ class Options:
     ) -> Options:
         """Options from keyword arguments that must all be options (``allowed``: a subset)."""
         names = tuple(allowed) if allowed is not None else OPTION_NAMES
-        for key in kwargs:
-            if key not in names:
-                close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
-                hint = f"did you mean {close[0]}=? " if close else ""
-                raise ConfigError(
-                    explain(
-                        f"{entry} got an unknown option {key}={kwargs[key]!r}",
-                        f"{entry} accepts only its own options: {', '.join(names)}",
-                        f"{hint}remove or respell it",
-                    )
-                )
+        unknown = {k: v for k, v in kwargs.items() if k not in names}
+        refuse_unknown(entry, unknown, names)
         return cls(**kwargs)
 
 
@@ -232,13 +223,18 @@ def refuse_unknown_keywords(
         for p in inspect.signature(signature_of).parameters.values()
         if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
     ]
-    for key, value in given.items():
+    refuse_unknown(entry, given, allowed)
+
+
+def refuse_unknown(entry: str, unknown: dict[str, Any], allowed: Sequence[str]) -> None:
+    """``ConfigError`` naming the first of ``unknown`` with the closest of ``allowed``."""
+    for key, value in unknown.items():
         close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]}=? " if close else ""
         raise ConfigError(
             explain(
-                f"{entry} got an unknown keyword argument {key}={value!r}",
-                f"{entry} accepts only: {', '.join(allowed)}",
+                f"{entry} got an unknown option {key}={value!r}",
+                f"{entry} accepts only its own options: {', '.join(allowed)}",
                 f"{hint}remove or respell it",
             )
         )
