@@ -159,3 +159,40 @@ def test_cli_doctor_exit_codes(tmp_path: object) -> None:
     assert "no findings" in good.stdout
     missing = run("nothing")
     assert missing.returncode == 2 and "nothing" in missing.stderr
+
+
+def test_the_doctors_watches_leave_other_threads_untouched() -> None:
+    import threading
+
+    import torch
+
+    import cudagraphs as cg
+
+    seen: list[object] = []
+    started, release = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        started.set()
+        release.wait(10)
+        # While the doctor runs in the main thread, this thread's calls reach torch itself:
+        # not observed (no finding), and a capture question gets the true answer.
+        try:
+            torch.cuda.synchronize()
+            seen.append("synchronized")
+        except (AssertionError, RuntimeError):  # torch's own answer without CUDA
+            seen.append("torch answered")
+        if torch.cuda.is_available():
+            seen.append(torch.cuda.is_current_stream_capturing())
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        release.set()
+        worker.join(10)
+        return x * 2
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    started.wait(10)
+    report = cg.doctor(fn, torch.randn(4))
+    assert [f.kind for f in report.findings] == []  # the other thread's sync is not fn's
+    expected = ["synchronized", False] if torch.cuda.is_available() else ["torch answered"]
+    assert seen == expected

@@ -5,12 +5,18 @@
 that depend on data, writes into inputs and into state, tensors read by address; the context
 managers patch explicit synchronizes, ``GradScaler.step`` and optimizer steps, turn on CUDA's sync
 debug mode, and make the run look like a capture to code that asks.
+
+The patches are the one place the library replaces torch attributes, for the doctor's run only,
+and they are confined to the doctor's thread: every patched call made from another thread runs
+the original, unobserved; on the way out a patch is undone only if it is still the one in place
+(another library's wrapper made meanwhile stays).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -199,18 +205,21 @@ def _default_generator(device: torch.device) -> torch.Generator | None:
 @contextmanager
 def patched_calls(collector: Collector) -> Iterator[None]:
     """Watch explicit synchronizes, GradScaler.step and optimizer steps for the run."""
-    patches: list[tuple[Any, str, Any]] = []
+    patches: list[tuple[Any, str, Any, Any]] = []
+    doctor_thread = threading.get_ident()
 
     def patch(owner: Any, attr: str, kind: str, what: str, call_through: bool) -> None:
         original = getattr(owner, attr)
 
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != doctor_thread:  # other threads: untouched
+                return original(*args, **kwargs)
             collector.add(kind, what)
             if call_through:
                 return original(*args, **kwargs)
             return None
 
-        patches.append((owner, attr, original))
+        patches.append((owner, attr, original, wrapper))
         setattr(owner, attr, wrapper)
 
     cuda = torch.cuda.is_available()
@@ -220,6 +229,8 @@ def patched_calls(collector: Collector) -> Iterator[None]:
     patch(torch.amp.GradScaler, "step", "grad-scaler", "scaler.step(optimizer)", True)
 
     def step_hook(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if threading.get_ident() != doctor_thread:
+            return
         if "capturable" in optimizer.defaults and not all(
             g.get("capturable", False) for g in optimizer.param_groups
         ):
@@ -232,8 +243,9 @@ def patched_calls(collector: Collector) -> Iterator[None]:
         yield
     finally:
         handle.remove()
-        for owner, attr, original in reversed(patches):
-            setattr(owner, attr, original)
+        for owner, attr, original, wrapper in reversed(patches):
+            if getattr(owner, attr) is wrapper:  # else someone wrapped ours since: leave theirs
+                setattr(owner, attr, original)
 
 
 @contextmanager
@@ -242,8 +254,11 @@ def as_if_capturing() -> Iterator[None]:
     host syncs then); judge that path, the one a graph records, not the eager one. PyTorch's
     own callers (an optimizer's capture health check) get the true answer: the run is eager."""
     original = torch.cuda.is_current_stream_capturing
+    doctor_thread = threading.get_ident()
 
     def capturing() -> bool:
+        if threading.get_ident() != doctor_thread:  # other threads get the true answer
+            return original()
         caller = sys._getframe(1).f_code.co_filename
         return original() if caller.startswith(_TORCH_DIR) else True
 
@@ -251,7 +266,8 @@ def as_if_capturing() -> Iterator[None]:
     try:
         yield
     finally:
-        torch.cuda.is_current_stream_capturing = original  # type: ignore[assignment]
+        if torch.cuda.is_current_stream_capturing is capturing:
+            torch.cuda.is_current_stream_capturing = original  # type: ignore[assignment]
 
 
 @contextmanager
@@ -260,8 +276,10 @@ def sync_debug(collector: Collector) -> Iterator[None]:
     torch.cuda.set_sync_debug_mode("warn")
     original = warnings.showwarning
 
+    doctor_thread = threading.get_ident()
+
     def show(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
-        if "synchroniz" in str(message).lower():
+        if threading.get_ident() == doctor_thread and "synchroniz" in str(message).lower():
             where = user_frame()
             if not any(key[1:] == where for key in collector.findings):  # not explained yet
                 collector.add("host-sync", "an operation that synchronized with the host")
