@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -52,3 +53,47 @@ def test_a_figure_that_drifts_from_its_report_is_caught() -> None:
     row = README.index("| MLP 256-256-16", start)
     drifted = README.replace(README[row : README.index("\n", row)], "| MLP 256-256-16 | 1 | 2 |")
     assert figures.render(drifted, report) != drifted
+
+
+_FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s?(µs|ms|MiB|GiB|tokens/s)\b")
+_SOURCE = re.compile(r"(?:reports|benchmarks/results)/[\w./-]+\.(?:md|json)")
+
+
+def _contains(text: str, number: str) -> bool:
+    """``number`` as a whole number in ``text`` (12.3 is not in 112.3 or 12.34)."""
+    return re.search(rf"(?<![\d.]){re.escape(number)}(?![\d])", text) is not None
+
+
+def _untraced(text: str, root: Path) -> list[str]:
+    """Absolute figures (µs, ms, MiB, GiB, tokens/s) of each section that do not appear in a
+    report the section names; ratios are computed from these and are not listed."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    found = []
+    for section in re.split(r"\n(?=#{1,4} )", text):
+        figures = _FIGURE.findall(section)
+        if not figures:
+            continue
+        sources = [root / s for s in set(_SOURCE.findall(section))]
+        reported = "".join(p.read_text() for p in sources if p.exists())
+        title = section.strip().splitlines()[0][:60]
+        for value, unit in figures:
+            as_bytes = str(round(float(value) * (1 << 20 if unit == "MiB" else 1 << 30)))
+            if not _contains(reported, value) and not (
+                unit in ("MiB", "GiB") and _contains(reported, as_bytes)
+            ):
+                found.append(f"{title}: {value} {unit}")
+    return found
+
+
+def test_every_absolute_figure_in_the_readme_and_docs_traces_to_a_report() -> None:
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    untraced = [f"{p.name}: {item}" for p in pages for item in _untraced(p.read_text(), root)]
+    assert untraced == []
+
+
+def test_a_figure_without_its_report_is_caught() -> None:
+    root = Path(__file__).resolve().parents[1]
+    assert _untraced("## Speed\n\nA call takes 987.6 µs (`reports/gpu.md`).\n", root)
+    assert _untraced("## Speed\n\nA call takes 46.7 µs.\n", root)  # no report named
+    assert not _untraced("## Speed\n\nA call takes 46.7 µs (`reports/gpu.md`).\n", root)
