@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from llama_decode import graph_decode, reference_tokens, tiny_llama
+from stateful_models import Counting, Flipping
 from torch import nn
 
 import cudagraphs as cg
@@ -638,38 +639,15 @@ def test_a_call_that_needs_gradients_raises() -> None:
         cg.graph(small_mlp(), torch.randn(8, 64, device="cuda"))  # captured with grad on
 
 
-class CountingMLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = small_mlp()
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return self.net(x)
-
-
-class FlagFlipper(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = small_mlp()
-        self.negate = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.negate = not self.negate
-        y = self.net(x)
-        return -y if self.negate else y
-
-
 @cuda
 @torch.no_grad()
 def test_python_state_the_forward_changes_is_refused_at_capture() -> None:
     x = torch.randn(8, 64, device="cuda")
-    with pytest.raises(cg.FrozenStateError, match=r"CountingMLP\.calls"):
-        cg.graph(CountingMLP().cuda(), x)
-    with pytest.raises(cg.FrozenStateError, match=r"FlagFlipper\.negate"):
-        cg.graph(FlagFlipper().cuda(), x)
-    counted = CountingMLP().cuda()
+    with pytest.raises(cg.FrozenStateError, match=r"Counting\.calls"):
+        cg.graph(Counting(small_mlp()), x)
+    with pytest.raises(cg.FrozenStateError, match=r"Flipping\.flip"):
+        cg.graph(Flipping(small_mlp()), x)
+    counted = Counting(small_mlp())
     g = cg.graph(counted, x, harmless_state=("calls",))
     for _ in range(3):
         y = torch.randn(8, 64, device="cuda")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from stateful_models import Counting, Flipping
 from torch import nn
 
 import cudagraphs as cg
@@ -88,33 +89,12 @@ def test_a_thread_count_change_is_not_a_mode_change(stand_in: None) -> None:
             torch.set_num_threads(before)
 
 
-class Counted(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = mlp()
-        self.calls = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        return self.net(x)
-
-
-class Flipping(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.flip = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.flip = not self.flip
-        return x * 2 if self.flip else -x
-
-
 @torch.no_grad()
 def test_a_counter_in_forward_is_refused_naming_it_unless_declared(stand_in: None) -> None:
-    model = Counted()
-    with pytest.raises(cg.FrozenStateError, match=r"Counted\.calls was \d+, became \d+") as info:
+    model = Counting(mlp())
+    with pytest.raises(cg.FrozenStateError, match=r"Counting\.calls was \d+, became \d+") as info:
         cg.graph(model, torch.randn(2, 8), outputs="clone")
-    assert info.value.names == ["Counted.calls"]
+    assert info.value.names == ["Counting.calls"]
     assert "harmless_state=('calls',)" in str(info.value)
     assert model.calls == 0  # the library's own runs were put back
     g = cg.graph(model, torch.randn(2, 8), harmless_state=("calls",), outputs="clone")

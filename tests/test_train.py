@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -193,6 +194,33 @@ def test_graph_autograd_chain_stage_format_is_checked(monkeypatch) -> None:
         cg.graph_autograd_chain([(mlp(), (torch.randn(4, 8),))])
 
 
+def side_by_side(
+    make: Any, steps: int, *, scheduler: Any = None, maximize: bool = False, watch: Any = None
+) -> set[float]:
+    """Two copies of one MLP trained on the same batches, ours and torch's optimizer from
+    ``make(params_ours, params_theirs)``, each with its own ``scheduler(opt)``; their parameters
+    must agree at the end. Returns the values ``watch(our_optimizer)`` took."""
+    ours, theirs = mlp(), mlp()
+    theirs.load_state_dict(ours.state_dict())
+    opts = make(ours.parameters(), theirs.parameters())
+    schedules = [scheduler(o) for o in opts] if scheduler is not None else []
+    seen = set()
+    for _ in range(steps):
+        x = torch.randn(16, 8)
+        for model, opt in zip((ours, theirs), opts):
+            opt.zero_grad()
+            loss = model(x).square().mean()
+            (-loss if maximize else loss).backward()  # bounded either way
+            opt.step()
+        for schedule in schedules:
+            schedule.step()
+        if watch is not None:
+            seen.add(round(watch(opts[0]), 6))
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return seen
+
+
 @pytest.mark.parametrize(
     "settings",
     [
@@ -204,47 +232,30 @@ def test_graph_autograd_chain_stage_format_is_checked(monkeypatch) -> None:
 )
 def test_graph_safe_sgd_steps_as_torch_sgd_does(settings: dict) -> None:
     torch.manual_seed(0)
-    ours, theirs = mlp(), mlp()
-    theirs.load_state_dict(ours.state_dict())
-    opts = [
-        cg.GraphSafeSGD(ours.parameters(), lr=0.05, **settings),
-        torch.optim.SGD(theirs.parameters(), lr=0.05, **settings),
-    ]
-    for _ in range(20):
-        x = torch.randn(16, 8)
-        for model, opt in zip((ours, theirs), opts):
-            opt.zero_grad()
-            loss = model(x).square().mean()
-            (-loss if settings.get("maximize") else loss).backward()  # bounded either way
-            opt.step()
-    for a, b in zip(ours.parameters(), theirs.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    side_by_side(
+        lambda ours, theirs: [
+            cg.GraphSafeSGD(ours, lr=0.05, **settings),
+            torch.optim.SGD(theirs, lr=0.05, **settings),
+        ],
+        20,
+        maximize=settings.get("maximize", False),
+    )
 
 
 def test_graph_safe_sgd_follows_a_momentum_schedule() -> None:
     torch.manual_seed(1)
-    ours, theirs = mlp(), mlp()
-    theirs.load_state_dict(ours.state_dict())
-    opts = [
-        cg.GraphSafeSGD(ours.parameters(), lr=0.05, momentum=0.9),
-        torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9),
-    ]
-    schedules = [
-        torch.optim.lr_scheduler.CyclicLR(o, 0.001, 0.01, step_size_up=3, cycle_momentum=True)
-        for o in opts
-    ]
-    seen = set()
-    for _ in range(12):
-        x = torch.randn(16, 8)
-        for model, opt, schedule in zip((ours, theirs), opts, schedules):
-            opt.zero_grad()
-            model(x).square().mean().backward()
-            opt.step()
-            schedule.step()
-        seen.add(round(opts[0].param_groups[0]["momentum"], 6))
+    seen = side_by_side(
+        lambda ours, theirs: [
+            cg.GraphSafeSGD(ours, lr=0.05, momentum=0.9),
+            torch.optim.SGD(theirs, lr=0.05, momentum=0.9),
+        ],
+        12,
+        scheduler=lambda o: torch.optim.lr_scheduler.CyclicLR(
+            o, 0.001, 0.01, step_size_up=3, cycle_momentum=True
+        ),
+        watch=lambda o: o.param_groups[0]["momentum"],
+    )
     assert len(seen) > 3  # the momentum really moved
-    for a, b in zip(ours.parameters(), theirs.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -252,26 +263,16 @@ def test_graph_safe_sgd_follows_a_momentum_schedule() -> None:
 )
 def test_graph_safe_adamw_steps_as_torch_adamw_does(settings: dict) -> None:
     torch.manual_seed(0)
-    ours, theirs = mlp(), mlp()
-    theirs.load_state_dict(ours.state_dict())
-    opts = [
-        cg.GraphSafeAdamW(ours.parameters(), lr=1e-2, **settings),
-        torch.optim.AdamW(theirs.parameters(), lr=1e-2, foreach=False, **settings),
-    ]
-    schedules = [
-        torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=30, cycle_momentum=True)
-        for o in opts
-    ]
-    betas = set()
-    for _ in range(25):
-        x = torch.randn(16, 8)
-        for model, opt, schedule in zip((ours, theirs), opts, schedules):
-            opt.zero_grad()
-            loss = model(x).square().mean()
-            (-loss if settings.get("maximize") else loss).backward()
-            opt.step()
-            schedule.step()
-        betas.add(round(opts[0].param_groups[0]["betas"][0], 6))
+    betas = side_by_side(
+        lambda ours, theirs: [
+            cg.GraphSafeAdamW(ours, lr=1e-2, **settings),
+            torch.optim.AdamW(theirs, lr=1e-2, foreach=False, **settings),
+        ],
+        25,
+        scheduler=lambda o: torch.optim.lr_scheduler.OneCycleLR(
+            o, max_lr=2e-2, total_steps=30, cycle_momentum=True
+        ),
+        maximize=settings.get("maximize", False),
+        watch=lambda o: o.param_groups[0]["betas"][0],
+    )
     assert len(betas) > 5  # OneCycleLR really cycled betas[0]
-    for a, b in zip(ours.parameters(), theirs.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
