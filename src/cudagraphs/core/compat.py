@@ -21,6 +21,8 @@ __all__ = [
     "OPS_DISPATCH_MODE",
     "begin_allocate_to_pool",
     "clear_cublas_workspaces",
+    "compile_config_patch",
+    "declare_amp_scaling",
     "end_allocate_to_pool",
     "foreach_copy",
     "global_state_guard",

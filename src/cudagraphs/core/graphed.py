@@ -24,7 +24,7 @@ import logging
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import optree
@@ -109,7 +109,7 @@ class Graphed(Entry[R]):
         """The captured ``torch.cuda.CUDAGraph`` (``None`` before capture or when eager)."""
         return self.replayer.graph if self.replayer is not None else None
 
-    def enter_replay(self, leaves: list[Any]) -> None:
+    def enter_replay(self, leaves: Sequence[Any]) -> None:
         """Before a layer above (buckets) writes the static inputs: the checks every replay
         makes first (modes, gradients, thread; ``replayer.OutputsInUse`` means: answer this
         call eagerly). Then :meth:`replay_static`. Hold ``lock`` around all of it."""

@@ -268,7 +268,7 @@ class Bucketed:
             return bucket.graphed(*args)
         bucket.graphed.refresh()  # a guarded tensor moved: captured again on the same views
         try:
-            bucket.graphed.enter_replay(list(args))  # modes, gradients, thread: before staging
+            bucket.graphed.enter_replay(args)  # modes, gradients, thread: before staging
         except OutputsInUse:
             return _SLOW  # the full path answers it eagerly
         for shared, x, view in zip(self._shared, args, bucket.views):
