@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cudagraphs.core.recorder import classify_failure, user_location
+from cudagraphs.core.failures import classify_failure
+from cudagraphs.core.frames import user_location
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from .api import graph
 from .control.flow import cond, while_loop
 from .core.graphed import Graphed, State
 from .core.pool import Pool
+from .core.splitter import eager
 from .core.stats import Stats
 from .diagnose.doctor import Finding, Report, doctor
 from .errors import (
@@ -37,6 +38,7 @@ from .errors import (
     Overloaded,
     RandomInLoopError,
     ReplayTimeoutError,
+    SegmentError,
     StaleGraphError,
     StaleOutputError,
     StateWriteError,
@@ -117,6 +119,7 @@ __all__ = [
     "RandomInLoopError",
     "ReplayTimeoutError",
     "Report",
+    "SegmentError",
     "StaleGraphError",
     "StaleOutputError",
     "State",
@@ -130,6 +133,7 @@ __all__ = [
     "cond",
     "ddp",
     "doctor",
+    "eager",
     "graph",
     "graph_autograd",
     "graph_autograd_chain",

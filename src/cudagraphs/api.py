@@ -120,9 +120,20 @@ def graph(
             enum, tuple of these) held by an object ``fn`` reaches that changes between
             warm-up runs raises :class:`FrozenStateError` at capture, since every replay would
             repeat the one recorded run's branch or constant.
+        segments: what an eager step reached while recording does (a function marked with
+            :func:`cudagraphs.eager`, a module of ``eager``): ``"split"`` (default: the
+            recording becomes several graphs with the step run eagerly between them at every
+            call; ``g.segments`` lists them) or ``"refuse"`` (:class:`SegmentError`: one graph
+            or nothing).
+        eager: modules (instances, or classes matched against every module ``fn`` uses) whose
+            forward runs eagerly between two graphs at every call: a third-party block with a
+            host read, such as a mixture-of-experts layer that reads its routing counts on
+            the host (``eager=[MixtralSparseMoeBlock]``).
 
     Raises:
         CaptureError: capture failed (host sync, CPU tensor, ...), with the user's line.
+        SegmentError: an eager step returned something other than CUDA tensors (a Python
+            value would be frozen into the graph after it), or another shape than at capture.
         ConfigError: an option is invalid, or the inputs mix CPU and CUDA tensors.
         FrozenStateError: ``fn`` changes plain Python state from one run to the next.
         ModeMismatchError: a call runs under other modes (autocast, grad or inference mode,

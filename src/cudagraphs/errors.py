@@ -25,6 +25,7 @@ __all__ = [
     "InputMismatchError",
     "Overloaded",
     "ReplayTimeoutError",
+    "SegmentError",
     "DeadlineExceeded",
     "StaleGraphError",
     "StaleOutputError",
@@ -88,6 +89,12 @@ class CaptureError(CudaGraphsError):
         self.location = location
         #: ``cg.doctor``'s findings for the function, filled in when capture fails.
         self.findings: list[Any] = []
+
+
+class SegmentError(CudaGraphsError):
+    """An eager step between two graphs (``@cg.eager``, ``eager=[...]``) cannot be handed on:
+    it returned something other than CUDA tensors, or tensors of another shape than at capture,
+    or it was reached where one graph was asked for (``segments="refuse"``)."""
 
 
 class ModeMismatchError(CudaGraphsError):

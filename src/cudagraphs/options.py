@@ -24,6 +24,7 @@ from .errors import ConfigError, explain
 __all__ = [
     "CAPTURE_ERROR_MODES",
     "OUTPUT_POLICIES",
+    "SEGMENT_POLICIES",
     "SIDE_EFFECTS",
     "OptionKwargs",
     "Options",
@@ -38,6 +39,8 @@ OUTPUT_POLICIES: tuple[str, ...] = ("alias", "guarded", "clone")
 CAPTURE_ERROR_MODES: tuple[str, ...] = ("global", "thread_local", "relaxed")
 #: What happens to state (tensors outside the inputs) that the library's own runs write.
 SIDE_EFFECTS: tuple[str, ...] = ("restore", "keep", "raise")
+#: What an eager step (``@cg.eager``, ``eager=[...]``) reached while recording does.
+SEGMENT_POLICIES: tuple[str, ...] = ("split", "refuse")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,8 @@ class Options:
     side_effects: str = "restore"
     replay_timeout_s: float | None = None
     harmless_state: Sequence[str] = ()
+    segments: str = "split"
+    eager: Sequence[Any] = ()
 
     def __post_init__(self) -> None:
         warmup = self.warmup
@@ -120,6 +125,25 @@ class Options:
                 )
             )
         object.__setattr__(self, "harmless_state", tuple(harmless))
+        _choice("segments", self.segments, SEGMENT_POLICIES)
+        eager = self.eager
+        if isinstance(eager, (torch.nn.Module, type)):
+            eager = (eager,)
+        if not isinstance(eager, (tuple, list)) or not all(
+            isinstance(e, torch.nn.Module)
+            or (isinstance(e, type) and issubclass(e, torch.nn.Module))
+            for e in eager
+        ):
+            raise ConfigError(
+                explain(
+                    f"eager must be a list of modules or module classes, got {eager!r}",
+                    "each module named there runs eagerly between two graphs (a gap), at every "
+                    "call",
+                    "pass eager=[model.router] or eager=[MixtralExperts]; for a function, mark "
+                    "it with @cg.eager instead",
+                )
+            )
+        object.__setattr__(self, "eager", tuple(eager))
         timeout = self.replay_timeout_s
         if timeout is not None and (
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
@@ -163,6 +187,8 @@ class OptionKwargs(TypedDict, total=False):
     side_effects: Literal["restore", "keep", "raise"]
     replay_timeout_s: float | None
     harmless_state: Sequence[str]
+    segments: Literal["split", "refuse"]
+    eager: Sequence[Any]
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Options))

@@ -25,6 +25,7 @@ class ActiveCapture:
     pool: Any
     device_index: int
     routes_everything: bool = False
+    splitter: Any = None  # segments.Splitter: ends the graph at an eager step
 
     def route_all_allocations(self) -> None:
         """Serve every allocation on this device (any stream, any thread) from the capture's

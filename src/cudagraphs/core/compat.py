@@ -9,8 +9,9 @@ claims no older one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from ..errors import CudaGraphsError, explain
 
 __all__ = [
     "OPS_DISPATCH_MODE",
+    "allocating_in_pool",
     "begin_allocate_to_pool",
     "clear_cublas_workspaces",
     "compile_config_patch",
@@ -160,6 +162,18 @@ def end_allocate_to_pool(device_index: int, pool: Any) -> None:
 
 def release_pool(device_index: int, pool: Any) -> None:
     _C._cuda_releasePool(device_index, pool)
+
+
+@contextlib.contextmanager
+def allocating_in_pool(device_index: int, pool: Any) -> Iterator[None]:
+    """Serve the allocations made in the block from ``pool`` (between two recordings that share
+    it: the buffers a gap's outputs are kept in live as long as the graphs)."""
+    _C._cuda_beginAllocateToPool(device_index, pool)
+    try:
+        yield
+    finally:
+        _C._cuda_endAllocateToPool(device_index, pool)
+        _C._cuda_releasePool(device_index, pool)
 
 
 def routes_allocations_to_pools() -> bool:

@@ -17,7 +17,13 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["callable_name", "user_frame", "user_location", "user_stacklevel"]
+__all__ = [
+    "callable_name",
+    "failing_module",
+    "user_frame",
+    "user_location",
+    "user_stacklevel",
+]
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
@@ -55,6 +61,24 @@ def user_location(error: BaseException) -> str | None:
     for frame in traceback.extract_tb(error.__traceback__):
         if not _is_library(frame.filename):
             found = f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return found
+
+
+def failing_module(error: BaseException, top: Any = None) -> Any:
+    """The innermost ``nn.Module`` (other than ``top``) whose ``forward`` is on ``error``'s
+    traceback: the block to name when a step inside a third-party model cannot be recorded."""
+    found = None
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        owner = frame.f_locals.get("self")
+        if (
+            isinstance(owner, torch.nn.Module)
+            and owner is not top
+            and frame.f_code.co_name == "forward"
+        ):
+            found = owner
+        tb = tb.tb_next
     return found
 
 

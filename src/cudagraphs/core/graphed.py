@@ -45,6 +45,7 @@ from .guards import AddressGuard, closure_tensors, modules_of
 from .modes import Modes, outputs_needing_gradients, refuse_gradients
 from .outputs import detach_outputs
 from .replayer import Counters, Replayer
+from .segments import describe, print_segments
 from .stats import Costs, Stats, snapshot
 from .tree import NAMESPACE, Signature
 
@@ -105,8 +106,9 @@ class Graphed(Entry[R]):
         self.__doc__ = getattr(fn, "__doc__", None)
 
     @property
-    def graph(self) -> torch.cuda.CUDAGraph | None:
-        """The captured ``torch.cuda.CUDAGraph`` (``None`` before capture or when eager)."""
+    def graph(self) -> Any:
+        """The captured ``torch.cuda.CUDAGraph``, or :class:`~cudagraphs.core.segments.Segments`
+        when eager steps split it (``None`` before capture or when eager)."""
         return self.replayer.graph if self.replayer is not None else None
 
     def enter_replay(self, leaves: Sequence[Any]) -> None:
@@ -366,8 +368,17 @@ class Graphed(Entry[R]):
         return snapshot(
             self.state.value, self._counters, self._costs, n_inputs=n_inputs,
             guarded=(guard.count, guard.addresses.backend) if guard is not None else (0, ""),
-            state_writes=len(self.state_writes),
+            state_writes=len(self.state_writes), recording=self.graph,
         )  # fmt: skip
+
+    @property
+    def segments(self) -> list[dict[str, Any]]:
+        """The recording's pieces in order: graphs and the eager steps between them."""
+        return describe(self.graph)
+
+    def report(self, console: Any = None) -> None:
+        """Print the segments: each eager step's line, why it runs eagerly, its calls and time."""
+        print_segments(self.graph, callable_name(self.fn), self.stats, console)
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         """``@cg.graph`` on a method: one graph per instance, bound to it."""

@@ -15,7 +15,7 @@ import contextlib
 import gc
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +24,14 @@ import torch
 from ..errors import CaptureError, ConfigError, CudaGraphsError, explain
 from . import compat
 from .capturing import capturing
-from .frames import callable_name, user_location
+from .failures import block_hint, classify_failure
+from .frames import callable_name, failing_module, user_location
+from .splitter import NeedsSplitting, Splitter, module_gaps
+from .state import DeferredWriteRecorder
 
 __all__ = [
     "Recording",
     "capture",
-    "classify_failure",
     "default_stream",
     "graphable",
     "place",
@@ -146,7 +148,7 @@ def warm_up(
 class Recording:
     """A captured graph, what the function returned while being recorded, and its costs."""
 
-    graph: torch.cuda.CUDAGraph
+    graph: Any  # torch.cuda.CUDAGraph, or segments.Segments when the function has eager steps
     output: Any
     capture_s: float
     pool_bytes: int
@@ -160,8 +162,42 @@ def capture(
     stream: torch.cuda.Stream,
     pool: Any,
     capture_error_mode: str,
+    segments: str = "split",
+    eager_modules: Sequence[torch.nn.Module] = (),
+    exclude: Sequence[torch.Tensor] = (),
 ) -> Recording:
-    """Record one call of ``fn`` into a new CUDA graph, or raise :class:`CaptureError`."""
+    """Record one call of ``fn`` into a new CUDA graph, or raise :class:`CaptureError`.
+
+    An eager step reached while recording (``@cg.eager``, a module of ``eager_modules``) splits
+    the recording into :class:`~.segments.Segments` (``segments="refuse"``: an error instead).
+    Such a capture runs the function for real, so what it writes outside ``exclude`` (the
+    inputs) is put back afterwards.
+    """
+    try:
+        return _capture(
+            fn, args, kwargs, stream=stream, pool=pool, capture_error_mode=capture_error_mode,
+            segments=segments, eager_modules=eager_modules, writes=None,
+        )  # fmt: skip
+    except NeedsSplitting:
+        writes = DeferredWriteRecorder(exclude=exclude)
+        return _capture(
+            fn, args, kwargs, stream=stream, pool=pool, capture_error_mode=capture_error_mode,
+            segments=segments, eager_modules=eager_modules, writes=writes,
+        )  # fmt: skip
+
+
+def _capture(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    stream: torch.cuda.Stream,
+    pool: Any,
+    capture_error_mode: str,
+    segments: str,
+    eager_modules: Sequence[torch.nn.Module],
+    writes: DeferredWriteRecorder | None,
+) -> Recording:
     device = stream.device
     torch.cuda.synchronize(device)
     # cuBLAS keeps one workspace per (handle, stream), allocated on first use. Warm-up ran on
@@ -177,10 +213,12 @@ def capture(
     failure: BaseException | None = None
     end_failure: BaseException | None = None
     output: Any = None
+    recorded: Any = None
     # A collection during capture could free a tensor whose memory the recording still uses
     # (or run __del__ code that syncs); keep the collector off for the duration.
     gc_was_enabled = gc.isenabled()
     gc.disable()
+    hooks = module_gaps(eager_modules)
     try:
         with torch.cuda.stream(stream), uncached_autocast():
             # A private pool of its own unless one is shared; named here, so that conditional
@@ -188,28 +226,44 @@ def capture(
             pool = torch.cuda.graph_pool_handle() if pool is None else pool
             graph.capture_begin(pool, capture_error_mode=capture_error_mode)
             with capturing(pool, device.index) as active:
+                splitter = active.splitter = Splitter(
+                    graph, pool, device, capture_error_mode,
+                    refuse=segments == "refuse", writes=writes, active=active,
+                )  # fmt: skip
                 try:
-                    output = fn(*args, **kwargs)
+                    with writes if writes is not None else contextlib.nullcontext():
+                        output = fn(*args, **kwargs)
                 except BaseException as error:  # KeyboardInterrupt too: capture must still end
                     failure = error
                 finally:
                     # Always end the capture, or the stream stays in capture mode and every
                     # later CUDA call in the process fails.
                     try:
-                        graph.capture_end()
+                        if failure is None:
+                            recorded = splitter.finish()
+                        else:
+                            splitter.abandon()
                     except BaseException as error:
                         end_failure = error
                     active.finish()
     finally:
+        for hook in hooks:
+            hook.remove()
         if gc_was_enabled:
             gc.enable()
+    if writes is not None:
+        torch.cuda.synchronize(device)
+        writes.restore()  # the segmented capture ran the function: put its writes back
+    if isinstance(failure, NeedsSplitting):
+        _recover(torch.cuda.CUDAGraph(), device, stream)
+        raise failure
     if failure is None and end_failure is None:
         torch.cuda.synchronize(device)
         # Drop the workspace map's reference to the block in our pool, so eager matmuls on this
         # stream do not share memory with the graph.
         compat.clear_cublas_workspaces()
         return Recording(
-            graph=graph,
+            graph=recorded,
             output=output,
             capture_s=time.perf_counter() - start,
             pool_bytes=torch.cuda.memory_reserved(device) - reserved_before,
@@ -223,6 +277,8 @@ def capture(
     primary = failure if failure is not None else end_failure
     assert primary is not None
     kind, what, fix = classify_failure(primary, end_failure)
+    if kind in ("host-sync", "cpu-tensor"):
+        fix += block_hint(failing_module(primary, top=fn))
     location = user_location(primary)
     where = f" at {location}" if location else ""
     detail = f"{type(primary).__name__}: {str(primary).strip().splitlines()[0][:300]}"
@@ -262,87 +318,3 @@ def _recover(graph: torch.cuda.CUDAGraph, device: torch.device, stream: torch.cu
     del empty
     with contextlib.suppress(Exception):
         torch.cuda.synchronize(device)
-
-
-# Ordered: the first pattern found in the error chain (primary error first) decides the kind.
-_FAILURES: tuple[tuple[str, tuple[str, ...], str, str], ...] = (
-    (
-        "nested-capture",
-        ("captures_underway", "already capturing", "cudagraph trees", "cudagraphify"),
-        "the function itself starts a CUDA graph capture (for example a torch.compile "
-        "model with mode='reduce-overhead', which records its own graphs)",
-        "compile with mode='default' or mode='max-autotune-no-cudagraphs' and let cudagraphs "
-        "do the capture",
-    ),
-    (
-        "cpu-tensor",
-        ("cannot copy between cpu and cuda", "pinned", "expected all tensors to be on the same"),
-        "a CPU tensor was used inside the captured region (a host-to-device copy, or a CPU "
-        "tensor mixed into a CUDA op); its value would be frozen at capture",
-        "create the tensor on the GPU once, outside the function, and pass it in as an input "
-        "(or keep it as a module buffer)",
-    ),
-    (
-        "host-sync",
-        (
-            "operation not permitted when stream is capturing",
-            "cudaerrorstreamcaptureunsupported",
-            "not supported during cuda graph capture",
-            "synchroniz",
-        ),
-        "the function synchronized with the host while being recorded: .item(), .tolist(), "
-        ".cpu(), .numpy(), print(tensor), `if tensor:`, torch.cuda.synchronize(), or an op "
-        "whose output shape depends on data (nonzero, boolean-mask indexing, unique)",
-        "keep values on the GPU: torch.where(cond, a, b) instead of `if`, fixed-size masks "
-        "instead of boolean indexing, and move logging/.item() outside the graphed function "
-        "(cg.doctor(fn, *args) lists each such line)",
-    ),
-    (
-        "default-stream",
-        ("cudaerrorstreamcaptureimplicit", "legacy stream", "implicit"),
-        "work was sent to the legacy default stream while another stream was capturing",
-        "run all work of the function on the current stream; avoid torch.cuda.default_stream()",
-    ),
-    (
-        "out-of-memory",
-        ("out of memory",),
-        "the GPU ran out of memory while recording",
-        "free memory before capture, use a smaller example, or share a pool between graphs",
-    ),
-    (
-        "illegal-access",
-        ("illegal memory access", "misaligned address", "device-side assert"),
-        "a kernel faulted; CUDA errors of this kind poison the whole process",
-        "run the function eagerly with CUDA_LAUNCH_BLOCKING=1 to find the faulting kernel, "
-        "then restart the process",
-    ),
-    (
-        "invalidated",
-        ("cudaerrorstreamcaptureinvalidated", "capture invalidated", "invalidated"),
-        "an earlier operation invalidated the capture (often a host sync or a CPU copy)",
-        "run cg.doctor(fn, *args) to find the operation that cannot be recorded",
-    ),
-)
-
-
-def classify_failure(
-    error: BaseException, end_error: BaseException | None = None
-) -> tuple[str, str, str]:
-    """Name a capture failure: ``(kind, what happened in plain words, how to fix it)``."""
-    texts = []
-    seen: BaseException | None = error
-    while seen is not None and len(texts) < 8:
-        texts.append(f"{type(seen).__name__}: {seen}".lower())
-        seen = seen.__cause__ or seen.__context__
-    if end_error is not None:
-        texts.append(str(end_error).lower())
-    for text in texts:
-        for kind, needles, what, fix in _FAILURES:
-            if any(needle in text for needle in needles):
-                return kind, what, fix
-    return (
-        "error",
-        "the function raised while being recorded, although it ran eagerly during warm-up "
-        "(does it behave differently while torch.cuda.is_current_stream_capturing()?)",
-        "fix the error shown below, or pass fallback='eager' to run this function eagerly",
-    )

@@ -16,15 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import optree
+import torch
 
+from ..errors import ConfigError, explain
 from ..options import Options
 from . import collectives, compat, python_state, recorder, side_effects
 from .frames import callable_name
+from .guards import modules_of
 from .recorder import Recording
 from .state import Written
 from .tree import Signature
 
-__all__ = ["Run", "warm_up_and_capture"]
+__all__ = ["Run", "eager_modules", "warm_up_and_capture"]
 
 _capture_lock = threading.RLock()  # one capture at a time per process: captures share streams
 
@@ -82,6 +85,9 @@ def warm_up_and_capture(
                 stream=stream,
                 pool=shared.handle if hasattr(type(shared), "handle") else shared,
                 capture_error_mode=options.capture_error_mode,
+                segments=options.segments,
+                eager_modules=eager_modules(fn, options),
+                exclude=inputs,
             )
         plain.take()
         if hasattr(type(shared), "record"):
@@ -94,3 +100,29 @@ def warm_up_and_capture(
         if compat.version(x) != before
     ]
     return Run(recording, written, mutated, warmup_s)
+
+
+def eager_modules(fn: Any, options: Options) -> list[torch.nn.Module]:
+    """The modules the ``eager`` option names: instances as given, classes matched against
+    every module ``fn`` uses. A class that matches nothing is a mistake worth an error."""
+    if not options.eager:
+        return []
+    used = [m for root in modules_of(fn, options.modules) for m in root.modules()]
+    found: list[torch.nn.Module] = []
+    for entry in options.eager:
+        if isinstance(entry, torch.nn.Module):
+            matches = [entry]
+        else:
+            matches = [m for m in used if isinstance(m, entry)]
+            if not matches:
+                raise ConfigError(
+                    explain(
+                        f"eager=[{entry.__name__}] matches no module of {callable_name(fn)}",
+                        "the option names the modules that run eagerly between two graphs",
+                        "check the class (type(model.layers[0].mlp)), or pass the module itself",
+                    )
+                )
+        found += [m for m in matches if all(m is not f for f in found)]
+    # A module inside another eager module runs inside that one's gap already.
+    inside = {id(sub) for m in found for sub in m.modules() if sub is not m}
+    return [m for m in found if id(m) not in inside]

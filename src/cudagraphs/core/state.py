@@ -29,6 +29,7 @@ from . import compat
 from .compat import OPS_DISPATCH_MODE, op_name, op_returns_alias, op_schema_arguments
 
 __all__ = [
+    "DeferredWriteRecorder",
     "RngState",
     "Snapshot",
     "Versions",
@@ -161,6 +162,44 @@ class WriteRecorder(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
         """Put back every storage written under the mode, and the RNG states."""
         self._store.restore()
         self._rng.restore()
+
+
+class DeferredWriteRecorder(WriteRecorder):
+    """A :class:`WriteRecorder` that also works across a recording: a write recorded into a
+    graph has not happened yet, so the storage it targets is noted and copied at
+    :meth:`flush`, called right before the recorded work runs for real (a segmented capture
+    replays each segment before the eager gap after it)."""
+
+    def __init__(
+        self, exclude: Iterable[torch.Tensor] = (), names: dict[int, str] | None = None
+    ) -> None:
+        super().__init__(exclude, names)
+        self._pending: dict[int, tuple[str, torch.Tensor]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not torch.cuda.is_current_stream_capturing():
+            return super().__torch_dispatch__(func, types, args, kwargs)
+        kwargs = kwargs or {}
+        for index, name in written_arguments(func):
+            value = args[index] if index < len(args) else kwargs.get(name)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    key = storage_key(t)
+                    if key not in self._skip and key not in self._pending:
+                        label = self._names.get(key) or f"a tensor of shape {tuple(t.shape)}"
+                        self._pending[key] = (label, t)
+        out = func(*args, **kwargs)
+        if not _returns_alias(func):
+            for t in out if isinstance(out, (list, tuple)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self._skip.add(storage_key(t))
+        return out
+
+    def flush(self) -> None:
+        """Copy the storages the recording so far writes, before it runs for real."""
+        for key, (label, t) in self._pending.items():
+            self._store.save(key, label, t)
+        self._pending.clear()
 
 
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}

@@ -34,7 +34,10 @@ class Stats:
     ``"python loop"`` (no C++ compiler found: about 10x slower), ``""`` with no tensor to check.
     ``state_writes`` counts the tensors outside the inputs that the function writes (module
     buffers, a cache: every replay repeats those writes), and ``restored_bytes`` the bytes of
-    them that warm-up wrote and that were put back.
+    them that warm-up wrote and that were put back. ``graphs`` and ``gaps`` count the segments
+    of the recording and the eager steps between them (``@cg.eager``, ``eager=[...]``), and
+    ``gap_s`` is the host time spent in those steps so far (it includes any wait for the GPU
+    they make, such as an ``.item()``).
     """
 
     state: str
@@ -53,6 +56,9 @@ class Stats:
     guard_check: str = ""
     state_writes: int = 0
     restored_bytes: int = 0
+    graphs: int = 0
+    gaps: int = 0
+    gap_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -66,6 +72,7 @@ def snapshot(
     n_inputs: int,
     guarded: tuple[int, str],
     state_writes: int,
+    recording: Any = None,
 ) -> Stats:
     """A :class:`Stats` from a graph's replay counters (replays, copies, write-backs) and its
     costs; ``guarded``: how many tensors the address guard checks, and how."""
@@ -79,5 +86,8 @@ def snapshot(
         guarded_tensors=guarded[0],
         guard_check=guarded[1],
         state_writes=state_writes,
+        graphs=len(getattr(recording, "graphs", (0,))) if recording is not None else 0,
+        gaps=len(getattr(recording, "gaps", ())),
+        gap_s=sum(gap.seconds for gap in getattr(recording, "gaps", ())),
         **asdict(costs),
     )

@@ -34,6 +34,7 @@ from ..core.frames import callable_name
 from ..core.graphed import Graphed, State
 from ..core.pool import Pool
 from ..core.replayer import OutputsInUse
+from ..core.segments import Segments
 from ..core.side_effects import SideEffects
 from ..core.tree import NAMESPACE, Signature, flatten
 from ..errors import ConfigError, explain
@@ -265,8 +266,10 @@ class Bucketed:
             # The bucket's call checks its guard (capturing again on the same views), the input,
             # copies it into the view, replays and hands out the outputs, as below.
             self._shared[0].rows_written(rung)
+            cut_rows(bucket.graphed, rung, n)
             return bucket.graphed(*args)
         bucket.graphed.refresh()  # a guarded tensor moved: captured again on the same views
+        cut_rows(bucket.graphed, rung, n)
         try:
             bucket.graphed.enter_replay(args)  # modes, gradients, thread: before staging
         except OutputsInUse:
@@ -283,6 +286,8 @@ class Bucketed:
         bucket = self._bucket(combo)
         bucket.graphed.refresh()  # a guarded tensor moved: captured again on the same views
         rung = dict(zip(self.symbols, combo))
+        if len(self.symbols) == 1:
+            cut_rows(bucket.graphed, combo[0], real[self.symbols[0]])
         call_leaves = list(leaves)
         stats = self._stats
         for k, inp in enumerate(self.inputs):
@@ -365,3 +370,11 @@ class Bucketed:
             f"<cudagraphs.Bucketed {callable_name(self.fn)} {ladders} "
             f"captured={len(self._buckets)}/{len(self.dispatch.combos)} state={self.state.value}>"
         )
+
+
+def cut_rows(graphed: Graphed[Any], rung: int, real: int) -> None:
+    """A bucket whose recording has eager steps: they see the call's real rows, as eager
+    would, not the padding (a decision such as ``h.mean().item() > 0`` reads every row)."""
+    graph = graphed.graph
+    if isinstance(graph, Segments):
+        graph.cut_rows(rung, real)

@@ -1,0 +1,187 @@
+"""Functions with a step that cannot be recorded: segments against eager and the peers.
+
+Workloads:
+
+- ``mlp``: a 20-layer 256-wide Linear+GELU MLP, batch 8, with one host decision after layer 10
+  (flip the sign of the hidden state if its mean is above a threshold: ``.item()``). Modes:
+  eager; ``torch.compile(mode="reduce-overhead")`` (it splits at the ``.item()``);
+  ``piecewise-cuda-graphs`` (installed from its wheel; the decision marked ``@no_graph``, static
+  input and output buffers written by hand, as its README shows); ``cg.graph`` with the decision
+  marked ``@cg.eager``. Checked against eager for both outcomes of the decision, then timed at
+  threshold 0.
+- ``moe``: a Mixtral-style causal LM (2 layers, fp32, random weights, the default experts
+  implementation, whose grouped matmul reads its offsets on the host), batch 4 x 16. Modes:
+  eager; ``cg.graph(..., eager=[MixtralSparseMoeBlock])`` (the MoE blocks run eagerly between
+  three graphs); and for reference the whole model in one graph with
+  ``experts_implementation="batched_mm"``, which has no host read.
+
+    python benchmarks/segments.py [--workloads mlp,moe] [--json PATH] [--markdown PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import common
+import torch
+from rich.console import Console
+
+import cudagraphs as cg
+from cudagraphs.tools.segment_workloads import DecisionMLP, flip_if_above
+from cudagraphs.tools.timing import measure_side_by_side
+
+
+def _peer(model: DecisionMLP, x: torch.Tensor) -> Any:
+    """piecewise-cuda-graphs through its documented API: mark the decision ``@no_graph``,
+    allocate static buffers, warm up on a side stream, capture into a sequence, replay."""
+    try:
+        from piecewise_cuda_graphs import CUDAGraphSequence, no_graph, piecewise_graph
+    except ImportError:
+        return None
+    model.decide = no_graph(flip_if_above.__wrapped__)
+    static_x = x.clone()
+    static_out = torch.empty_like(model(x))
+
+    def workload(src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(model(src))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            workload(static_x, static_out)
+    torch.cuda.current_stream().wait_stream(s)
+    seq = CUDAGraphSequence()
+    with piecewise_graph(seq):
+        workload(static_x, static_out)
+
+    def call(inp: torch.Tensor) -> torch.Tensor:
+        static_x.copy_(inp)
+        seq.replay()
+        return static_out
+
+    return call
+
+
+@torch.no_grad()
+def mlp(calls: int, windows: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = DecisionMLP().cuda().eval()
+    inputs = [torch.randn(8, 256, device="cuda") for _ in range(8)]
+    peer_model = DecisionMLP().cuda().eval()
+    peer_model.load_state_dict(model.state_dict())
+    modes: dict[str, Any] = {"eager": model}
+    modes["reduce-overhead"] = torch.compile(model, mode="reduce-overhead")
+    peer = _peer(peer_model, inputs[0])
+    if peer is not None:
+        modes["piecewise-cuda-graphs"] = peer
+    g = cg.graph(model, inputs[0])
+    modes["cudagraphs segments"] = g
+    errors: dict[str, float] = {}
+    for threshold in (-1e9, 1e9, 0.0):  # always flip, never flip, then the natural decision
+        model.threshold.fill_(threshold)
+        peer_model.threshold.fill_(threshold)
+        for name, call in modes.items():
+            for _ in range(3):  # reduce-overhead records on its second and third calls
+                for x in inputs[:3]:
+                    err = (call(x).clone() - model(x)).abs().max().item()
+                    errors[name] = max(errors.get(name, 0.0), err)
+    timings = measure_side_by_side(modes, inputs, calls=calls, windows=windows)
+    return {
+        "shape": [8, 256],
+        "segments": g.segments,
+        "max_abs_error_vs_eager": errors,
+        "timings_us": {m: vars(t) for m, t in timings.items()},
+        "note": "20 Linear+GELU layers, the decision after layer 10, timed at threshold 0",
+    }
+
+
+def _mixtral(implementation: str | None) -> Any:
+    import transformers
+
+    config = transformers.MixtralConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=256,
+    )  # fmt: skip
+    if implementation is not None:
+        config._experts_implementation = implementation
+    torch.manual_seed(1)
+    return transformers.MixtralForCausalLM(config).cuda().eval()
+
+
+@torch.no_grad()
+def moe(calls: int, windows: int) -> dict[str, Any]:
+    model = _mixtral(None)
+    inputs = [torch.randint(0, 32000, (4, 16), device="cuda") for _ in range(4)]
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, use_cache=False).logits
+
+    block = next(type(m) for m in model.modules() if "SparseMoe" in type(m).__name__)
+    g = cg.graph(forward, inputs[0], eager=[block], modules=[model])
+    modes: dict[str, Any] = {"eager": forward, f"cudagraphs segments (eager=[{block.__name__}])": g}
+    errors = {name: max((call(x).clone() - forward(x)).abs().max().item() for x in inputs)
+              for name, call in modes.items()}  # fmt: skip
+    whole = _mixtral("batched_mm")
+    whole.load_state_dict(model.state_dict())
+
+    def forward_whole(ids: torch.Tensor) -> torch.Tensor:
+        return whole(input_ids=ids, use_cache=False).logits
+
+    try:
+        modes["cudagraphs one graph (batched_mm)"] = cg.graph(forward_whole, inputs[0])
+        modes["eager (batched_mm)"] = forward_whole
+    except cg.CaptureError as error:
+        errors["one graph (batched_mm)"] = float("nan")
+        print(f"batched_mm could not be recorded whole: {str(error).splitlines()[0]}")
+    timings = measure_side_by_side(modes, inputs, calls=calls, windows=windows)
+    return {
+        "shape": [4, 16],
+        "segments": g.segments,
+        "max_abs_error_vs_eager": errors,
+        "timings_us": {m: vars(t) for m, t in timings.items()},
+        "note": "Mixtral-style, 2 layers, hidden 1024, 8 experts top-2, fp32",
+    }
+
+
+WORKLOADS = {"mlp": mlp, "moe": moe}
+
+
+def main() -> int:
+    p = common.parser(__doc__, "segments", calls=100, windows=5)
+    p.add_argument("--workloads", default="mlp,moe")
+    args = p.parse_args()
+    console = Console()
+    if not common.cuda_or_explain("benchmarks/segments.py", console):
+        return 0
+    picked = common.names(p, "--workloads", args.workloads, list(WORKLOADS))
+    results: dict[str, Any] = {**common.environment(args.calls, args.windows), "workloads": {}}
+    md = [common.environment_line(results, "calls")]
+    for name in picked:
+        found = WORKLOADS[name](args.calls, args.windows)
+        results["workloads"][name] = found
+        timings = found["timings_us"]
+        base = timings["eager"]["latency_us"]
+        rows = [
+            [mode, f"{t['latency_us']:.1f}", f"{t['throughput_us']:.1f}",
+             f"{base / t['latency_us']:.2f}x", f"{found['max_abs_error_vs_eager'].get(mode, 0):.1e}"]
+            for mode, t in timings.items()
+        ]  # fmt: skip
+        title = f"{name} {found['shape']}: {found['note']}"
+        rich_table, lines = common.table(
+            title, ["mode", "latency µs", "throughput µs", "vs eager", "max |err|"], rows
+        )
+        console.print(rich_table)
+        pieces = " | ".join(
+            "graph" if r["kind"] == "graph" else f"eager {r['step']} ({r['location']})"
+            for r in found["segments"]
+        )
+        md += ["", f"**{title}**", "", *lines, "", f"segments: {pieces}"]
+    common.write(results, "\n".join(md) + "\n", args, console)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
