@@ -7,8 +7,11 @@ Workloads:
   eager; ``torch.compile(mode="reduce-overhead")`` (it splits at the ``.item()``);
   ``piecewise-cuda-graphs`` (installed from its wheel; the decision marked ``@no_graph``, static
   input and output buffers written by hand, as its README shows); ``cg.graph`` with the decision
-  marked ``@cg.eager``. Checked against eager for both outcomes of the decision, then timed at
+  marked ``@cg.eager``; and the decision left unmarked under
+  ``torch.compile(model, backend=cg.backend)``, where Dynamo splits at the ``.item()``. Checked against eager for both outcomes of the decision, then timed at
   threshold 0.
+- ``resnet18``: torchvision's resnet18 (eval, fp32, batch 4 x 3 x 64 x 64), no graph break:
+  eager, reduce-overhead, ``torch.compile(backend=cg.backend)`` and ``cg.graph``.
 - ``moe``: a Mixtral-style causal LM (2 layers, fp32, random weights, the default experts
   implementation, whose grouped matmul reads its offsets on the host), batch 4 x 16. Modes:
   eager; ``cg.graph(..., eager=[MixtralSparseMoeBlock])`` (the MoE blocks run eagerly between
@@ -20,6 +23,7 @@ Workloads:
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any
 
@@ -39,7 +43,7 @@ def _peer(model: DecisionMLP, x: torch.Tensor) -> Any:
         from piecewise_cuda_graphs import CUDAGraphSequence, no_graph, piecewise_graph
     except ImportError:
         return None
-    model.decide = no_graph(flip_if_above.__wrapped__)
+    model.decide = no_graph(inspect.unwrap(flip_if_above))
     static_x = x.clone()
     static_out = torch.empty_like(model(x))
 
@@ -78,10 +82,17 @@ def mlp(calls: int, windows: int) -> dict[str, Any]:
         modes["piecewise-cuda-graphs"] = peer
     g = cg.graph(model, inputs[0])
     modes["cudagraphs segments"] = g
+    # The decision left unmarked: torch.compile splits at the .item(), each piece a cg.graph.
+    plain = DecisionMLP().cuda().eval()
+    plain.load_state_dict(model.state_dict())
+    plain.decide = inspect.unwrap(flip_if_above)
+    modes["torch.compile(backend=cg.backend)"] = torch.compile(plain, backend=cg.backend)
+    twins = (peer_model, plain)
     errors: dict[str, float] = {}
     for threshold in (-1e9, 1e9, 0.0):  # always flip, never flip, then the natural decision
         model.threshold.fill_(threshold)
-        peer_model.threshold.fill_(threshold)
+        for twin in twins:
+            twin.threshold.fill_(threshold)
         for name, call in modes.items():
             for _ in range(3):  # reduce-overhead records on its second and third calls
                 for x in inputs[:3]:
@@ -146,12 +157,41 @@ def moe(calls: int, windows: int) -> dict[str, Any]:
     }
 
 
-WORKLOADS = {"mlp": mlp, "moe": moe}
+@torch.no_grad()
+def resnet(calls: int, windows: int) -> dict[str, Any]:
+    import torchvision
+
+    torch.manual_seed(2)
+    model = torchvision.models.resnet18().cuda().eval()
+    inputs = [torch.randn(4, 3, 64, 64, device="cuda") for _ in range(4)]
+    modes: dict[str, Any] = {
+        "eager": model,
+        "reduce-overhead": torch.compile(model, mode="reduce-overhead"),
+        "torch.compile(backend=cg.backend)": torch.compile(model, backend=cg.backend),
+        "cudagraphs cg.graph": cg.graph(model, inputs[0]),
+    }
+    errors: dict[str, float] = {}
+    for name, call in modes.items():
+        for _ in range(4):
+            for x in inputs[:2]:
+                err = (call(x).clone() - model(x)).abs().max().item()
+                errors[name] = max(errors.get(name, 0.0), err)
+    timings = measure_side_by_side(modes, inputs, calls=calls, windows=windows)
+    return {
+        "shape": [4, 3, 64, 64],
+        "segments": [{"kind": "graph"}],
+        "max_abs_error_vs_eager": errors,
+        "timings_us": {m: vars(t) for m, t in timings.items()},
+        "note": "torchvision resnet18, eval, fp32 (no graph break: one piece)",
+    }
+
+
+WORKLOADS = {"mlp": mlp, "moe": moe, "resnet18": resnet}
 
 
 def main() -> int:
     p = common.parser(__doc__, "segments", calls=100, windows=5)
-    p.add_argument("--workloads", default="mlp,moe")
+    p.add_argument("--workloads", default="mlp,moe,resnet18")
     args = p.parse_args()
     console = Console()
     if not common.cuda_or_explain("benchmarks/segments.py", console):

@@ -54,3 +54,33 @@ def test_eager_class_that_matches_nothing_is_refused(stand_in: None) -> None:
     model = RoutedModel()
     with pytest.raises(cg.ConfigError, match=r"eager=\[Conv2d\] matches no module"):
         cg.graph(model, torch.randn(2, 64), eager=[torch.nn.Conv2d])
+
+
+@cg.eager
+def _decide(h: torch.Tensor) -> None:
+    if h.mean().item() > 0:  # the line the doctor names
+        h.neg_()
+
+
+def _step(x: torch.Tensor) -> torch.Tensor:
+    h = torch.relu(x @ x.T)
+    _decide(h)
+    return h * 2
+
+
+def test_doctor_lists_an_eager_step_as_a_split_point() -> None:
+    report = cg.doctor(_step, torch.randn(4, 4))
+    assert not report.blocking
+    [finding] = report.findings
+    assert finding.kind == "split-point" and finding.severity == "info"
+    assert finding.filename == __file__ and "_decide()" in finding.message
+    line = next(i for i, t in enumerate(open(__file__), 1) if "the line the doctor names" in t)
+    assert finding.lineno == line
+
+
+def test_doctor_still_blocks_an_unmarked_host_read() -> None:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum().item() > 0 else x
+
+    report = cg.doctor(step, torch.randn(4))
+    assert report.blocking and any(f.kind == "host-sync" for f in report.findings)

@@ -140,3 +140,32 @@ def test_transformers_moe_with_eager_experts_equals_eager() -> None:
     for _ in range(3):
         ids = torch.randint(0, 512, (4, 16), device="cuda")
         _close(g(ids).clone(), model(input_ids=ids, use_cache=False).logits)
+
+
+@torch.no_grad()
+def test_dynamo_backend_splits_at_graph_breaks_and_equals_eager() -> None:
+    torch.manual_seed(5)
+    model = DecisionMLP(width=64, layers=6).cuda()
+
+    def plain_decision(h: torch.Tensor, threshold: torch.Tensor) -> None:  # no mark
+        if h.mean().item() > threshold.item():
+            h.neg_()
+
+    model.decide = plain_decision
+    compiled = torch.compile(model, backend=cg.backend, dynamic=False)
+    for threshold in (-1e9, 1e9):
+        model.threshold.fill_(threshold)
+        for _ in range(6):  # past the pieces' warm-up calls: replays
+            x = torch.randn(8, 64, device="cuda")
+            _close(compiled(x).clone(), model(x))
+
+
+@torch.no_grad()
+def test_dynamo_backend_on_resnet18_equals_eager() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(6)
+    model = torchvision.models.resnet18().cuda().eval()
+    compiled = torch.compile(model, backend=cg.backend(warmup=2))
+    for _ in range(5):
+        x = torch.randn(4, 3, 64, 64, device="cuda")
+        torch.testing.assert_close(compiled(x).clone(), model(x), rtol=1e-4, atol=1e-4)

@@ -58,12 +58,14 @@ from .training.schedules import GraphSafeAdamW, GraphSafeSGD
 from .training.step import TrainStep, train_step
 
 if TYPE_CHECKING:
+    from .integrations.dynamo import backend
     from .tools.bench import bench
     from .tools.profile import Profile, profile
     from .tools.report import BenchReport, ModeResult
 
 # The tools (bench, profile and their reports, which pull in rich) load on first use.
 _LAZY = {
+    "backend": ("integrations.dynamo", "backend"),
     "bench": ("tools.bench", "bench"),
     "BenchReport": ("tools.report", "BenchReport"),
     "ModeResult": ("tools.report", "ModeResult"),
@@ -128,6 +130,7 @@ __all__ = [
     "TrainStep",
     "VerificationError",
     "__version__",
+    "backend",
     "bench",
     "capture_stream",
     "cond",

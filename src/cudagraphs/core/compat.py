@@ -31,6 +31,7 @@ __all__ = [
     "guarded_storage",
     "guarded_tensor",
     "kill_storage",
+    "module_state_inputs",
     "op_argument_defaults",
     "op_argument_names",
     "op_name",
@@ -284,3 +285,25 @@ def compile_config_patch(settings: dict[str, int]) -> Any:
 def sleep_cycles(cycles: int) -> None:
     """Keep the GPU busy spinning for about ``cycles`` clock cycles (a timing aid)."""
     torch.cuda._sleep(cycles)
+
+
+# --- torch.compile pieces (integrations/dynamo.py) ---------------------------------------------
+
+
+def module_state_inputs(gm: Any, n: int) -> set[int]:
+    """Positions of a Dynamo graph's inputs that are module parameters or buffers (Dynamo
+    inlines modules and passes their state as inputs; its graph-argument metadata names where
+    each came from). Empty where the metadata is missing: callers also treat every
+    ``nn.Parameter`` as module state."""
+    found: set[int] = set()
+    try:
+        placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    except AttributeError:
+        return found
+    for i, node in enumerate(placeholders[:n]):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", "")
+        name = name() if callable(name) else str(name)  # a method in older versions
+        if "_parameters[" in name or "_buffers[" in name:
+            found.add(i)
+    return found

@@ -52,6 +52,9 @@ class Gap:
     seconds: float = 0.0
     rows: tuple[int, int] | None = None  # (rows at capture, rows of this call): see cut_rows
 
+    def __post_init__(self) -> None:
+        self.returns_nothing = self.spec == _NOTHING
+
     def run(self) -> None:
         """Call the step eagerly on its captured arguments; copy its outputs into the buffers."""
         start = time.perf_counter()
@@ -59,6 +62,12 @@ class Gap:
         if self.rows is not None:
             args, kwargs = _cut((args, kwargs), *self.rows)
         out = self.fn(*args, **kwargs)
+        if not (self.returns_nothing and out is None):
+            self._hand_on(out)
+        self.calls += 1
+        self.seconds += time.perf_counter() - start
+
+    def _hand_on(self, out: Any) -> None:
         leaves, spec = optree.tree_flatten(out, namespace=NAMESPACE, none_is_leaf=True)
         if spec != self.spec:
             raise SegmentError(
@@ -93,8 +102,9 @@ class Gap:
                 src.append(value)
         if dst:
             compat.foreach_copy(dst, src)
-        self.calls += 1
-        self.seconds += time.perf_counter() - start
+
+
+_NOTHING = optree.tree_structure(None, namespace=NAMESPACE, none_is_leaf=True)
 
 
 def _cut(tree: Any, rows: int, real: int) -> Any:

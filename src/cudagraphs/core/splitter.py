@@ -11,6 +11,7 @@ in progress is per thread) a marked step is an ordinary call.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -26,9 +27,24 @@ from .frames import callable_name, user_frame
 from .segments import Gap, Segments
 from .tree import NAMESPACE
 
-__all__ = ["NeedsSplitting", "Splitter", "eager", "is_eager", "module_gaps"]
+__all__ = [
+    "NeedsSplitting",
+    "Splitter",
+    "current_eager_step",
+    "eager",
+    "is_eager",
+    "module_gaps",
+]
 
 _EAGER_MARK = "__cudagraphs_eager__"
+_current_step: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "cudagraphs_eager_step", default=None
+)
+
+
+def current_eager_step() -> str | None:
+    """The ``@cg.eager`` step running in this thread outside a capture (its name), or None."""
+    return _current_step.get()
 
 
 def check_gap_outputs(fn: Callable[..., Any], location: str, out: Any, device: torch.device) -> Any:
@@ -81,12 +97,18 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
         active = active_capture()
         splitter = active.splitter if active is not None else None
         if splitter is None or splitter.in_gap:
-            return fn(*args, **kwargs)
+            token = _current_step.set(callable_name(fn))  # the doctor reads it: a split point
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _current_step.reset(token)
         splitter.open(fn, user_location(), "marked with @cg.eager")
         return splitter.close(fn, args, kwargs, fn(*args, **kwargs))
 
-    setattr(run_eagerly, _EAGER_MARK, True)
-    return run_eagerly
+    # Under torch.compile the step is an eager step too: Dynamo does not trace into it.
+    marked = torch.compiler.disable(run_eagerly)
+    setattr(marked, _EAGER_MARK, True)
+    return marked
 
 
 class NeedsSplitting(BaseException):

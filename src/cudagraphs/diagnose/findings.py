@@ -12,11 +12,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..core.frames import user_frame
+from ..core.splitter import current_eager_step
 
 __all__ = ["KINDS", "Collector", "Finding", "Report"]
 
-#: severity: "error" breaks capture, "wrong" gives silently wrong replays, "warning" needs care.
+#: What an eager step (``@cg.eager``) may do: between two graphs it runs for real.
+_SPLIT_KINDS = ("host-sync", "dynamic-shape", "cpu-tensor", "control-flow")
+
+#: severity: "info" is a split point; "error" breaks capture, "wrong" gives silently wrong replays, "warning" needs care.
 KINDS: dict[str, tuple[str, str, str]] = {
+    "split-point": (
+        "info",
+        "{what} inside the eager step {where}: a split point, run eagerly between two graphs "
+        "at every call (not a blocking finding)",
+        "nothing to fix; to record this step too, remove its host read and the @cg.eager mark",
+    ),
     "host-sync": (
         "error",
         "{what} synchronizes with the host; capture refuses it (or freezes the value it read)",
@@ -172,6 +182,9 @@ class Collector:
         self.ops: list[tuple[str, tuple[Any, ...], str, int]] = []
 
     def add(self, kind: str, what: str, where: str = "", other: str = "") -> None:
+        step = current_eager_step()
+        if step is not None and kind in _SPLIT_KINDS:
+            kind, where = "split-point", step
         filename, lineno = user_frame()
         key = (kind, filename, lineno)
         if key in self.findings:

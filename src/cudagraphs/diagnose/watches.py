@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..core.compat import OPS_DISPATCH_MODE, op_name, op_returns_alias
 from ..core.frames import user_frame
+from ..core.splitter import current_eager_step
 from ..core.state import storage_key, written_arguments
 from .findings import Collector
 
@@ -147,7 +148,8 @@ class DispatchWatch(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
         tensors = [t for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         shapes = tuple(tuple(t.shape) for t in tensors)
         filename, lineno = user_frame()
-        self.collector.ops.append((str(func), shapes, filename, lineno))
+        if current_eager_step() is None:  # an eager step may take other ops from run to run
+            self.collector.ops.append((str(func), shapes, filename, lineno))
         c = self.collector
         if name == "aten::_local_scalar_dense":
             c.add("host-sync", "reading a tensor's value on the host (.item())")

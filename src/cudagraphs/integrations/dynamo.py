@@ -1,0 +1,113 @@
+"""``cg.backend``: a torch.compile backend whose every compiled piece is a ``cg.graph``.
+
+Right::
+
+    compiled = torch.compile(model, backend=cg.backend)           # defaults
+    compiled = torch.compile(model, backend=cg.backend(warmup=2))  # with cg.graph's options
+    compiled = torch.compile(model, backend=cg.backend, dynamic=False)
+
+Dynamo splits a function at what it cannot trace (``.item()`` used in a branch, a print, a
+call into an unsupported library): each traced piece is handed to this backend, and the Python
+between the pieces runs eagerly at every call. So graph breaks become eager gaps with no mark:
+Dynamo re-runs the decision each call and guards what the pieces assumed. Each piece is
+captured lazily (its first calls run eagerly, the next one captures) with every check of
+``cg.graph`` (signature, addresses, modes, threads, output policy).
+
+Wrong: ``mode="reduce-overhead"`` together with this backend (two libraries recording the same
+kernels), or ``dynamic=True``: a piece traced with symbolic sizes takes the sizes as arguments,
+and a graph freezes them; leave ``dynamic`` unset or ``False`` (each new shape is a new piece).
+
+The pieces' parameters and buffers arrive as inputs (Dynamo inlines modules); they are read in
+place, by address, never copied per call.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..api import graph
+from ..core import compat
+from ..errors import ConfigError, explain
+from ..options import split_options
+
+__all__ = ["backend"]
+
+_BACKEND_OPTIONS = (
+    "warmup", "outputs", "capture_error_mode", "fallback", "guard", "on_stale",
+    "side_effects", "harmless_state", "segments",
+)  # fmt: skip
+
+
+class _Piece(torch.nn.Module):
+    """One traced piece with its parameters and buffers held (so ``cg.graph`` guards their
+    addresses) and only the call's own tensors as graph inputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, fixed: dict[int, torch.Tensor], n: int) -> None:
+        super().__init__()
+        self.gm = gm
+        self.n = n
+        self.slots = sorted(fixed)
+        for k, (_, t) in enumerate(sorted(fixed.items())):
+            self.register_buffer(f"fixed_{k}", t, persistent=False)
+
+    def forward(self, *free: Any) -> Any:
+        args: list[Any] = list(free)
+        for k, i in enumerate(self.slots):
+            args.insert(i, getattr(self, f"fixed_{k}"))
+        return self.gm(*args)
+
+
+def _compile(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any]
+) -> Callable[..., Any]:
+    fixed_positions = compat.module_state_inputs(gm, len(example_inputs))
+    state: dict[str, Any] = {}
+
+    def run(*args: Any) -> Any:
+        piece = state.get("graphed")
+        if piece is None:
+            fixed = {
+                i: a
+                for i, a in enumerate(args)
+                if isinstance(a, torch.Tensor)
+                and (i in fixed_positions or isinstance(a, torch.nn.Parameter))
+            }
+            module = _Piece(gm, fixed, len(args))
+            state["fixed"] = fixed
+            state["graphed"] = piece = graph(module, **options)
+        fixed = state["fixed"]
+        for i, t in fixed.items():
+            if args[i] is not t:
+                raise ConfigError(
+                    explain(
+                        f"a compiled piece got another tensor object at input {i} than the "
+                        "parameter or buffer it was captured with",
+                        "the graph reads module state by address",
+                        "update parameters in place (load_state_dict, p.copy_()) instead of "
+                        "replacing them, or call torch.compiler.reset() after replacing them",
+                    )
+                )
+        return piece(*(a for i, a in enumerate(args) if i not in fixed))
+
+    return run
+
+
+def backend(gm: Any = None, example_inputs: Any = None, **options: Any) -> Any:
+    """The torch.compile backend (``backend=cg.backend``), or, called with ``cg.graph``'s
+    options only, a backend that uses them (``backend=cg.backend(warmup=2)``)."""
+    if gm is None:
+        opts, rest = split_options(None, options, allowed=_BACKEND_OPTIONS, entry="cg.backend")
+        if rest:
+            raise ConfigError(
+                explain(
+                    f"cg.backend got unknown options {sorted(rest)}",
+                    f"it takes cg.graph's options {', '.join(_BACKEND_OPTIONS)}",
+                    "remove or respell them",
+                )
+            )
+        return functools.partial(backend, **opts)
+    return _compile(gm, list(example_inputs or ()), options)
