@@ -25,7 +25,9 @@ def test_decision_mlp_equals_eager_for_both_outcomes() -> None:
     g = cg.graph(model, x)
     assert g.stats.graphs == 2 and g.stats.gaps == 1
     assert [row["kind"] for row in g.segments] == ["graph", "eager", "graph"]
-    assert "segment_models.py" in g.segments[1]["location"]
+    # The step's model lives in the library, so its location is the first frame of the
+    # user's: this test's capture line.
+    assert g.segments[1]["location"].startswith(__file__ + ":")
     for threshold in (-1e9, 1e9):  # always flip, never flip: both outcomes
         model.threshold.fill_(threshold)
         for _ in range(3):
@@ -106,6 +108,7 @@ def test_threads_modes_and_verify_across_segments() -> None:
     wrong = []
 
     def worker(k: int) -> None:
+        torch.set_grad_enabled(False)  # grad mode is per thread
         for j in range(k, len(inputs), 4):
             if not torch.allclose(g(inputs[j]).clone(), expected[j], rtol=1e-5, atol=1e-5):
                 wrong.append(j)
@@ -148,7 +151,7 @@ def test_dynamo_backend_splits_at_graph_breaks_and_equals_eager() -> None:
     model = DecisionMLP(width=64, layers=6).cuda()
 
     def plain_decision(h: torch.Tensor, threshold: torch.Tensor) -> None:  # no mark
-        if h.mean().item() > threshold.item():
+        if (h.mean() > threshold).item():
             h.neg_()
 
     model.decide = plain_decision

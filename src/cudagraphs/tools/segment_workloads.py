@@ -13,8 +13,8 @@ import cudagraphs as cg
 @cg.eager
 def flip_if_above(h: torch.Tensor, threshold: torch.Tensor) -> None:
     """The host decision: flip the sign of the hidden state if its mean is above the
-    threshold (a host read, ``.item()``, so it cannot be recorded)."""
-    if h.mean().item() > threshold.item():
+    threshold (one host read, ``.item()``, so it cannot be recorded)."""
+    if (h.mean() > threshold).item():
         h.neg_()
 
 
@@ -31,12 +31,13 @@ class DecisionMLP(nn.Module):
         self.decide = decide or flip_if_above
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x
         middle = len(self.blocks) // 2
-        for i, block in enumerate(self.blocks):
+        h = x
+        for block in self.blocks[:middle]:
             h = torch.nn.functional.gelu(block(h))
-            if i == middle - 1:
-                self.decide(h, self.threshold)
+        self.decide(h, self.threshold)  # outside the loops: torch.compile can resume after it
+        for block in self.blocks[middle:]:
+            h = torch.nn.functional.gelu(block(h))
         return h
 
 
