@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -74,7 +76,8 @@ def test_doctor_lists_an_eager_step_as_a_split_point() -> None:
     [finding] = report.findings
     assert finding.kind == "split-point" and finding.severity == "info"
     assert finding.filename == __file__ and "_decide()" in finding.message
-    line = next(i for i, t in enumerate(open(__file__), 1) if "the line the doctor names" in t)
+    lines = Path(__file__).read_text().splitlines()
+    line = next(i for i, t in enumerate(lines, 1) if "the line the doctor names" in t)
     assert finding.lineno == line
 
 
