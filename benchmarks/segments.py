@@ -18,6 +18,10 @@ Workloads:
   three graphs); and for reference the whole model in one graph with
   ``experts_implementation="batched_mm"``, which has no host read.
 
+- ``moe-decode``: greedy decoding on that model, whole requests of 32 + 64 tokens at batch 4:
+  ``model.generate`` (eager and with ``cache_implementation="static"``) against
+  ``Decoder(model, eager=[MixtralSparseMoeBlock])``.
+
     python benchmarks/segments.py [--workloads mlp,moe] [--json PATH] [--markdown PATH]
 """
 
@@ -209,12 +213,68 @@ def _error(found: dict[str, Any], mode: str) -> str:
     return "-" if error is None else f"{error:.1e}"
 
 
-WORKLOADS = {"mlp": mlp, "moe": moe, "resnet18": resnet}
+@torch.no_grad()
+def moe_decode(calls: int, windows: int) -> dict[str, Any]:
+    """Greedy decoding on the MoE model: whole requests of 32 + 64 tokens, batch 4."""
+    import time
+
+    from cudagraphs.integrations.transformers import Decoder
+
+    model = _mixtral(None)
+    block = next(type(m) for m in model.modules() if "SparseMoe" in type(m).__name__)
+    prompt = torch.randint(0, 32000, (4, 32), device="cuda")
+    new = 64
+    decoder = Decoder(model, max_batch=4, max_length=32 + new, batch_sizes=[4], eager=[block])
+
+    def hf(**extra: Any) -> Any:
+        return model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+            min_new_tokens=new, do_sample=False, pad_token_id=0, **extra,
+        )[:, 32:]  # fmt: skip
+
+    runs = {
+        "hf generate (eager)": hf,
+        "hf generate (static cache)": lambda: hf(cache_implementation="static"),
+        f"cudagraphs Decoder(eager=[{block.__name__}])": lambda: decoder.generate(
+            prompt, max_new_tokens=new
+        ),
+    }
+    reference = hf()
+    timings: dict[str, Any] = {}
+    errors: dict[str, float] = {}
+    for name, run in runs.items():
+        out = run()  # a warm request (static generate compiles here)
+        errors[name] = float((out != reference).sum().item())  # tokens that differ
+        best = float("inf")
+        for _ in range(3):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+        timings[name] = {"latency_us": best * 1e6, "throughput_us": best * 1e6}
+    return {
+        "shape": [4, 32 + new],
+        "segments": describe_decoder(decoder),
+        "max_abs_error_vs_eager": errors,
+        "timings_us": timings,
+        "note": "greedy, whole requests (prefill + 64 tokens), best of 3; error column: tokens "
+        "that differ from hf generate",
+        "base": "hf generate (eager)",
+    }
+
+
+def describe_decoder(decoder: Any) -> list[dict[str, Any]]:
+    graphed = next(iter(decoder.graphs.values()))
+    return graphed.segments
+
+
+WORKLOADS = {"mlp": mlp, "moe": moe, "resnet18": resnet, "moe-decode": moe_decode}
 
 
 def main() -> int:
     p = common.parser(__doc__, "segments", calls=100, windows=5)
-    p.add_argument("--workloads", default="mlp,moe,resnet18")
+    p.add_argument("--workloads", default="mlp,moe,resnet18,moe-decode")
     args = p.parse_args()
     console = Console()
     if not common.cuda_or_explain("benchmarks/segments.py", console):
@@ -226,7 +286,7 @@ def main() -> int:
         found = WORKLOADS[name](args.calls, args.windows)
         results["workloads"][name] = found
         timings = found["timings_us"]
-        base = timings["eager"]["latency_us"]
+        base = timings[found.get("base", "eager")]["latency_us"]
         rows = [
             [mode, f"{t['latency_us']:.1f}", f"{t['throughput_us']:.1f}",
              f"{base / t['latency_us']:.2f}x", _error(found, mode)]

@@ -172,3 +172,27 @@ def test_dynamo_backend_on_resnet18_equals_eager() -> None:
     for _ in range(5):
         x = torch.randn(4, 3, 64, 64, device="cuda")
         torch.testing.assert_close(compiled(x).clone(), model(x), rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_decoder_with_eager_moe_blocks_equals_generate() -> None:
+    transformers = pytest.importorskip("transformers")
+    from llama_decode import reference_tokens
+
+    from cudagraphs.integrations.transformers import Decoder
+
+    config = transformers.MixtralConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=128,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    model = transformers.MixtralForCausalLM(config).cuda().eval()
+    moe = next(type(m) for m in model.modules() if "SparseMoe" in type(m).__name__)
+    decoder = Decoder(model, max_batch=4, max_length=64, eager=[moe])
+    for batch in (1, 3, 4):  # rungs 1, 4 (padded) and 4
+        prompt = torch.randint(0, 512, (batch, 8), device="cuda")
+        out = decoder.generate(prompt, max_new_tokens=24)
+        assert torch.equal(out[:, 8:], reference_tokens(model, prompt, 24))
+    with pytest.raises(cg.ConfigError, match="cannot be combined with compile"):
+        Decoder(model, max_batch=4, max_length=64, eager=[moe], compile=True)

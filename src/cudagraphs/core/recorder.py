@@ -26,7 +26,7 @@ from . import compat
 from .capturing import capturing
 from .failures import block_hint, classify_failure
 from .frames import callable_name, failing_module, user_location
-from .splitter import NeedsSplitting, Splitter, module_gaps
+from .splitter import KeptWrites, NeedsSplitting, Splitter, module_gaps
 from .state import DeferredWriteRecorder
 
 __all__ = [
@@ -165,13 +165,14 @@ def capture(
     segments: str = "split",
     eager_modules: Sequence[torch.nn.Module] = (),
     exclude: Sequence[torch.Tensor] = (),
+    restore: bool = True,
 ) -> Recording:
     """Record one call of ``fn`` into a new CUDA graph, or raise :class:`CaptureError`.
 
     An eager step reached while recording (``@cg.eager``, a module of ``eager_modules``) splits
     the recording into :class:`~.segments.Segments` (``segments="refuse"``: an error instead).
     Such a capture runs the function for real, so what it writes outside ``exclude`` (the
-    inputs) is put back afterwards.
+    inputs) is put back afterwards (unless ``restore`` is False: ``side_effects="keep"``).
     """
     try:
         return _capture(
@@ -179,7 +180,7 @@ def capture(
             segments=segments, eager_modules=eager_modules, writes=None,
         )  # fmt: skip
     except NeedsSplitting:
-        writes = DeferredWriteRecorder(exclude=exclude)
+        writes = DeferredWriteRecorder(exclude=exclude) if restore else KeptWrites()
         return _capture(
             fn, args, kwargs, stream=stream, pool=pool, capture_error_mode=capture_error_mode,
             segments=segments, eager_modules=eager_modules, writes=writes,
@@ -196,7 +197,7 @@ def _capture(
     capture_error_mode: str,
     segments: str,
     eager_modules: Sequence[torch.nn.Module],
-    writes: DeferredWriteRecorder | None,
+    writes: DeferredWriteRecorder | KeptWrites | None,
 ) -> Recording:
     device = stream.device
     torch.cuda.synchronize(device)

@@ -88,6 +88,7 @@ def warm_up_and_capture(
                 segments=options.segments,
                 eager_modules=eager_modules(fn, options),
                 exclude=inputs,
+                restore=options.side_effects != "keep",
             )
         plain.take()
         if hasattr(type(shared), "record"):

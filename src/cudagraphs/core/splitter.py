@@ -28,6 +28,7 @@ from .segments import Gap, Segments
 from .tree import NAMESPACE
 
 __all__ = [
+    "KeptWrites",
     "NeedsSplitting",
     "Splitter",
     "current_eager_step",
@@ -109,6 +110,17 @@ def eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     marked = torch.compiler.disable(run_eagerly)
     setattr(marked, _EAGER_MARK, True)
     return marked
+
+
+class KeptWrites(contextlib.nullcontext):  # type: ignore[type-arg]
+    """For ``side_effects="keep"``: the segmented capture's run counts, nothing is put back
+    (a decoder owns its cache and resets it per request; copying it would double it)."""
+
+    def flush(self) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
 
 
 class NeedsSplitting(BaseException):

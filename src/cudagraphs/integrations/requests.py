@@ -13,6 +13,7 @@ from ..options import check_positive_int
 __all__ = [
     "MAX_EOS",
     "check_attention",
+    "check_eager",
     "check_left_padding",
     "check_model",
     "check_request",
@@ -23,6 +24,23 @@ __all__ = [
 ]
 
 MAX_EOS = 8  # end-of-sequence ids one graph can test against (unused slots hold -1)
+
+
+def check_eager(eager: tuple[Any, ...], compile: Any, until_eos: bool) -> None:
+    """``Decoder(eager=[...])`` runs blocks on the host between graphs: not inside a compiled
+    graph or a loop on the device."""
+    if eager and (compile or until_eos):
+        raise ConfigError(
+            explain(
+                "Decoder(eager=[...]) cannot be combined with "
+                + ("compile" if compile else "until_eos=True"),
+                "an eager step runs on the host between graphs, which neither a compiled graph "
+                "nor a loop on the device can stop for",
+                "pass compile=False and until_eos=False with eager=[...], or remove the host read "
+                "from the model (for transformers MoE: bf16, or "
+                "experts_implementation='batched_mm') and drop eager",
+            )
+        )
 
 
 def check_model(model: Any) -> None:

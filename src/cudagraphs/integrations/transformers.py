@@ -14,9 +14,8 @@ Right::
     decoder = Decoder(model, max_batch=16, max_length=512)     # captures every rung now
     out = decoder.generate(input_ids, max_new_tokens=128)      # == model.generate(...) greedy
 
-Wrong: a decode loop that calls ``model(...)`` through ``cg.graph`` with a fresh
-``DynamicCache`` per request: the cache grows (new shapes, new addresses), so every token would
-need a new capture.
+Wrong: a decode loop calling ``model(...)`` through ``cg.graph`` with a fresh ``DynamicCache``
+per request: the cache grows (new shapes and addresses), so every token would need a capture.
 
 transformers is an optional dependency: ``pip install cudagraphs[transformers]``.
 """
@@ -34,15 +33,16 @@ import torch
 
 from ..api import graph
 from ..control.flow import while_loop
-from ..core import compat
 from ..core.pool import Pool
 from ..errors import ConfigError, explain
 from ..options import check_positive_int, refuse_unknown_keywords
 from ..shapes.ladders import powers_of_two
+from .compiled import compiled_forward
 from .kv_cache import RungCaches, cache_keyword
 from .requests import (
     MAX_EOS,
     check_attention,
+    check_eager,
     check_model,
     check_request,
     check_until_eos,
@@ -87,6 +87,9 @@ class Decoder:
         until_eos: one launch decodes until every row has ended or the request's
             ``max_new_tokens`` (a loop on the device, ``cg.while_loop``: CUDA 12.4+ and
             cuda-bindings); greedy only.
+        eager: modules or module classes run eagerly between each step's graphs (``cg.graph``'s
+            ``eager``), e.g. an fp32 MoE block that reads its routing on the host
+            (``eager=[MixtralSparseMoeBlock]``). Not with ``compile`` or ``until_eos``.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class Decoder:
         do_sample: bool = False,
         warmup: int = 2,
         until_eos: bool = False,
+        eager: Sequence[Any] = (),
         **unknown: Any,
     ):
         refuse_unknown_keywords("Decoder", unknown, Decoder.__init__)
@@ -131,14 +135,16 @@ class Decoder:
         self.steps = steps_per_graph
         self.until_eos = until_eos
         check_until_eos(until_eos, do_sample, steps_per_graph)
+        self.eager = tuple(eager)
+        check_eager(self.eager, compile, until_eos)
         self.check_every = max(1, check_every // steps_per_graph)  # in graph launches
         self.warmup = warmup
         self.lock = threading.RLock()  # one request at a time: the rungs share cache and pool
         self.stats = DecodeStats()
         self.forward, self.forward_padded = self._forward, self._forward_padded
         if compile:
-            self.forward = _compiled(self._forward, compile, len(self.rungs))
-            self.forward_padded = _compiled(self._forward_padded, compile, len(self.rungs))
+            self.forward = compiled_forward(self._forward, compile, len(self.rungs))
+            self.forward_padded = compiled_forward(self._forward_padded, compile, len(self.rungs))
         # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
         # run past its last token (those steps are thrown away).
         cache_len = max_length + steps_per_graph - 1
@@ -269,6 +275,7 @@ class Decoder:
                 # warm-up's writes need no putting back (that would copy the whole cache).
                 side_effects="keep",
                 outputs="alias",
+                eager=self.eager,
             )
 
     def generate(
@@ -384,17 +391,3 @@ class Decoder:
             f"<cudagraphs Decoder {type(self.model).__name__} rungs={self.rungs} "
             f"steps_per_graph={self.steps} graphs={len(self.graphs)}>"
         )
-
-
-def _compiled(fn: Callable[..., Any], compile: bool | str, rungs: int) -> Callable[..., Any]:
-    mode = None if compile is True else compile
-    compiled = torch.compile(fn, mode=mode, dynamic=False)
-    # One compiled variant per batch rung: Dynamo's recompile limit must admit them all, raised
-    # only around this function's calls (warm-up, capture), not for the rest of the process.
-    limits = compat.raise_compile_limits(2 * rungs + 8)
-
-    def within_limits(*args: Any, **kwargs: Any) -> Any:
-        with compat.compile_config_patch(limits):
-            return compiled(*args, **kwargs)
-
-    return within_limits if limits else compiled
