@@ -91,7 +91,16 @@ def mlp(calls: int, windows: int) -> dict[str, Any]:
     plain.load_state_dict(model.state_dict())
     plain.decide = inspect.unwrap(flip_if_above)
     modes["torch.compile(backend=cg.backend)"] = torch.compile(plain, backend=cg.backend)
-    twins = (peer_model, plain)
+    twins: tuple[DecisionMLP, ...] = (peer_model, plain)
+    # The same segments over Inductor's kernels (GELU fused into the matmul: half the kernels).
+    fused = DecisionMLP().cuda().eval()
+    fused.load_state_dict(model.state_dict())
+    try:
+        compiled = torch.compile(fused, mode="max-autotune-no-cudagraphs")
+        modes["cudagraphs segments over torch.compile kernels"] = cg.graph(compiled, inputs[0])
+        twins += (fused,)
+    except Exception as error:
+        print(f"segments over compiled kernels: {type(error).__name__}: {error}")
     errors: dict[str, float] = {}
     for threshold in (-1e9, 1e9, 0.0):  # always flip, never flip, then the natural decision
         model.threshold.fill_(threshold)
