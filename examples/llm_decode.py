@@ -83,7 +83,9 @@ with torch.no_grad():
 
 print(f"Llama {HIDDEN} hidden, {LAYERS} layers, random weights, batch {BATCH}, on {device}")
 captured = all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
-what = f"capture of {len(decoder.graphs)} rungs" if captured else "eager (no CUDA), nothing captured"
+what = (
+    f"capture of {len(decoder.graphs)} rungs" if captured else "eager (no CUDA), nothing captured"
+)
 print(f"set-up ({what}): {decoder.stats.setup_s:.2f} s")
 print(f"eager decode loop: {eager_speed:9.1f} tokens/s")
 print(f"Decoder:           {graph_speed:9.1f} tokens/s ({graph_speed / eager_speed:.2f}x)")
