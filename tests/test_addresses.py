@@ -177,25 +177,28 @@ def test_a_library_planted_in_a_shared_folder_is_never_loaded(tmp_path):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_one_check_covers_counter_modes_and_addresses(native: bool) -> None:
+def test_one_check_covers_modes_entries_and_addresses(native: bool) -> None:
     # The guard's whole check in one call (compiled where built, else Python): the same answers.
     if native and addresses.compiled_module() is None:
         pytest.skip(f"no compiled check here: {addresses._failure}")
     tensors = [torch.randn(3), torch.randn(2)]
     module = torch.nn.Linear(2, 2).eval()
-    now, seen = bytearray(8), bytearray(8)
+    slots = {"weight": tensors[0]}
     check = addresses.AddressCheck(tensors, native=native).with_modes(
-        [module], [module.training], now, seen
+        [module], [module.training], [(slots, "weight", tensors[0])]
     )
     assert check() is True
     module.train()
     assert check() is False
     module.eval()
     assert check() is True
-    now[0] = 1  # a module somewhere changed: the guard must look closer
+    slots["weight"] = torch.randn(3)  # another object in the entry (module.to(), buf = t)
     assert check() is False
-    seen[:] = now
+    slots["weight"] = tensors[0]
     assert check() is True
+    del slots["weight"]  # an entry removed: look closer
+    assert check() is False
+    slots["weight"] = tensors[0]
     tensors[1].data = torch.randn(2)  # new memory
     assert check() is False
 
@@ -205,8 +208,10 @@ def test_compiled_unchanged_rejects_bad_arguments() -> None:
     if module is None:
         pytest.skip(f"no compiled check here: {addresses._failure}")
     with pytest.raises(TypeError, match="unchanged"):
-        module.unchanged((), b"", (), (), b"", bytearray(8))
+        module.unchanged((), b"", (), (), b"")
     with pytest.raises(ValueError, match="one recorded mode per owner"):
-        module.unchanged((), b"", (object(),), (), bytearray(8), bytearray(8))
+        module.unchanged((), b"", (object(),), (), ())
+    with pytest.raises(TypeError, match="triples"):
+        module.unchanged((), b"", (), (), ((1, 2),))
     # An owner without a `training` attribute: not an error, just "look closer".
-    assert module.unchanged((), b"", (object(),), (True,), bytearray(8), bytearray(8)) is False
+    assert module.unchanged((), b"", (object(),), (True,), ()) is False

@@ -235,3 +235,39 @@ def test_the_decoder_and_the_batcher_refuse_a_misspelt_option() -> None:
         cg.Batcher(lambda x: x, torch.ones(1, 2), max_batch=4, max_wait=5)
     with pytest.raises(cg.ConfigError, match="did you mean steps_per_graph="):
         Decoder(object(), max_batch=1, max_length=16, steps_per_grph=4)  # before the model
+
+
+def _torch_attribute_writes(tree: ast.AST) -> list[str]:
+    """Assignments to an attribute reached from ``torch`` or ``nn`` (``nn.Module._apply = f``,
+    ``torch.cuda.synchronize = f``) and ``setattr(torch..., ...)`` calls."""
+
+    def rooted(node: ast.AST) -> bool:
+        while isinstance(node, ast.Attribute):
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in ("torch", "nn")
+
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr":
+            targets = [ast.Attribute(value=node.args[0], attr="?")] if node.args else []
+        found += [ast.unparse(t) for t in targets if isinstance(t, ast.Attribute) and rooted(t)]
+    return found
+
+
+def test_no_torch_attribute_is_replaced_outside_the_doctors_watches() -> None:
+    """No process-wide patch: nothing in the library assigns to torch's or nn's attributes,
+    except the doctor's watches (thread-confined, undone on the way out)."""
+    offenders = []
+    for name, path in _modules().items():
+        if name == "cudagraphs.diagnose.watches":
+            continue
+        offenders += [f"{name}: {w}" for w in _torch_attribute_writes(ast.parse(path.read_text()))]
+    assert offenders == []
+
+
+def test_the_patch_check_sees_a_patch() -> None:
+    planted = ast.parse("nn.Module._apply = f\nsetattr(torch.cuda, 'synchronize', g)\nx.y = 1")
+    assert _torch_attribute_writes(planted) == ["nn.Module._apply", "torch.cuda.?"]

@@ -7,7 +7,6 @@ from typing import Any
 
 from .core import diagnostics
 from .core.graphed import Graphed
-from .core.guards import release_unused_hooks
 from .diagnose.hooks import LibraryDiagnostics
 from .errors import ConfigError, explain
 from .options import Options, split_options
@@ -153,7 +152,6 @@ def graph(
     In-place mutation of an input (``x.add_(1)``) is supported: the replay mutates the graph's
     buffer and copies the result back into the tensor the caller passed, as eager would.
     """
-    release_unused_hooks()  # hooks of guards that died since the last call (a safe point)
     options_kwargs, example_kwargs = split_options(fn, options_and_example_kwargs)
     options = Options(**options_kwargs)
     if fn is None:

@@ -1,6 +1,6 @@
 // The address check the guard runs before every replay (see addresses.py): one C call over a
 // tuple of tensors against a packed array of addresses (in `unchanged`, also the modules'
-// train/eval modes). Built at install time (setup.py, an optional extension: without a compiler the pure fallbacks are used). It includes Python.h
+// train/eval modes and the identity of their parameter, buffer and child entries). Built at install time (setup.py, an optional extension: without a compiler the pure fallbacks are used). It includes Python.h
 // only: each address is read through the function pointer PyTorch exports for Inductor's C++
 // wrapper, bound once at import.
 #define PY_SSIZE_T_CLEAN
@@ -59,26 +59,19 @@ static PyObject* same(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBool_FromLong(result);
 }
 
-// unchanged(tensors, addresses, owners: tuple, modes: tuple, now: bytearray, seen: bytearray)
-// -> bool: the module-change counter `now` still equals `seen`, each owner's `training` is
-// still the object recorded in `modes`, and every tensor is at its address. The whole guard
-// in one C call: it runs before every replay.
+// unchanged(tensors, addresses, owners: tuple, modes: tuple, entries: tuple) -> bool: each
+// owner's `training` is still the object recorded in `modes`, each (mapping, key, value) of
+// `entries` still maps key to that very object (a module's parameters, buffers and children:
+// `.to()` and `module.buf = t` put new objects there), and every tensor is at its address. The
+// whole guard in one C call: it runs before every replay.
 static PyObject* training_name = nullptr;
 
 static PyObject* unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 6 || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3]) ||
-      !PyByteArray_Check(args[4]) || !PyByteArray_Check(args[5])) {
+  if (nargs != 5 || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3]) ||
+      !PyTuple_Check(args[4])) {
     PyErr_SetString(PyExc_TypeError,
-                    "unchanged(tensors, addresses, owners: tuple, modes: tuple, now: bytearray, "
-                    "seen: bytearray)");
+                    "unchanged(tensors, addresses, owners: tuple, modes: tuple, entries: tuple)");
     return nullptr;
-  }
-  PyObject* now = args[4];
-  PyObject* seen = args[5];
-  if (PyByteArray_GET_SIZE(now) != PyByteArray_GET_SIZE(seen) ||
-      std::memcmp(PyByteArray_AS_STRING(now), PyByteArray_AS_STRING(seen),
-                  PyByteArray_GET_SIZE(now)) != 0) {
-    Py_RETURN_FALSE;
   }
   PyObject* owners = args[2];
   PyObject* modes = args[3];
@@ -100,6 +93,22 @@ static PyObject* unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_DECREF(value);
     if (!same_mode) Py_RETURN_FALSE;
   }
+  PyObject* entries = args[4];
+  Py_ssize_t m = PyTuple_GET_SIZE(entries);
+  for (Py_ssize_t i = 0; i < m; ++i) {
+    PyObject* entry = PyTuple_GET_ITEM(entries, i);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 ||
+        !PyDict_Check(PyTuple_GET_ITEM(entry, 0))) {
+      PyErr_SetString(PyExc_TypeError, "entries: (dict, key, value) triples expected");
+      return nullptr;
+    }
+    PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
+    if (now == nullptr && PyErr_Occurred()) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+    if (now != PyTuple_GET_ITEM(entry, 2)) Py_RETURN_FALSE;  // borrowed: compared, not kept
+  }
   int result = at_addresses(args[0], args[1]);
   if (result < 0) return nullptr;
   return PyBool_FromLong(result);
@@ -110,7 +119,7 @@ static PyMethodDef methods[] = {
   {"bind", bind, METH_O, "Set the address reader."},
   {"same", (PyCFunction)(void (*)(void))same, METH_FASTCALL, "All tensors at the addresses?"},
   {"unchanged", (PyCFunction)(void (*)(void))unchanged, METH_FASTCALL,
-   "Counter, modes and addresses all as recorded?"},
+   "Modes, module entries and addresses all as recorded?"},
   {nullptr, nullptr, 0, nullptr},
 };
 

@@ -3,7 +3,7 @@
 The address guard runs this before every replay, so its cost is paid per call. Three ways, the
 fastest that works is used:
 
-1. ``compiled``: a small C++ extension (``_addresses.cpp``, about 110 lines), built when the
+1. ``compiled``: a small C++ extension (``_addresses.cpp``, about 140 lines), built when the
    package is installed (optional: installing without a compiler still works). It includes
    ``Python.h`` only and reads each address through the function pointer that PyTorch exports
    for Inductor's C++ wrapper (``compat.tensor_address_reader``), so no Python objects are made
@@ -106,23 +106,29 @@ class AddressCheck:
         self,
         owners: Sequence[Any],
         modes: Sequence[Any],
-        now: bytearray,
-        seen: bytearray,
+        entries: Sequence[tuple[dict[str, Any], str, Any]] = (),
     ) -> Callable[[], bool]:
-        """One check for a whole guard: True while ``now == seen`` (a change counter and what
-        the guard last saw of it), each owner's ``training`` is still ``modes[i]`` (the same
-        object), and every tensor is at its address. A C-level partial when compiled."""
+        """One check for a whole guard: True while each owner's ``training`` is still
+        ``modes[i]`` (the same object), each ``(mapping, key, value)`` of ``entries`` still maps
+        ``key`` to that very object, and every tensor is at its address. A C-level partial
+        when compiled."""
         module = compiled_module() if self.native else None
         if module is not None:
             packed = array.array("Q", self.ptrs).tobytes()
             return functools.partial(
-                module.unchanged, self.tensors, packed, tuple(owners), tuple(modes), now, seen
-            )
+                module.unchanged, self.tensors, packed, tuple(owners), tuple(modes),
+                tuple((d, k, v) for d, k, v in entries),
+            )  # fmt: skip
         pairs = tuple(zip(owners, modes))
+        triples = tuple(entries)
         addresses = self.unchanged
 
         def unchanged() -> bool:
-            return now == seen and all(o.training is m for o, m in pairs) and addresses()
+            return (
+                all(o.training is m for o, m in pairs)
+                and all(d.get(k) is v for d, k, v in triples)
+                and addresses()
+            )
 
         return unchanged
 

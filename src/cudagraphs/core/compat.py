@@ -31,6 +31,7 @@ __all__ = [
     "guarded_storage",
     "guarded_tensor",
     "kill_storage",
+    "module_entries",
     "module_state_inputs",
     "op_argument_defaults",
     "op_argument_names",
@@ -306,4 +307,20 @@ def module_state_inputs(gm: Any, n: int) -> set[int]:
         name = name() if callable(name) else str(name)  # a method in older versions
         if "_parameters[" in name or "_buffers[" in name:
             found.add(i)
+    return found
+
+
+# --- address guards (guards.py) --------------------------------------------------------------
+
+
+def module_entries(module: torch.nn.Module) -> list[tuple[str, dict[str, Any], str, Any]]:
+    """``(name, mapping, key, value)`` for every parameter, buffer and child slot of ``module``
+    and its submodules: the dicts ``nn.Module`` keeps them in, read (never written) so that a
+    guard can tell when a slot holds another object."""
+    found = []
+    for prefix, sub in module.named_modules():
+        base = f"{type(module).__name__}{'.' + prefix if prefix else ''}"
+        for mapping in (sub._parameters, sub._buffers, sub._modules):
+            for key, value in mapping.items():
+                found.append((f"{base}.{key}", mapping, key, value))
     return found

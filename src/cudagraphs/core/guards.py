@@ -6,10 +6,11 @@ reassigned with ``module.buf = t``, a global tensor rebound), the replay silentl
 the old memory. The guard records those addresses at capture and checks them before each replay:
 
 - one C call compares the data pointers of all guarded tensors (``addresses.AddressCheck``: a
-  few ns per tensor when its loop could be compiled; cost measured in ``benchmarks/overhead.py``);
-- a process-wide counter, bumped by module parameter/buffer registration hooks and by
-  ``Module._apply`` (``.to()``, ``.cuda()``, which replace buffer objects directly), tells when
-  any module had a tensor reassigned, and only then are the modules walked again;
+  few ns per tensor when its loop could be compiled; cost measured in ``benchmarks/overhead.py``),
+  and, in the same call, that every parameter, buffer and child entry of the guarded modules
+  still holds the object it held at capture (``module.to()`` and ``module.buf = t`` put new
+  objects there while the old ones may stay alive at their old addresses). Nothing in torch is
+  patched or hooked for this: the guard reads the user's modules only;
 - closure and global tensors, and plain values (bool, int, float, str) that ``fn``'s own code
   reads from its closure or globals, are checked by identity (a global flag that decided a
   branch at capture must not change unnoticed);
@@ -22,106 +23,16 @@ they need no recapture and replays see the new values.
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
+from . import compat
 from .addresses import AddressCheck
 
-__all__ = [
-    "AddressGuard",
-    "closure_tensors",
-    "hooks_installed",
-    "modules_of",
-    "release_unused_hooks",
-]
-
-_generation = 0  # bumped whenever any module registers or reassigns a parameter or buffer
-# The same count as 8 bytes, for the compiled check (which compares it with what a guard saw).
-_generation_bytes = bytearray(8)
-_live_guards: weakref.WeakSet[AddressGuard] = weakref.WeakSet()
-_hook_handles: list[Any] = []
-_removal_pending = False  # the last guard died; remove the hooks at the next safe point
-_wrapped_apply: Any = None  # what nn.Module._apply was when the hooks went in (see _install_hooks)
-
-
-def _bump(*_: Any) -> None:
-    # Dynamo traces module code that registers buffers (transformers does, inside forward) and
-    # would trace this hook too: a global it mutates becomes a guard that fails on every call,
-    # so compiled code would recompile each time. While compiling, do nothing: the compiled
-    # code cannot move a guarded tensor without running eagerly code that bumps for real.
-    if torch.compiler.is_compiling():
-        return
-    global _generation
-    _generation += 1
-    _generation_bytes[:] = _generation.to_bytes(8, "little")
-
-
-def _apply(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return _wrapped_apply(self, *args, **kwargs)
-    finally:
-        _bump()
-
-
-def _install_hooks() -> None:
-    """Watch module reassignments while at least one guard exists; never otherwise."""
-    global _removal_pending
-    _removal_pending = False  # a new guard: the hooks stay
-    if _hook_handles:
-        return
-    from torch.nn.modules import module as module_module
-
-    _hook_handles.extend(
-        (
-            module_module.register_module_parameter_registration_hook(_bump),
-            module_module.register_module_buffer_registration_hook(_bump),
-            module_module.register_module_module_registration_hook(_bump),
-        )
-    )
-    # Module._apply (behind .to(), .cuda(), .half() ...) writes new buffer objects straight into
-    # _buffers, past the registration hooks: count it as a reassignment too. Whatever is there
-    # now (another library's wrapper, installed after this module was imported) is what runs.
-    global _wrapped_apply
-    if nn.Module._apply is not _apply:  # never wrap ourselves (left in place by a wrapper)
-        _wrapped_apply = nn.Module._apply
-        nn.Module._apply = _apply  # type: ignore[method-assign]
-
-
-def _remove_hooks() -> None:
-    """The last guard is gone: ask for the hooks to go at the next safe point.
-
-    Never removed here: this runs from a finalizer, that is from garbage collection, which can
-    happen in the middle of torch.compile tracing a forward that registers a buffer. Dynamo has
-    then just traced our hook and is building a guard on its entry in torch's hook dict; taking
-    the entry away under it fails the compile (KeyError). Library calls remove them instead.
-    """
-    global _removal_pending
-    _removal_pending = True
-
-
-def release_unused_hooks() -> None:
-    """Leave torch.nn exactly as it was once no guard is alive (called from library entry
-    points, never from a finalizer)."""
-    global _removal_pending
-    if not _removal_pending or any(True for _ in _live_guards):  # iteration skips the dead
-        return
-    _removal_pending = False
-    for handle in _hook_handles:
-        handle.remove()
-    _hook_handles.clear()
-    if nn.Module._apply is _apply:  # else another library wrapped ours since: leave theirs
-        nn.Module._apply = _wrapped_apply  # type: ignore[method-assign]
-
-
-def hooks_installed() -> bool:
-    """Whether the module-reassignment hooks are in place (only while a guard is alive; the
-    last guard's hooks go at the next library call)."""
-    release_unused_hooks()
-    return bool(_hook_handles)
+__all__ = ["AddressGuard", "closure_tensors", "modules_of"]
 
 
 def modules_of(fn: Callable[..., Any], extra: Iterable[nn.Module] = ()) -> list[nn.Module]:
@@ -199,9 +110,6 @@ class AddressGuard:
         whether a module's train/eval switch counts as stale (off for callers that route
         calls by mode themselves)."""
         self._modes = modes
-        _install_hooks()
-        _live_guards.add(self)
-        weakref.finalize(self, _remove_hooks)
         self.fn = fn
         self.modules = modules_of(fn, modules)
         self.closures = closure_tensors(fn, values=True)
@@ -233,15 +141,15 @@ class AddressGuard:
         self.closure_ids = [(name, get, t) for name, get, t in self.closures]
         # train()/eval() after capture would silently keep the recorded mode (dropout, BN).
         self.training = [(m, m.training) for m in self.modules] if self._modes else []
-        self.generation = _generation
+        # Which object each parameter, buffer and child slot of the modules holds.
+        self.entries = [e for m in self.modules for e in compat.module_entries(m)]
         self.simple = not self.closure_ids and not self.watches  # addresses and modes only
-        self._seen = bytearray(_generation_bytes)
         # ``check()``: True when nothing watched changed, in one call (C where compiled); a
         # guard that also watches rebound names or other objects always takes stale().
         self.check: Callable[[], bool] = (
             self.addresses.with_modes(
                 [m for m, _ in self.training], [t for _, t in self.training],
-                _generation_bytes, self._seen,
+                [(d, k, v) for _, d, k, v in self.entries],
             )
             if self.simple
             else _never
@@ -271,13 +179,9 @@ class AddressGuard:
         for module, training in self.training:
             if module.training is not training:
                 return f"{type(module).__name__} was switched to {'train' if module.training else 'eval'} mode"
-        if self.generation != _generation:
-            current = dict(self._module_tensors())
-            for name, t in zip(self.names, self.tensors):
-                if name in current and current[name] is not t:
-                    return f"{name} was reassigned (module.{name.split('.')[-1]} = ...)"
-            self.generation = _generation  # some other module changed; this one did not
-            self._seen[:] = _generation_bytes
+        for name, mapping, key, value in self.entries:
+            if mapping.get(key) is not value:
+                return f"{name} was replaced by another object (module.to(...), module.{key} = ...)"
         return None
 
 
