@@ -271,3 +271,11 @@ def test_no_torch_attribute_is_replaced_outside_the_doctors_watches() -> None:
 def test_the_patch_check_sees_a_patch() -> None:
     planted = ast.parse("nn.Module._apply = f\nsetattr(torch.cuda, 'synchronize', g)\nx.y = 1")
     assert _torch_attribute_writes(planted) == ["nn.Module._apply", "torch.cuda.?"]
+
+
+def test_the_core_alone_refuses_verification_instead_of_skipping_it() -> None:
+    from cudagraphs.core.diagnostics import Diagnostics
+
+    Diagnostics().verify(object(), 0)  # nothing asked, nothing done
+    with pytest.raises(cg.ConfigError, match="verifier is not loaded"):
+        Diagnostics().verify(object(), 3)
