@@ -279,3 +279,39 @@ def test_the_core_alone_refuses_verification_instead_of_skipping_it() -> None:
     Diagnostics().verify(object(), 0)  # nothing asked, nothing done
     with pytest.raises(cg.ConfigError, match="verifier is not loaded"):
         Diagnostics().verify(object(), 3)
+
+
+CORE = ("errors", "options", "core", "shapes", "api")
+ADD_ONS = ("training", "control", "serve", "integrations", "diagnose", "tools")
+
+
+def _public(module: str) -> set[str] | None:
+    path = _modules().get(module)
+    if path is None:
+        return None
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return {ast.literal_eval(e) for e in node.value.elts}  # type: ignore[attr-defined]
+    return set()
+
+
+def core_surface_violations() -> list[str]:
+    """Names an add-on imports from a core module that the module does not list in
+    ``__all__`` (the core's public surface)."""
+    offenders = []
+    for name, path in _modules().items():
+        if _layer(name) not in ADD_ONS:
+            continue
+        for module, names in _imports(name, path):
+            if _layer(module) not in CORE or (public := _public(module)) is None:
+                continue
+            offenders += [f"{name}: from {module} import {n}" for n in names if n not in public]
+    return offenders
+
+
+def test_add_ons_use_only_the_cores_public_surface() -> None:
+    """``training``, ``control``, ``serve``, ``integrations``, ``diagnose`` and ``tools`` build
+    on what the core's modules export (``__all__``), never on their internals."""
+    assert core_surface_violations() == []

@@ -32,6 +32,7 @@ __all__ = [
     "StateWriteError",
     "VerificationError",
     "explain",
+    "require_cuda",
 ]
 
 
