@@ -22,7 +22,8 @@ def test_decision_mlp_equals_eager_for_both_outcomes() -> None:
     torch.manual_seed(0)
     model = DecisionMLP().cuda()
     x = torch.randn(8, 256, device="cuda")
-    g = cg.graph(model, x)
+    with pytest.warns(cg.CudaGraphsWarning, match="2 graphs with 1 eager step"):
+        g = cg.graph(model, x)
     assert g.stats.graphs == 2 and g.stats.gaps == 1
     assert [row["kind"] for row in g.segments] == ["graph", "eager", "graph"]
     # The step's model lives in the library, so its location is the first frame of the
@@ -136,10 +137,13 @@ def test_transformers_moe_with_eager_experts_equals_eager() -> None:
     with pytest.raises(cg.CaptureError, match="eager="):
         cg.graph(lambda i: model(input_ids=i, use_cache=False).logits, ids)
     moe = next(type(m) for m in model.modules() if "SparseMoe" in type(m).__name__)
-    g = cg.graph(
-        lambda i: model(input_ids=i, use_cache=False).logits, ids, eager=[moe], modules=[model]
-    )
+    with pytest.warns(cg.CudaGraphsWarning, match=r"(?s)3 graphs with 2 eager step.*batched_mm"):
+        g = cg.graph(
+            lambda i: model(input_ids=i, use_cache=False).logits, ids, eager=[moe], modules=[model]
+        )
     assert g.stats.gaps == 2
+    report = cg.doctor(lambda i: model(input_ids=i, use_cache=False).logits, ids)
+    assert report.blocking and any("batched_mm" in f.fix for f in report.findings)
     for _ in range(3):
         ids = torch.randint(0, 512, (4, 16), device="cuda")
         _close(g(ids).clone(), model(input_ids=ids, use_cache=False).logits)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["block_hint", "classify_failure"]
+__all__ = ["LIBRARY_SETTING", "block_hint", "classify_failure", "library_setting"]
 
 
 # Ordered: the first pattern found in the error chain (primary error first) decides the kind.
@@ -100,12 +100,27 @@ def block_hint(module: Any) -> str:
         return ""
     name = type(module).__name__
     hint = f". The step is inside {name}: eager=[{name}] runs that block eagerly"
-    if type(module).__module__.startswith("transformers.") and (
-        "experts" in name.lower() or "moe" in name.lower()
-    ):
-        hint += (
-            "; or remove the host read: transformers' experts_implementation='batched_mm' "
-            "(config._experts_implementation), or bf16 weights (native grouped matmul), "
-            "record the whole model"
-        )
+    if type(module).__module__.startswith("transformers.") and _is_moe(name):
+        hint += "; or " + LIBRARY_SETTING
     return hint
+
+
+#: The known library setting that removes a host read (transformers' MoE experts).
+LIBRARY_SETTING = (
+    "remove the host read: transformers' experts_implementation='batched_mm' "
+    "(config._experts_implementation), or bf16 weights (native grouped matmul), record the "
+    "whole model in one graph"
+)
+
+
+def _is_moe(text: str) -> bool:
+    text = text.lower()
+    return "experts" in text or "moe" in text
+
+
+def library_setting(location: str) -> str | None:
+    """The setting that removes a break at ``location`` (a ``file:line``, or a block's name),
+    where one is known: a host read inside transformers' mixture-of-experts code."""
+    if "transformers" in location and _is_moe(location):
+        return LIBRARY_SETTING
+    return None

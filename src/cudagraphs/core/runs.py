@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ConfigError, explain
 from ..options import Options
-from . import collectives, compat, python_state, recorder, side_effects
+from . import collectives, compat, python_state, recorder, segments, side_effects
 from .frames import callable_name
 from .guards import modules_of
 from .recorder import Recording
@@ -91,6 +91,7 @@ def warm_up_and_capture(
                 restore=options.side_effects != "keep",
             )
         plain.take()
+        segments.announce(recording.graph, name)
         if hasattr(type(shared), "record"):
             shared.record(recording.pool_bytes)
         # Values the runs changed go back only where the runs were the library's own.

@@ -21,6 +21,7 @@ its inputs is put back afterwards, as for warm-up (``state.DeferredWriteRecorder
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,12 +29,13 @@ from typing import Any
 import optree
 import torch
 
-from ..errors import SegmentError, explain
+from ..errors import CudaGraphsWarning, SegmentError, explain
 from . import compat
-from .frames import callable_name
+from .failures import library_setting
+from .frames import callable_name, user_stacklevel
 from .tree import NAMESPACE
 
-__all__ = ["Gap", "Segments", "describe", "print_segments"]
+__all__ = ["Gap", "Segments", "announce", "describe", "print_segments"]
 
 
 @dataclass
@@ -210,3 +212,26 @@ def print_segments(recording: Any, name: str, stats: Any, console: Any = None) -
         f"{stats.replays} replays, {stats.graphs} graphs, {stats.gaps} eager steps, "
         f"{stats.gap_s * 1e3:.2f} ms in eager steps (host time, waits for the GPU included)"
     )
+
+
+_announced: set[str] = set()
+
+
+def announce(recording: Any, name: str) -> None:
+    """One warning per distinct split: where the recording was split and why, and a library
+    setting that would remove a split where one is known."""
+    if not isinstance(recording, Segments):
+        return
+    lines = [f"  {g.location}: {callable_name(g.fn)} {g.why}" for g in recording.gaps]
+    settings = {s for g in recording.gaps if (s := library_setting(g.location))}
+    message = (
+        f"cudagraphs: {name} is recorded as {len(recording.graphs)} graphs with "
+        f"{len(recording.gaps)} eager step(s) between them, run at every call:\n"
+        + "\n".join(lines)
+        + "".join(f"\n  to record it whole: {s}" for s in sorted(settings))
+    )
+    key = "\n".join(lines)  # once per set of break points (not per bucket or decode rung)
+    if key in _announced:
+        return
+    _announced.add(key)
+    warnings.warn(message, CudaGraphsWarning, stacklevel=user_stacklevel())

@@ -253,7 +253,7 @@ def module_gaps(modules: Sequence[torch.nn.Module]) -> list[Any]:
             splitter = active.splitter if active is not None else None
             if splitter is not None and not splitter.in_gap:
                 name = type(mod).__name__
-                splitter.open(mod, f"{name}.forward", f"in eager=[{name}]")
+                splitter.open(mod, _forward_location(mod), f"in eager=[{name}]")
 
         def after(mod: Any, args: Any, kwargs: Any, output: Any) -> Any:
             active = active_capture()
@@ -265,3 +265,12 @@ def module_gaps(modules: Sequence[torch.nn.Module]) -> list[Any]:
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         handles.append(module.register_forward_hook(after, with_kwargs=True))
     return handles
+
+
+def _forward_location(module: Any) -> str:
+    """``file:line (Class.forward)`` of a module's forward, for the segment listing."""
+    name = type(module).__name__
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    if code is None:
+        return f"{name}.forward"
+    return f"{code.co_filename}:{code.co_firstlineno} ({name}.forward)"

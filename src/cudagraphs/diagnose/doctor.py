@@ -22,6 +22,7 @@ from typing import Any
 import optree
 import torch
 
+from ..core.failures import library_setting
 from ..core.frames import user_frame
 from ..core.guards import closure_tensors, modules_of
 from ..core.reach import reachable_tensors
@@ -158,9 +159,19 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
             )
     finally:
         rng.restore()
-    placed = [relocate(f, *caller) for f in findings.values()]
+    placed = [_with_setting(relocate(f, *caller)) for f in findings.values()]
     ordered = sorted(_one_per_cause(placed), key=lambda f: (f.filename, f.lineno, f.kind))
     return Report(function=name, findings=ordered)
+
+
+def _with_setting(finding: Finding) -> Finding:
+    """A break inside a library's code that one of its settings removes: say which."""
+    setting = library_setting(finding.filename) if finding.severity == "error" else None
+    if setting is None:
+        return finding
+    return dataclasses.replace(
+        finding, fix=f"{finding.fix}; or mark the block eager=[...], or {setting}"
+    )
 
 
 def relocate(finding: Finding, filename: str, lineno: int) -> Finding:
