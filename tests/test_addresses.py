@@ -185,7 +185,7 @@ def test_one_check_covers_modes_entries_and_addresses(native: bool) -> None:
     module = torch.nn.Linear(2, 2).eval()
     slots = {"weight": tensors[0]}
     check = addresses.AddressCheck(tensors, native=native).with_modes(
-        [module], [module.training], [(slots, "weight", tensors[0])]
+        [module], [module.training], [(slots, (tensors[0],))]
     )
     assert check() is True
     module.train()
@@ -211,7 +211,7 @@ def test_compiled_unchanged_rejects_bad_arguments() -> None:
         module.unchanged((), b"", (), (), b"")
     with pytest.raises(ValueError, match="one recorded mode per owner"):
         module.unchanged((), b"", (object(),), (), ())
-    with pytest.raises(TypeError, match="triples"):
-        module.unchanged((), b"", (), (), ((1, 2),))
+    with pytest.raises(TypeError, match="pairs expected"):
+        module.unchanged((), b"", (), (), (({}, 2),))
     # An owner without a `training` attribute: not an error, just "look closer".
     assert module.unchanged((), b"", (object(),), (True,), ()) is False

@@ -60,8 +60,8 @@ static PyObject* same(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // unchanged(tensors, addresses, owners: tuple, modes: tuple, entries: tuple) -> bool: each
-// owner's `training` is still the object recorded in `modes`, each (mapping, key, value) of
-// `entries` still maps key to that very object (a module's parameters, buffers and children:
+// owner's `training` is still the object recorded in `modes`, each (mapping, values) of
+// `entries` still holds those very objects (a module's parameters, buffers and children:
 // `.to()` and `module.buf = t` put new objects there), and every tensor is at its address. The
 // whole guard in one C call: it runs before every replay.
 static PyObject* training_name = nullptr;
@@ -93,21 +93,26 @@ static PyObject* unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_DECREF(value);
     if (!same_mode) Py_RETURN_FALSE;
   }
+  // Each (mapping, values): the dict holds exactly those objects, in that order (a slot that
+  // is replaced keeps its place). PyDict_Next walks the entries without hashing a key.
   PyObject* entries = args[4];
   Py_ssize_t m = PyTuple_GET_SIZE(entries);
   for (Py_ssize_t i = 0; i < m; ++i) {
     PyObject* entry = PyTuple_GET_ITEM(entries, i);
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 ||
-        !PyDict_Check(PyTuple_GET_ITEM(entry, 0))) {
-      PyErr_SetString(PyExc_TypeError, "entries: (dict, key, value) triples expected");
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2 ||
+        !PyDict_Check(PyTuple_GET_ITEM(entry, 0)) || !PyTuple_Check(PyTuple_GET_ITEM(entry, 1))) {
+      PyErr_SetString(PyExc_TypeError, "entries: (dict, tuple of values) pairs expected");
       return nullptr;
     }
-    PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
-    if (now == nullptr && PyErr_Occurred()) {
-      PyErr_Clear();
-      Py_RETURN_FALSE;
+    PyObject* mapping = PyTuple_GET_ITEM(entry, 0);
+    PyObject* values = PyTuple_GET_ITEM(entry, 1);
+    if (PyDict_GET_SIZE(mapping) != PyTuple_GET_SIZE(values)) Py_RETURN_FALSE;
+    Py_ssize_t pos = 0, k = 0;
+    PyObject* key;
+    PyObject* value;
+    while (PyDict_Next(mapping, &pos, &key, &value)) {
+      if (value != PyTuple_GET_ITEM(values, k++)) Py_RETURN_FALSE;
     }
-    if (now != PyTuple_GET_ITEM(entry, 2)) Py_RETURN_FALSE;  // borrowed: compared, not kept
   }
   int result = at_addresses(args[0], args[1]);
   if (result < 0) return nullptr;

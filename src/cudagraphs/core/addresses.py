@@ -106,27 +106,32 @@ class AddressCheck:
         self,
         owners: Sequence[Any],
         modes: Sequence[Any],
-        entries: Sequence[tuple[dict[str, Any], str, Any]] = (),
+        entries: Sequence[tuple[dict[str, Any], tuple[Any, ...]]] = (),
     ) -> Callable[[], bool]:
         """One check for a whole guard: True while each owner's ``training`` is still
-        ``modes[i]`` (the same object), each ``(mapping, key, value)`` of ``entries`` still maps
-        ``key`` to that very object, and every tensor is at its address. A C-level partial
-        when compiled."""
+        ``modes[i]`` (the same object), each ``(mapping, values)`` of ``entries`` still holds
+        exactly those objects in that order, and every tensor is at its address. A C-level
+        partial when compiled."""
         module = compiled_module() if self.native else None
         if module is not None:
             packed = array.array("Q", self.ptrs).tobytes()
             return functools.partial(
                 module.unchanged, self.tensors, packed, tuple(owners), tuple(modes),
-                tuple((d, k, v) for d, k, v in entries),
+                tuple((d, tuple(v)) for d, v in entries),
             )  # fmt: skip
         pairs = tuple(zip(owners, modes))
-        triples = tuple(entries)
+        held = tuple((d, tuple(v)) for d, v in entries)
         addresses = self.unchanged
+
+        def same_objects(mapping: dict[str, Any], values: tuple[Any, ...]) -> bool:
+            return len(mapping) == len(values) and all(
+                a is b for a, b in zip(mapping.values(), values)
+            )
 
         def unchanged() -> bool:
             return (
                 all(o.training is m for o, m in pairs)
-                and all(d.get(k) is v for d, k, v in triples)
+                and all(same_objects(d, v) for d, v in held)
                 and addresses()
             )
 

@@ -149,7 +149,7 @@ class AddressGuard:
         self.check: Callable[[], bool] = (
             self.addresses.with_modes(
                 [m for m, _ in self.training], [t for _, t in self.training],
-                [(d, k, v) for _, d, k, v in self.entries],
+                _by_mapping(self.entries),
             )
             if self.simple
             else _never
@@ -183,6 +183,15 @@ class AddressGuard:
             if mapping.get(key) is not value:
                 return f"{name} was replaced by another object (module.to(...), module.{key} = ...)"
         return None
+
+
+def _by_mapping(entries: list[tuple[str, Any, str, Any]]) -> list[tuple[Any, tuple[Any, ...]]]:
+    """Each slot dict once, with the objects it holds in order (what the check compares)."""
+    seen: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+    for _, mapping, _, _ in entries:  # (an empty dict has no entry: nothing recorded reads it)
+        if id(mapping) not in seen:
+            seen[id(mapping)] = (mapping, tuple(mapping.values()))
+    return list(seen.values())
 
 
 def _never() -> bool:
