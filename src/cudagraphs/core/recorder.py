@@ -12,6 +12,7 @@ stream, the allocator and Python's gc are always restored, so the process stays 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 import warnings
@@ -174,17 +175,14 @@ def capture(
     Such a capture runs the function for real, so what it writes outside ``exclude`` (the
     inputs) is put back afterwards (unless ``restore`` is False: ``side_effects="keep"``).
     """
+    attempt = functools.partial(
+        _capture, fn, args, kwargs, stream=stream, pool=pool,
+        capture_error_mode=capture_error_mode, segments=segments, eager_modules=eager_modules,
+    )  # fmt: skip
     try:
-        return _capture(
-            fn, args, kwargs, stream=stream, pool=pool, capture_error_mode=capture_error_mode,
-            segments=segments, eager_modules=eager_modules, writes=None,
-        )  # fmt: skip
+        return attempt(writes=None)
     except NeedsSplitting:
-        writes = DeferredWriteRecorder(exclude=exclude) if restore else KeptWrites()
-        return _capture(
-            fn, args, kwargs, stream=stream, pool=pool, capture_error_mode=capture_error_mode,
-            segments=segments, eager_modules=eager_modules, writes=writes,
-        )  # fmt: skip
+        return attempt(writes=DeferredWriteRecorder(exclude=exclude) if restore else KeptWrites())
 
 
 def _capture(

@@ -137,31 +137,21 @@ class Segments:
 
     def __post_init__(self) -> None:
         self._steps = [p.run if isinstance(p, Gap) else p.replay for p in self.pieces]
+        self.graphs: list[torch.cuda.CUDAGraph] = [p for p in self.pieces if not isinstance(p, Gap)]
+        self.gaps: list[Gap] = [p for p in self.pieces if isinstance(p, Gap)]
 
     def replay(self) -> None:
         for step in self._steps:
             step()
 
     def pool(self) -> Any:
-        return next(p for p in self.pieces if isinstance(p, torch.cuda.CUDAGraph)).pool()
-
-    @property
-    def graphs(self) -> list[torch.cuda.CUDAGraph]:
-        return [p for p in self.pieces if isinstance(p, torch.cuda.CUDAGraph)]
-
-    @property
-    def gaps(self) -> list[Gap]:
-        return [p for p in self.pieces if isinstance(p, Gap)]
+        return self.graphs[0].pool()
 
     def cut_rows(self, rows: int | None, real: int | None) -> None:
         """In a bucketed graph: the rung's rows and this call's real rows (``None``: none)."""
         value = None if rows is None or real is None or rows == real else (rows, real)
         for gap in self.gaps:
             gap.rows = value
-
-    def reset(self) -> None:
-        for graph in self.graphs:
-            graph.reset()
 
 
 def describe(recording: Any) -> list[dict[str, Any]]:

@@ -247,24 +247,25 @@ def module_gaps(modules: Sequence[torch.nn.Module]) -> list[Any]:
     records (removed when the capture ends; other threads' calls pass through them)."""
     handles = []
     for module in modules:
-
-        def before(mod: Any, args: Any, kwargs: Any) -> None:
-            active = active_capture()
-            splitter = active.splitter if active is not None else None
-            if splitter is not None and not splitter.in_gap:
-                name = type(mod).__name__
-                splitter.open(mod, _forward_location(mod), f"in eager=[{name}]")
-
-        def after(mod: Any, args: Any, kwargs: Any, output: Any) -> Any:
-            active = active_capture()
-            splitter = active.splitter if active is not None else None
-            if splitter is not None and splitter.in_gap and splitter.owner is mod:
-                return splitter.close(mod, args, kwargs, output)
-            return None
-
-        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-        handles.append(module.register_forward_hook(after, with_kwargs=True))
+        handles.append(module.register_forward_pre_hook(_open_module_gap, with_kwargs=True))
+        handles.append(module.register_forward_hook(_close_module_gap, with_kwargs=True))
     return handles
+
+
+def _open_module_gap(module: Any, args: Any, kwargs: Any) -> None:
+    active = active_capture()
+    splitter = active.splitter if active is not None else None
+    if splitter is not None and not splitter.in_gap:
+        where = _forward_location(module)
+        splitter.open(module, where, f"in eager=[{type(module).__name__}]")
+
+
+def _close_module_gap(module: Any, args: Any, kwargs: Any, output: Any) -> Any:
+    active = active_capture()
+    splitter = active.splitter if active is not None else None
+    if splitter is not None and splitter.in_gap and splitter.owner is module:
+        return splitter.close(module, args, kwargs, output)
+    return None
 
 
 def _forward_location(module: Any) -> str:

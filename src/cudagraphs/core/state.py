@@ -146,7 +146,7 @@ class WriteRecorder(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
                     key = storage_key(t)
                     if key not in self._skip:
                         label = self._names.get(key) or f"a tensor of shape {tuple(t.shape)}"
-                        self._store.save(key, label, t)
+                        self._before_write(key, label, t)
         out = func(*args, **kwargs)
         if not _returns_alias(func):
             # Created by this run: writing into it later changes nothing outside the run.
@@ -154,6 +154,10 @@ class WriteRecorder(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
                 if isinstance(t, torch.Tensor):
                     self._skip.add(storage_key(t))
         return out
+
+    def _before_write(self, key: int, label: str, t: torch.Tensor) -> None:
+        """A storage from outside the run is about to be written: copy it (once)."""
+        self._store.save(key, label, t)
 
     def written(self) -> Written:
         return self._store.written()
@@ -176,24 +180,11 @@ class DeferredWriteRecorder(WriteRecorder):
         super().__init__(exclude, names)
         self._pending: dict[int, tuple[str, torch.Tensor]] = {}
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if not torch.cuda.is_current_stream_capturing():
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        kwargs = kwargs or {}
-        for index, name in written_arguments(func):
-            value = args[index] if index < len(args) else kwargs.get(name)
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor):
-                    key = storage_key(t)
-                    if key not in self._skip and key not in self._pending:
-                        label = self._names.get(key) or f"a tensor of shape {tuple(t.shape)}"
-                        self._pending[key] = (label, t)
-        out = func(*args, **kwargs)
-        if not _returns_alias(func):
-            for t in out if isinstance(out, (list, tuple)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self._skip.add(storage_key(t))
-        return out
+    def _before_write(self, key: int, label: str, t: torch.Tensor) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            self._pending.setdefault(key, (label, t))  # recorded, not run yet: copy at flush
+        else:
+            super()._before_write(key, label, t)
 
     def flush(self) -> None:
         """Copy the storages the recording so far writes, before it runs for real."""

@@ -46,10 +46,9 @@ class _Piece(torch.nn.Module):
     """One traced piece with its parameters and buffers held (so ``cg.graph`` guards their
     addresses) and only the call's own tensors as graph inputs."""
 
-    def __init__(self, gm: torch.fx.GraphModule, fixed: dict[int, torch.Tensor], n: int) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, fixed: dict[int, torch.Tensor]) -> None:
         super().__init__()
         self.gm = gm
-        self.n = n
         self.slots = sorted(fixed)
         for k, (_, t) in enumerate(sorted(fixed.items())):
             self.register_buffer(f"fixed_{k}", t, persistent=False)
@@ -76,9 +75,9 @@ def _compile(
                 if isinstance(a, torch.Tensor)
                 and (i in fixed_positions or isinstance(a, torch.nn.Parameter))
             }
-            module = _Piece(gm, fixed, len(args))
             state["fixed"] = fixed
-            state["graphed"] = piece = graph(module, **options)
+            state["free"] = [i for i in range(len(args)) if i not in fixed]
+            state["graphed"] = piece = graph(_Piece(gm, fixed), **options)
         fixed = state["fixed"]
         for i, t in fixed.items():
             if args[i] is not t:
@@ -91,7 +90,7 @@ def _compile(
                         "replacing them, or call torch.compiler.reset() after replacing them",
                     )
                 )
-        return piece(*(a for i, a in enumerate(args) if i not in fixed))
+        return piece(*[args[i] for i in state["free"]])
 
     return run
 
