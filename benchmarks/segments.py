@@ -40,6 +40,21 @@ from cudagraphs.tools.segment_workloads import DecisionMLP, flip_if_above
 from cudagraphs.tools.timing import measure_side_by_side
 
 
+def _timed(
+    modes: dict[str, Any], inputs: list[Any], calls: int, windows: int,
+    shape: list[int], segments: list[dict[str, Any]], errors: dict[str, float], note: str,
+) -> dict[str, Any]:  # fmt: skip
+    """Time the modes side by side; one workload's results."""
+    timings = measure_side_by_side(modes, inputs, calls=calls, windows=windows)
+    return {
+        "shape": shape,
+        "segments": segments,
+        "max_abs_error_vs_eager": errors,
+        "timings_us": {m: vars(t) for m, t in timings.items()},
+        "note": note,
+    }
+
+
 def _peer(model: DecisionMLP, x: torch.Tensor) -> Any:
     """piecewise-cuda-graphs through its documented API: mark the decision ``@no_graph``,
     allocate static buffers, warm up on a side stream, capture into a sequence, replay."""
@@ -121,14 +136,8 @@ def mlp(calls: int, windows: int) -> dict[str, Any]:
                 for x in inputs[:3]:
                     err = (call(x).clone() - model(x)).abs().max().item()
                     errors[name] = max(errors.get(name, 0.0), err)
-    timings = measure_side_by_side(modes, inputs, calls=calls, windows=windows)
-    return {
-        "shape": [8, 256],
-        "segments": g.segments,
-        "max_abs_error_vs_eager": errors,
-        "timings_us": {m: vars(t) for m, t in timings.items()},
-        "note": "20 Linear+GELU layers, the decision after layer 10, timed at threshold 0",
-    }
+    note = "20 Linear+GELU layers, the decision after layer 10, timed at threshold 0"
+    return _timed(modes, inputs, calls, windows, [8, 256], g.segments, errors, note)
 
 
 def _mixtral(implementation: str | None) -> Any:
@@ -188,14 +197,8 @@ def moe(calls: int, windows: int) -> dict[str, Any]:
         modes["eager (bf16)"] = forward_half
     except cg.CaptureError as error:
         print(f"bf16 could not be recorded whole: {str(error).splitlines()[0]}")
-    timings = measure_side_by_side(modes, inputs, calls=calls, windows=windows)
-    return {
-        "shape": [4, 16],
-        "segments": g.segments,
-        "max_abs_error_vs_eager": errors,
-        "timings_us": {m: vars(t) for m, t in timings.items()},
-        "note": "Mixtral-style, 2 layers, hidden 1024, 8 experts top-2, fp32",
-    }
+    note = "Mixtral-style, 2 layers, hidden 1024, 8 experts top-2, fp32"
+    return _timed(modes, inputs, calls, windows, [4, 16], g.segments, errors, note)
 
 
 @torch.no_grad()
@@ -217,14 +220,8 @@ def resnet(calls: int, windows: int) -> dict[str, Any]:
             for x in inputs[:2]:
                 err = (call(x).clone() - model(x)).abs().max().item()
                 errors[name] = max(errors.get(name, 0.0), err)
-    timings = measure_side_by_side(modes, inputs, calls=calls, windows=windows)
-    return {
-        "shape": [4, 3, 64, 64],
-        "segments": [{"kind": "graph"}],
-        "max_abs_error_vs_eager": errors,
-        "timings_us": {m: vars(t) for m, t in timings.items()},
-        "note": "torchvision resnet18, eval, fp32 (no graph break: one piece)",
-    }
+    note = "torchvision resnet18, eval, fp32 (no graph break: one piece)"
+    return _timed(modes, inputs, calls, windows, [4, 3, 64, 64], [{"kind": "graph"}], errors, note)
 
 
 def _error(found: dict[str, Any], mode: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +12,17 @@ import cudagraphs as cg
 from cudagraphs.tools.segment_workloads import DecisionMLP, RoutedModel
 
 pytestmark = pytest.mark.cuda
+
+
+def _tiny_mixtral(transformers: Any, *, positions: int, seed: int) -> Any:
+    """A 2-layer Mixtral-style causal LM, fp32, random weights, on the GPU, in eval mode."""
+    config = transformers.MixtralConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=positions,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.MixtralForCausalLM(config).cuda().eval()
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -126,13 +138,7 @@ def test_threads_modes_and_verify_across_segments() -> None:
 @torch.no_grad()
 def test_transformers_moe_with_eager_experts_equals_eager() -> None:
     transformers = pytest.importorskip("transformers")
-    config = transformers.MixtralConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(4)
-    model = transformers.MixtralForCausalLM(config).cuda().eval()
+    model = _tiny_mixtral(transformers, positions=64, seed=4)
     ids = torch.randint(0, 512, (4, 16), device="cuda")
     with pytest.raises(cg.CaptureError, match="eager="):
         cg.graph(lambda i: model(input_ids=i, use_cache=False).logits, ids)
@@ -185,13 +191,7 @@ def test_decoder_with_eager_moe_blocks_equals_generate() -> None:
 
     from cudagraphs.integrations.transformers import Decoder
 
-    config = transformers.MixtralConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2, max_position_embeddings=128,
-    )  # fmt: skip
-    torch.manual_seed(7)
-    model = transformers.MixtralForCausalLM(config).cuda().eval()
+    model = _tiny_mixtral(transformers, positions=128, seed=7)
     moe = next(type(m) for m in model.modules() if "SparseMoe" in type(m).__name__)
     decoder = Decoder(model, max_batch=4, max_length=64, eager=[moe])
     for batch in (1, 3, 4):  # rungs 1, 4 (padded) and 4
