@@ -196,6 +196,17 @@ def guard_cost(calls: int, windows: int) -> dict[str, Any]:
         helper = AddressCheck(tensors, native=False)
         helper_us = per_call_us(helper)
         loop_us = per_call_us(lambda: [t.data_ptr() for t in tensors] == ptrs)
+        # The copy-in of a call's input, in front of every replay: Tensor.copy_ (what a
+        # hand-written replay does) against pointing the recording's copy node at the tensor.
+        static_x = checked.replayer.slots[0][1]
+        given = [torch.randn_like(example) for _ in range(2)]
+        copy_us = per_call_us(lambda: static_x.copy_(given[0]))
+        copies = checked.replayer.copies
+        node_us = None
+        if copies is not None:
+            a, b = (t.data_ptr() for t in given)
+            node_us = per_call_us(lambda: (copies.point(0, a), copies.point(0, b))) / 2
+            copies.all_off()
         # Zero silent wrong results: move parameters three ways, compare with eager each time.
         wrong = 0
         x = torch.randn(8, 32, device="cuda")
@@ -215,6 +226,8 @@ def guard_cost(calls: int, windows: int) -> dict[str, Any]:
         "backend": guard.addresses.backend,
         "helper_backend": helper.backend,
         "helper_us": helper_us,
+        "copy_us": copy_us,
+        "copy_node_us": node_us,
         "data_ptrs": len(guard.tensors),
         "latency_us": {k: v.latency_us for k, v in t.items()},
         "throughput_us": {k: v.throughput_us for k, v in t.items()},
@@ -282,6 +295,20 @@ def render(results: dict[str, Any], console: Console) -> str:
                     f"- a plain Python loop comparing the {guard['data_ptrs']} data_ptr()s alone: "
                     f"{guard['python_loop_us']:.2f} µs"
                 ]
+            ),
+            *(
+                [
+                    f"- copy-in of a call's {(8, 32)} input: "
+                    f"`Tensor.copy_` before the replay {guard['copy_us']:.2f} µs of host time; "
+                    "pointing the recording's copy node at the tensor instead "
+                    + (
+                        f"{guard['copy_node_us']:.2f} µs"
+                        if guard.get("copy_node_us") is not None
+                        else "(not recorded: cuda-bindings missing)"
+                    )
+                ]
+                if "copy_us" in guard
+                else []
             ),
             f"- replay with guard='replay' vs guard='capture': latency {lat['guard=replay']:.1f} vs "
             f"{lat['guard=capture']:.1f} µs, throughput {thr['guard=replay']:.1f} vs {thr['guard=capture']:.1f} µs",

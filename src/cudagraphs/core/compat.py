@@ -28,11 +28,13 @@ __all__ = [
     "end_allocate_to_pool",
     "foreach_copy",
     "global_state_guard",
+    "graph_exec",
     "guarded_storage",
     "guarded_tensor",
     "kill_storage",
     "module_entries",
     "module_state_inputs",
+    "new_graph",
     "op_argument_defaults",
     "op_argument_names",
     "op_name",
@@ -143,6 +145,24 @@ def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
         return
     for d, s in zip(dst, src):
         d.copy_(s)
+
+
+def new_graph(*, keep: bool = False) -> torch.cuda.CUDAGraph:
+    """A CUDA graph; ``keep``: its template stays after instantiation (copy_nodes.py edits
+    nodes of the instantiated graph, found through the template)."""
+    return torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
+
+
+def graph_exec(graph: torch.cuda.CUDAGraph) -> int:
+    """The instantiated graph's handle, instantiating a kept graph not yet replayed."""
+    try:
+        handle = graph.raw_cuda_graph_exec()
+    except RuntimeError:
+        handle = 0
+    if not handle:
+        graph.instantiate()
+        handle = graph.raw_cuda_graph_exec()
+    return handle
 
 
 # --- capture (recorder.py, capturing.py) ------------------------------------------------------

@@ -76,8 +76,7 @@ class Graphed(Entry[R]):
       replay repeats those writes; warm-up's were put back)
     """
 
-    # A training step runs its own backward inside the recording and returns its loss with
-    # grad history; a replay records none, so the detach is expected there (TrainStep sets it).
+    # True for a training step (TrainStep): its recording runs its own backward.
     records_gradients = False
 
     def __init__(self, fn: Callable[..., R], options: Options):
@@ -107,8 +106,8 @@ class Graphed(Entry[R]):
 
     @property
     def graph(self) -> Any:
-        """The captured ``torch.cuda.CUDAGraph``, or :class:`~cudagraphs.core.segments.Segments`
-        when eager steps split it (``None`` before capture or when eager)."""
+        """The captured ``torch.cuda.CUDAGraph`` or :class:`~cudagraphs.core.segments.Segments`
+        (``None`` before capture or when eager); ``replay()`` replays on what ``inputs`` hold."""
         return self.replayer.graph if self.replayer is not None else None
 
     def enter_replay(self, leaves: Sequence[Any]) -> None:
@@ -320,6 +319,7 @@ class Graphed(Entry[R]):
         run = runs.warm_up_and_capture(
             self.fn, signature, static, options, warmup=warmup, stream=stream,
             settled=not warmup and self.eager_warmups_left < options.warmup,
+            copy_inputs=not self._adopt_inputs,
         )  # fmt: skip
         recording, written, mutated = run.recording, run.written, run.mutated
         # Eager's outputs carry a gradient path; a replay's never would.
@@ -338,7 +338,7 @@ class Graphed(Entry[R]):
         output = detach_outputs(recording.output)
         self.replayer = Replayer(
             recording.graph, signature, static, mutated, output, options.outputs, self._counters,
-            modes=modes, timeout_s=options.replay_timeout_s, name=name,
+            modes=modes, timeout_s=options.replay_timeout_s, name=name, copies=recording.copies,
             grad_sources=None if self.records_gradients else self.gradient_sources(),
         )  # fmt: skip
         self.mutated_inputs = tuple(mutated)
@@ -368,17 +368,19 @@ class Graphed(Entry[R]):
         return snapshot(
             self.state.value, self._counters, self._costs, n_inputs=n_inputs,
             guarded=(guard.count, guard.addresses.backend) if guard is not None else (0, ""),
-            state_writes=len(self.state_writes), recording=self.graph,
+            state_writes=len(self.state_writes), recording=self.replayer and self.replayer.recording,
         )  # fmt: skip
 
     @property
     def segments(self) -> list[dict[str, Any]]:
         """The recording's pieces in order: graphs and the eager steps between them."""
-        return describe(self.graph)
+        return describe(self.replayer and self.replayer.recording)
 
     def report(self, console: Any = None) -> None:
         """Print the segments: each eager step's line, why it runs eagerly, its calls and time."""
-        print_segments(self.graph, callable_name(self.fn), self.stats, console)
+        print_segments(
+            self.replayer and self.replayer.recording, callable_name(self.fn), self.stats, console
+        )
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         """``@cg.graph`` on a method: one graph per instance, bound to it."""
@@ -393,7 +395,5 @@ class Graphed(Entry[R]):
         return bound
 
     def __repr__(self) -> str:
-        return (
-            f"<cudagraphs.Graphed {callable_name(self.fn)} state={self.state.value} "
-            f"outputs={self.options.outputs}>"
-        )
+        name, options = callable_name(self.fn), self.options
+        return f"<cudagraphs.Graphed {name} state={self.state.value} outputs={options.outputs}>"

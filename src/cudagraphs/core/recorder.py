@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import logging
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -25,8 +26,11 @@ import torch
 from ..errors import CaptureError, ConfigError, CudaGraphsError, explain
 from . import compat
 from .capturing import capturing
+from .copy_nodes import CopyNodes, CopyNodesUnavailable, sources_for
+from .copy_nodes import record as record_copies
 from .failures import block_hint, classify_failure
 from .frames import callable_name, failing_module, user_location
+from .segments import Segments
 from .splitter import KeptWrites, NeedsSplitting, Splitter, module_gaps
 from .state import DeferredWriteRecorder
 
@@ -40,6 +44,8 @@ __all__ = [
     "uncached_autocast",
     "warm_up",
 ]
+
+log = logging.getLogger("cudagraphs")
 
 _streams: dict[int, torch.cuda.Stream] = {}
 
@@ -153,6 +159,7 @@ class Recording:
     output: Any
     capture_s: float
     pool_bytes: int
+    copies: CopyNodes | None = None  # the inputs' copy-in nodes (copy_nodes.py), if recorded
 
 
 def capture(
@@ -167,6 +174,7 @@ def capture(
     eager_modules: Sequence[torch.nn.Module] = (),
     exclude: Sequence[torch.Tensor] = (),
     restore: bool = True,
+    copy_inputs: Sequence[torch.Tensor] = (),
 ) -> Recording:
     """Record one call of ``fn`` into a new CUDA graph, or raise :class:`CaptureError`.
 
@@ -174,15 +182,26 @@ def capture(
     the recording into :class:`~.segments.Segments` (``segments="refuse"``: an error instead).
     Such a capture runs the function for real, so what it writes outside ``exclude`` (the
     inputs) is put back afterwards (unless ``restore`` is False: ``side_effects="keep"``).
+    ``copy_inputs``: the static input buffers, whose copy-in the recording then holds as its
+    first nodes (``copy_nodes``); captured again without them if they cannot be kept.
     """
     attempt = functools.partial(
         _capture, fn, args, kwargs, stream=stream, pool=pool,
         capture_error_mode=capture_error_mode, segments=segments, eager_modules=eager_modules,
     )  # fmt: skip
+
+    def split_where_needed(copies: Sequence[torch.Tensor]) -> Recording:
+        try:
+            return attempt(writes=None, copy_inputs=copies)
+        except NeedsSplitting:
+            writes = DeferredWriteRecorder(exclude=exclude) if restore else KeptWrites()
+            return attempt(writes=writes, copy_inputs=copies)
+
     try:
-        return attempt(writes=None)
-    except NeedsSplitting:
-        return attempt(writes=DeferredWriteRecorder(exclude=exclude) if restore else KeptWrites())
+        return split_where_needed(copy_inputs)
+    except CopyNodesUnavailable as why:
+        log.info("cudagraphs: inputs copied with copy_ before each replay (%s)", why)
+        return split_where_needed(())
 
 
 def _capture(
@@ -196,6 +215,7 @@ def _capture(
     segments: str,
     eager_modules: Sequence[torch.nn.Module],
     writes: DeferredWriteRecorder | KeptWrites | None,
+    copy_inputs: Sequence[torch.Tensor],
 ) -> Recording:
     device = stream.device
     torch.cuda.synchronize(device)
@@ -207,7 +227,8 @@ def _capture(
     # which lives as long as the graph. (PyTorch's cudagraph trees do the same.)
     compat.clear_cublas_workspaces()
     reserved_before = torch.cuda.memory_reserved(device)
-    graph = torch.cuda.CUDAGraph()
+    pending = sources_for(copy_inputs, range(len(copy_inputs)))  # outside the pool
+    graph = compat.new_graph(keep=pending is not None)
     start = time.perf_counter()
     failure: BaseException | None = None
     end_failure: BaseException | None = None
@@ -224,6 +245,8 @@ def _capture(
             # nodes recorded inside can route their bodies' allocations to it.
             pool = torch.cuda.graph_pool_handle() if pool is None else pool
             graph.capture_begin(pool, capture_error_mode=capture_error_mode)
+            if pending is not None:
+                record_copies(pending, stream)
             with capturing(pool, device.index) as active:
                 splitter = active.splitter = Splitter(
                     graph, pool, device, capture_error_mode,
@@ -261,11 +284,17 @@ def _capture(
         # Drop the workspace map's reference to the block in our pool, so eager matmuls on this
         # stream do not share memory with the graph.
         compat.clear_cublas_workspaces()
+        copies = None
+        if pending is not None:
+            copies = CopyNodes(
+                recorded.graphs[0] if isinstance(recorded, Segments) else recorded, pending
+            )
         return Recording(
             graph=recorded,
             output=output,
             capture_s=time.perf_counter() - start,
             pool_bytes=torch.cuda.memory_reserved(device) - reserved_before,
+            copies=copies,
         )
 
     _recover(graph, device, stream)

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import CudaGraphsError, CudaGraphsWarning, ReplayTimeoutError, explain
 from . import compat
+from .copy_nodes import CopyNodes, InputCopying, same_bytes
 from .frames import user_stacklevel
 from .modes import Modes, newly_requiring_grad, refuse_gradients
 from .outputs import make_emitter
@@ -79,12 +80,18 @@ class Replayer:
         grad_sources: Sequence[torch.Tensor] | None = (),
         timeout_s: float | None = None,
         name: str = "the graph",
+        copies: CopyNodes | None = None,
     ):
         """``modes``: taken when the capture began (default: now). ``grad_sources``: the
         tensors besides the inputs whose ``requires_grad`` would give eager's outputs a
         gradient path (parameters, closure tensors); ``None`` for a recording that runs its own
-        backward (a training step), which checks no gradients."""
-        self.graph = graph
+        backward (a training step), which checks no gradients. ``copies``: the recording's
+        copy-in nodes, set before each replay (``copy_nodes``)."""
+        self.recording = graph  # the graph or segments themselves: only this class launches it
+        self.copies = copies
+        # What everyone else replays: on the static buffers as they are (copy nodes off).
+        self.graph = InputCopying(graph, copies) if copies is not None else graph
+        self._launch = graph.replay
         self.name = name
         # With a timeout, each replay waits for the GPU (at most timeout_s) before returning.
         self.wait: Callable[[], None] | None = (
@@ -114,9 +121,10 @@ class Replayer:
                 "the caller's tensors",
                 ", ".join(signature.paths[i] for i in mutated),
             )
+        node = dict(zip(copies.slots, range(len(copies.slots)))) if copies is not None else {}
         self.slots = tuple(
-            (i, x, x.data_ptr(), x.shape, x.dtype, x.get_device(), x.stride())
-            for i, x in ((i, static[i]) for i in signature.tensor_index)
+            (i, x, x.data_ptr(), x.shape, x.dtype, x.get_device(), x.stride(), node.get(k, -1))
+            for k, (i, x) in enumerate((i, static[i]) for i in signature.tensor_index)
         )
         # Plain values frozen at capture. The rule (tree.same_value): the same object, or the
         # same type and equal; ``1`` is not a captured ``True``.
@@ -145,14 +153,18 @@ class Replayer:
             self.enter(leaves)  # anything to check or refuse there: the slow path explains
         dst: list[torch.Tensor] | None = None
         src: list[torch.Tensor] = []
+        pointed: list[tuple[int, int]] = []  # (copy node, source address)
         try:
-            for i, buf, ptr, shape, dtype, dev, stride in self.slots:
+            for i, buf, ptr, shape, dtype, dev, stride, node in self.slots:
                 x = leaves[i]
                 if x is buf:
                     continue  # the static buffer itself: no copy
                 if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
                     raise _Mismatch
                 if x.data_ptr() == ptr and x.stride() == stride:  # a stale output raises
+                    continue
+                if node >= 0 and same_bytes(buf, x):
+                    pointed.append((node, x.data_ptr()))  # the graph copies it in
                     continue
                 if dst is None:
                     dst = []
@@ -165,16 +177,18 @@ class Replayer:
         except Exception:
             self.explain_mismatch(args, kwargs)
             raise
-        copied = 0
+        copied = len(pointed)
+        if self.copies is not None:
+            self.copies.apply(pointed)  # every other copy node off
         if dst is not None:
             # One multi-tensor kernel for several inputs: fewer launches in front of the replay.
             if len(dst) > 1:
                 compat.foreach_copy(dst, src)
             else:
                 dst[0].copy_(src[0])
-            copied = len(dst)
+            copied += len(dst)
         try:
-            self.graph.replay()
+            self._launch()
         finally:  # after the launch, so that this host work overlaps the GPU's (see _replay)
             if self.invalidate is not None:
                 self.invalidate()

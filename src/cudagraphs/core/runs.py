@@ -49,11 +49,14 @@ def warm_up_and_capture(
     warmup: int,
     stream: Any,
     settled: bool,
+    copy_inputs: bool = True,
 ) -> Run:
     """``warmup`` eager runs of ``fn`` on the static input leaves ``static``, then the capture.
 
     ``settled``: the function already ran for real before (the lazy form's eager calls), so
     the state before the capture counts as a settled run for the Python-state check.
+    ``copy_inputs``: the recording copies the inputs in itself (``copy_nodes``); off where a
+    caller fills the static inputs itself before each replay (buckets).
     """
     name = callable_name(fn)
     args, kwargs = optree.tree_unflatten(signature.spec, static)
@@ -89,6 +92,7 @@ def warm_up_and_capture(
                 eager_modules=eager_modules(fn, options),
                 exclude=inputs,
                 restore=options.side_effects != "keep",
+                copy_inputs=inputs if copy_inputs else (),
             )
         plain.take()
         segments.announce(recording.graph, name)
