@@ -100,3 +100,50 @@ def test_a_figure_without_its_report_is_caught() -> None:
     assert held is not None
     assert _untraced(f"## Speed\n\nA call takes {held.group()}.\n", root)  # no report named
     assert not _untraced(f"## Speed\n\nA call takes {held.group()} (`reports/gpu.md`).\n", root)
+
+
+_RATIO = re.compile(r"(?<![\w.])(\d+\.\d+)(?:\s?[-\u2013/]\s?(\d+\.\d+))?\s?[x\u00d7](?!\w)")
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?")
+
+
+def _is_ratio_of(ratio: str, numbers: list[float]) -> bool:
+    """``ratio`` (as written, with its decimals) is ``a / b`` for two of ``numbers``."""
+    digits = len(ratio.split(".")[1])
+    value = float(ratio)
+    return any(b and round(a / b, digits) == value for a in numbers for b in numbers if a != b)
+
+
+def _untraced_ratios(text: str, root: Path) -> list[str]:
+    """Ratios (``1.04x``) that neither appear in a report their section names nor are the
+    quotient of two other numbers of their paragraph or table (which the figure test traces)."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    found = []
+    for section in re.split(r"\n(?=#{1,4} )", text):
+        sources = [root / s for s in set(_SOURCE.findall(section))]
+        reported = "".join(p.read_text() for p in sources if p.exists())
+        title = section.strip().splitlines()[0][:60]
+        for block in re.split(r"\n\s*\n", section):
+            numbers = [float(n) for n in _NUMBER.findall(_RATIO.sub(" ", block))]
+            for match in _RATIO.finditer(block):
+                for ratio in filter(None, match.groups()):
+                    if re.search(rf"(?<![\d.]){re.escape(ratio)}\s?[x\u00d7]", reported):
+                        continue
+                    if not _is_ratio_of(ratio, numbers):
+                        found.append(f"{title}: {ratio}x")
+    return found
+
+
+def test_every_ratio_in_the_readme_and_docs_traces_to_its_figures() -> None:
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    untraced = [f"{p.name}: {r}" for p in pages for r in _untraced_ratios(p.read_text(), root)]
+    assert untraced == []
+
+
+def test_a_ratio_without_its_figures_is_caught() -> None:
+    root = Path(__file__).resolve().parents[1]
+    assert _untraced_ratios("## Speed\n\nIt is 7.77x eager.\n", root)
+    assert not _untraced_ratios("## Speed\n\n150.0 against 100.0 µs: 1.50x.\n", root)
+    table = "## Speed\n\n| a | b | a / b |\n|---|---|---|\n| 3.0 | 2.0 | 1.5x |\n"
+    assert not _untraced_ratios(table, root)
+    assert _untraced_ratios(table.replace("1.5x", "1.6x"), root)
