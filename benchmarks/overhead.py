@@ -21,6 +21,7 @@ from rich.console import Console
 
 import cudagraphs as cg
 from cudagraphs.core.addresses import AddressCheck
+from cudagraphs.core.copy_nodes import native_edits
 from cudagraphs.tools.timing import Timing, measure_side_by_side
 from cudagraphs.tools.workloads import MODELS, hand_written_graph
 
@@ -202,11 +203,12 @@ def guard_cost(calls: int, windows: int) -> dict[str, Any]:
         given = [torch.randn_like(example) for _ in range(2)]
         copy_us = per_call_us(lambda: static_x.copy_(given[0]))
         copies = checked.replayer.copies
-        node_us = None
+        node_us, edit_path = None, ""
         if copies is not None:
             a, b = (t.data_ptr() for t in given)
             node_us = per_call_us(lambda: (copies.point(0, a), copies.point(0, b))) / 2
             copies.all_off()
+            edit_path = "one C call" if native_edits() else "cuda-bindings"
         # Zero silent wrong results: move parameters three ways, compare with eager each time.
         wrong = 0
         x = torch.randn(8, 32, device="cuda")
@@ -228,6 +230,7 @@ def guard_cost(calls: int, windows: int) -> dict[str, Any]:
         "helper_us": helper_us,
         "copy_us": copy_us,
         "copy_node_us": node_us,
+        "copy_node_edit": edit_path,
         "data_ptrs": len(guard.tensors),
         "latency_us": {k: v.latency_us for k, v in t.items()},
         "throughput_us": {k: v.throughput_us for k, v in t.items()},
@@ -302,7 +305,7 @@ def render(results: dict[str, Any], console: Console) -> str:
                     f"`Tensor.copy_` before the replay {guard['copy_us']:.2f} µs of host time; "
                     "pointing the recording's copy node at the tensor instead "
                     + (
-                        f"{guard['copy_node_us']:.2f} µs"
+                        f"{guard['copy_node_us']:.2f} µs ({guard.get('copy_node_edit', '')})"
                         if guard.get("copy_node_us") is not None
                         else "(not recorded: cuda-bindings missing)"
                     )

@@ -1,8 +1,11 @@
-// The address check the guard runs before every replay (see addresses.py): one C call over a
-// tuple of tensors against a packed array of addresses (in `unchanged`, also the modules'
-// train/eval modes and the identity of their parameter, buffer and child entries). Built at install time (setup.py, an optional extension: without a compiler the pure fallbacks are used). It includes Python.h
-// only: each address is read through the function pointer PyTorch exports for Inductor's C++
-// wrapper, bound once at import.
+// The host-side work in front of every replay that is worth a C call: the address check the
+// guard runs (see addresses.py), one C call over a tuple of tensors against a packed array of
+// addresses (in `unchanged`, also the modules' train/eval modes and the identity of their
+// parameter, buffer and child entries); and the edits of the inputs' copy nodes. Built at
+// install time (setup.py, an optional extension: without a compiler the pure fallbacks are
+// used). It includes Python.h only: each address is read through the function pointer PyTorch
+// exports for Inductor's C++ wrapper, bound once at import, and the runtime's functions are
+// reached through pointers handed in from Python.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <cstdint>
@@ -120,11 +123,62 @@ static PyObject* unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 
+// Edits of an instantiated graph's copy node (see copy_nodes.py), through function pointers to
+// the CUDA runtime that PyTorch loaded, handed in from Python; both return the cudaError_t.
+// The signatures are the runtime's stable ABI:
+//   cudaGraphExecMemcpyNodeSetParams1D(exec, node, dst, src, count, kind)
+//   cudaGraphNodeSetEnabled(exec, node, enabled)
+typedef int (*set_params_fn)(void*, void*, void*, const void*, size_t, int);
+typedef int (*set_enabled_fn)(void*, void*, unsigned int);
+static const int DEVICE_TO_DEVICE = 3;  // cudaMemcpyDeviceToDevice
+
+static bool as_words(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want,
+                     unsigned long long* out, const char* usage) {
+  if (nargs != want) {
+    PyErr_SetString(PyExc_TypeError, usage);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < want; ++i) {
+    out[i] = PyLong_AsUnsignedLongLong(args[i]);
+    if (out[i] == (unsigned long long)-1 && PyErr_Occurred()) return false;
+  }
+  if (out[0] == 0) {
+    PyErr_SetString(PyExc_ValueError, "no runtime function");
+    return false;
+  }
+  return true;
+}
+
+static void* word(unsigned long long w) { return reinterpret_cast<void*>(static_cast<uintptr_t>(w)); }
+
+// set_copy_source(fn, exec, node, dst, src, nbytes) -> int
+static PyObject* set_copy_source(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  unsigned long long v[6];
+  if (!as_words(args, nargs, 6, v, "set_copy_source(fn, exec, node, dst, src, nbytes)")) return nullptr;
+  set_params_fn fn = reinterpret_cast<set_params_fn>(static_cast<uintptr_t>(v[0]));
+  int result = fn(word(v[1]), word(v[2]), word(v[3]), word(v[4]), static_cast<size_t>(v[5]),
+                  DEVICE_TO_DEVICE);
+  return PyLong_FromLong(result);
+}
+
+// set_node_enabled(fn, exec, node, enabled) -> int
+static PyObject* set_node_enabled(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  unsigned long long v[4];
+  if (!as_words(args, nargs, 4, v, "set_node_enabled(fn, exec, node, enabled)")) return nullptr;
+  set_enabled_fn fn = reinterpret_cast<set_enabled_fn>(static_cast<uintptr_t>(v[0]));
+  int result = fn(word(v[1]), word(v[2]), static_cast<unsigned int>(v[3]));
+  return PyLong_FromLong(result);
+}
+
 static PyMethodDef methods[] = {
   {"bind", bind, METH_O, "Set the address reader."},
   {"same", (PyCFunction)(void (*)(void))same, METH_FASTCALL, "All tensors at the addresses?"},
   {"unchanged", (PyCFunction)(void (*)(void))unchanged, METH_FASTCALL,
    "Modes, module entries and addresses all as recorded?"},
+  {"set_copy_source", (PyCFunction)(void (*)(void))set_copy_source, METH_FASTCALL,
+   "Point an instantiated graph's copy node at a source; return the cudaError_t."},
+  {"set_node_enabled", (PyCFunction)(void (*)(void))set_node_enabled, METH_FASTCALL,
+   "Switch an instantiated graph's node on or off; return the cudaError_t."},
   {nullptr, nullptr, 0, nullptr},
 };
 

@@ -27,6 +27,8 @@ then made again without them), the copy-in stays ``copy_`` before the replay.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -36,12 +38,14 @@ import torch
 
 from ..errors import CudaGraphsError, explain
 from . import compat
+from .addresses import compiled_module
 
 __all__ = [
     "CopyNodes",
     "CopyNodesUnavailable",
     "InputCopying",
     "Pending",
+    "native_edits",
     "record",
     "same_bytes",
     "sources_for",
@@ -67,6 +71,79 @@ def _cuda_runtime() -> Any:
         except ImportError as error:
             log.info("cudagraphs: inputs are copied with copy_ before each replay (%s)", error)
     return _runtime
+
+
+class _Edits:
+    """The two edits of an instantiated graph the call path makes, each returning whether it
+    succeeded: through the compiled module and the runtime PyTorch loaded where both are found
+    (a C call), else through cuda-bindings (a few µs of argument conversion per call)."""
+
+    def __init__(self, runtime: Any):
+        self.runtime = runtime
+        self.native = _native_edits()
+
+    def set_source(self, exe: int, node: Any, dst: int, src: int, nbytes: int) -> bool:
+        if self.native is not None:
+            module, set_params, _ = self.native
+            if module.set_copy_source(set_params, exe, int(node), dst, src, nbytes) == 0:
+                return True
+            self._give_up_native()  # then the same edit through cuda-bindings decides
+        rt = self.runtime
+        kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        (err,) = rt.cudaGraphExecMemcpyNodeSetParams1D(exe, node, dst, src, nbytes, kind)
+        return err == rt.cudaError_t.cudaSuccess
+
+    def set_enabled(self, exe: int, node: Any, on: bool) -> bool:
+        if self.native is not None:
+            module, _, set_enabled = self.native
+            if module.set_node_enabled(set_enabled, exe, int(node), int(on)) == 0:
+                return True
+            self._give_up_native()
+        (err,) = self.runtime.cudaGraphNodeSetEnabled(exe, node, int(on))
+        return err == self.runtime.cudaError_t.cudaSuccess
+
+    def _give_up_native(self) -> None:
+        log.warning("cudagraphs: a native copy-node edit failed; editing through cuda-bindings")
+        self.native = None
+
+
+@functools.cache
+def _native_edits() -> tuple[Any, int, int] | None:
+    """The compiled module and the addresses of the runtime's two graph-edit functions in the
+    CUDA runtime library this process loaded (PyTorch's), or ``None``."""
+    module = compiled_module()
+    if module is None or not hasattr(module, "set_copy_source"):
+        return None
+    path = next((p for p in _loaded_libraries() if "libcudart.so" in p), None)
+    if path is None:
+        return None
+    try:
+        library = ctypes.CDLL(path)  # already loaded: the same library, not a second copy
+        pointers = [
+            ctypes.cast(getattr(library, name), ctypes.c_void_p).value
+            for name in ("cudaGraphExecMemcpyNodeSetParams1D", "cudaGraphNodeSetEnabled")
+        ]
+    except (OSError, AttributeError) as error:
+        log.info("cudagraphs: copy nodes edited through cuda-bindings (%s)", error)
+        return None
+    if not all(pointers):
+        return None
+    return module, pointers[0], pointers[1]  # type: ignore[return-value]
+
+
+def _loaded_libraries() -> list[str]:
+    """Paths of the shared libraries mapped into this process (Linux), else none."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = [line.split()[-1] for line in maps if "/" in line and ".so" in line]
+    except OSError:
+        return []
+    return list(dict.fromkeys(paths))
+
+
+def native_edits() -> bool:
+    """Whether copy nodes are edited with one C call per edit here (for reports and tests)."""
+    return _native_edits() is not None
 
 
 class CopyNodesUnavailable(Exception):
@@ -115,12 +192,11 @@ class CopyNodes:
 
     def __init__(self, graph: torch.cuda.CUDAGraph, pending: Pending):
         runtime = _cuda_runtime()
-        self._rt = runtime
+        self._edits = _Edits(runtime)
         self.slots = pending.slots
         self.buffers = pending.buffers
         self._dst = [b.data_ptr() for b in self.buffers]
         self._nbytes = [b.nbytes for b in self.buffers]
-        self._kind = runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         pairs = zip(self.buffers, pending.sources)
         wanted = {(b.data_ptr(), s.data_ptr()): k for k, (b, s) in enumerate(pairs)}
         self.nodes: list[Any] = [None] * len(self.buffers)
@@ -168,21 +244,18 @@ class CopyNodes:
         state = self.state[k]
         if state == address:
             return
-        rt = self._rt
-        (err,) = rt.cudaGraphExecMemcpyNodeSetParams1D(
-            self._exec, self.nodes[k], self._dst[k], address, self._nbytes[k], self._kind
-        )
-        _ok(rt, err, "pointing a copy-in at the call's tensor")
-        if state == 0:
-            (err,) = rt.cudaGraphNodeSetEnabled(self._exec, self.nodes[k], 1)
-            _ok(rt, err, "switching a copy-in on")
+        edits, node = self._edits, self.nodes[k]
+        if not edits.set_source(self._exec, node, self._dst[k], address, self._nbytes[k]):
+            _failed("pointing a copy-in at the call's tensor")
+        if state == 0 and not edits.set_enabled(self._exec, node, True):
+            _failed("switching a copy-in on")
         self.state[k] = address
 
     def off(self, k: int) -> None:
         if self.state[k] == 0:
             return
-        (err,) = self._rt.cudaGraphNodeSetEnabled(self._exec, self.nodes[k], 0)
-        _ok(self._rt, err, "switching a copy-in off")
+        if not self._edits.set_enabled(self._exec, self.nodes[k], False):
+            _failed("switching a copy-in off")
         self.state[k] = 0
 
     def all_off(self) -> None:
@@ -203,15 +276,19 @@ def same_bytes(buf: torch.Tensor, x: torch.Tensor) -> bool:
 
 def _ok(runtime: Any, err: Any, what: str) -> None:
     if err != runtime.cudaError_t.cudaSuccess:
-        raise CudaGraphsError(
-            explain(
-                f"{what} failed ({err})",
-                "the CUDA runtime refused to edit the instantiated graph; the context may "
-                "have failed earlier (an illegal memory access is reported at a later call)",
-                "run with CUDA_LAUNCH_BLOCKING=1 to find the first failing kernel; set "
-                "CUDAGRAPHS_NO_COPY_NODES=1 to copy inputs with copy_ instead",
-            )
+        _failed(f"{what} ({err})")
+
+
+def _failed(what: str) -> None:
+    raise CudaGraphsError(
+        explain(
+            f"{what} failed",
+            "the CUDA runtime refused to edit the instantiated graph; the context may "
+            "have failed earlier (an illegal memory access is reported at a later call)",
+            "run with CUDA_LAUNCH_BLOCKING=1 to find the first failing kernel; set "
+            "CUDAGRAPHS_NO_COPY_NODES=1 to copy inputs with copy_ instead",
         )
+    )
 
 
 class InputCopying:
