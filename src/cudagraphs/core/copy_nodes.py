@@ -263,15 +263,16 @@ class CopyNodes:
             self.off(k)
 
 
-def same_bytes(buf: torch.Tensor, x: torch.Tensor) -> bool:
-    """Whether copying ``x``'s bytes into ``buf`` is ``buf.copy_(x)`` (shape, dtype and device
-    already checked equal): a plain contiguous tensor with plain values, not overlapping."""
+def same_bytes(buf: torch.Tensor, x: torch.Tensor, address: int) -> bool:
+    """Whether copying the bytes of ``x`` (at ``address``) into ``buf`` is ``buf.copy_(x)``
+    (shape, dtype and device already checked equal): a plain contiguous tensor with plain
+    values, not overlapping the buffer, and no autograd history for ``copy_`` to record."""
     if type(x) is not _Plain or not x.is_contiguous() or x.is_conj() or x.is_neg():
         return False
     if x.requires_grad:
-        return False  # copy_ would record autograd history into the buffer: keep its answer
-    a, b, n = buf.data_ptr(), x.data_ptr(), buf.nbytes
-    return a + n <= b or b + n <= a
+        return False
+    start, n = buf.data_ptr(), buf.nbytes
+    return start + n <= address or address + n <= start
 
 
 def _ok(runtime: Any, err: Any, what: str) -> None:

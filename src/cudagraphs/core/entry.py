@@ -18,6 +18,7 @@ from .replayer import OutputsInUse, Replayer
 __all__ = ["Entry"]
 
 R = TypeVar("R")
+_NO_KWARGS: dict[str, Any] = {}  # read only: what a positional call's explanation is given
 
 
 class Entry(Generic[R]):
@@ -43,7 +44,7 @@ class Entry(Generic[R]):
                     and len(args) == replayer.n_args
                     and not kwargs
                 ):
-                    return replayer.call(args, args, {})  # positional leaves: no flattening
+                    return replayer.call(args, args, _NO_KWARGS)  # positional: no flattening
                 return self._call_general(args, kwargs)
             except OutputsInUse:
                 return self.answer_eagerly(args, kwargs)

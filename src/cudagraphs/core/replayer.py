@@ -161,10 +161,11 @@ class Replayer:
                     continue  # the static buffer itself: no copy
                 if x.shape != shape or x.dtype is not dtype or x.get_device() != dev:
                     raise _Mismatch
-                if x.data_ptr() == ptr and x.stride() == stride:  # a stale output raises
+                address = x.data_ptr()  # a stale output raises here
+                if address == ptr and x.stride() == stride:
                     continue
-                if node >= 0 and same_bytes(buf, x):
-                    pointed.append((node, x.data_ptr()))  # the graph copies it in
+                if node >= 0 and same_bytes(buf, x, address):
+                    pointed.append((node, address))  # the graph copies it in
                     continue
                 if dst is None:
                     dst = []
