@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,19 +65,26 @@ def _contains(text: str, number: str) -> bool:
     return re.search(rf"(?<![\d.]){re.escape(number)}(?![\d])", text) is not None
 
 
-def _untraced(text: str, root: Path) -> list[str]:
-    """Absolute figures (µs, ms, MiB, GiB, tokens/s) of each section that do not appear in a
-    report the section names; ratios are computed from these and are not listed."""
+def _sections(text: str, root: Path) -> list[tuple[str, str, str]]:
+    """Each section of a page outside code blocks: (title, its text, the text of the reports
+    it names)."""
     text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
     found = []
     for section in re.split(r"\n(?=#{1,4} )", text):
-        figures = _FIGURE.findall(section)
-        if not figures:
-            continue
         sources = [root / s for s in set(_SOURCE.findall(section))]
         reported = "".join(p.read_text() for p in sources if p.exists())
-        title = section.strip().splitlines()[0][:60]
-        for value, unit in figures:
+        found.append(
+            (section.strip().splitlines()[0][:60] if section.strip() else "", section, reported)
+        )
+    return found
+
+
+def _untraced(text: str, root: Path) -> list[str]:
+    """Absolute figures (µs, ms, MiB, GiB, tokens/s) of each section that do not appear in a
+    report the section names; ratios are checked by :func:`_untraced_ratios`."""
+    found = []
+    for title, section, reported in _sections(text, root):
+        for value, unit in _FIGURE.findall(section):
             as_bytes = str(round(float(value) * (1 << 20 if unit == "MiB" else 1 << 30)))
             if not _contains(reported, value) and not (
                 unit in ("MiB", "GiB") and _contains(reported, as_bytes)
@@ -85,11 +93,14 @@ def _untraced(text: str, root: Path) -> list[str]:
     return found
 
 
-def test_every_absolute_figure_in_the_readme_and_docs_traces_to_a_report() -> None:
+def _pages_untraced(check: Callable[[str, Path], list[str]]) -> list[str]:
     root = Path(__file__).resolve().parents[1]
     pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
-    untraced = [f"{p.name}: {item}" for p in pages for item in _untraced(p.read_text(), root)]
-    assert untraced == []
+    return [f"{p.name}: {item}" for p in pages for item in check(p.read_text(), root)]
+
+
+def test_every_absolute_figure_in_the_readme_and_docs_traces_to_a_report() -> None:
+    assert _pages_untraced(_untraced) == []
 
 
 def test_a_figure_without_its_report_is_caught() -> None:
@@ -116,12 +127,8 @@ def _is_ratio_of(ratio: str, numbers: list[float]) -> bool:
 def _untraced_ratios(text: str, root: Path) -> list[str]:
     """Ratios (``1.04x``) that neither appear in a report their section names nor are the
     quotient of two other numbers of their paragraph or table (which the figure test traces)."""
-    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
     found = []
-    for section in re.split(r"\n(?=#{1,4} )", text):
-        sources = [root / s for s in set(_SOURCE.findall(section))]
-        reported = "".join(p.read_text() for p in sources if p.exists())
-        title = section.strip().splitlines()[0][:60]
+    for title, section, reported in _sections(text, root):
         for block in re.split(r"\n\s*\n", section):
             numbers = [float(n) for n in _NUMBER.findall(_RATIO.sub(" ", block))]
             for match in _RATIO.finditer(block):
@@ -134,10 +141,7 @@ def _untraced_ratios(text: str, root: Path) -> list[str]:
 
 
 def test_every_ratio_in_the_readme_and_docs_traces_to_its_figures() -> None:
-    root = Path(__file__).resolve().parents[1]
-    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
-    untraced = [f"{p.name}: {r}" for p in pages for r in _untraced_ratios(p.read_text(), root)]
-    assert untraced == []
+    assert _pages_untraced(_untraced_ratios) == []
 
 
 def test_a_ratio_without_its_figures_is_caught() -> None:
