@@ -276,3 +276,38 @@ def test_graph_safe_adamw_steps_as_torch_adamw_does(settings: dict) -> None:
         watch=lambda o: o.param_groups[0]["betas"][0],
     )
     assert len(betas) > 5  # OneCycleLR really cycled betas[0]
+
+
+class _Double(nn.Sequential):
+    def __init__(self) -> None:
+        super().__init__(nn.Linear(4, 4), nn.Dropout(0.5))
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+        self.label = "double"
+
+
+def test_the_graphed_stand_in_shares_the_modules_state_and_leaves_it_alone() -> None:
+    from cudagraphs.training.graphed_module import GraphedModule
+
+    module = _Double()
+    calls: list[tuple[Any, ...]] = []
+    stand_in = GraphedModule(module, lambda *args: calls.append(args) or "replayed")  # type: ignore[arg-type]
+    assert "forward" not in vars(module)  # the user's forward is untouched
+    assert stand_in(torch.ones(1, 4)) == "replayed" and len(calls) == 1
+    assert stand_in.state_dict().keys() == module.state_dict().keys()
+    assert all(a is b for a, b in zip(stand_in.parameters(), module.parameters()))
+    assert stand_in.label == "double" and stand_in.original is module
+    stand_in.eval()
+    assert not module.training and not module[1].training and not stand_in.training
+    stand_in.train()
+    assert module.training and module[1].training
+    stand_in.to(torch.float64)  # both see the converted tensors
+    assert module[0].weight.dtype == torch.float64 and module.seen.dtype == torch.float64
+    saved = {k: torch.randn_like(v) for k, v in module.state_dict().items()}
+    stand_in.load_state_dict(saved)
+    assert torch.equal(module[0].weight, saved["0.weight"])
+    parent = nn.Sequential(nn.Identity(), module)
+    keys = parent.state_dict().keys()
+    parent[1] = stand_in
+    assert parent.state_dict().keys() == keys and "graphed" in repr(parent)
+    assert "original" not in module._modules and "graphed" not in module._modules

@@ -333,19 +333,21 @@ def test_chain_shares_one_pool_and_matches_eager_and_checks_order() -> None:
         out.sum().backward()
 
 
-def test_eval_mode_is_explicit() -> None:
+def test_eval_mode_is_explicit_and_the_module_is_left_alone() -> None:
     model = nn.Sequential(nn.Linear(128, 128), nn.Dropout(0.5)).cuda()
-    cg.graph_autograd(model, torch.randn(16, 128, device="cuda"))
-    model.eval()
+    graphed = cg.graph_autograd(model, torch.randn(16, 128, device="cuda"))
+    assert "forward" not in vars(model) and graphed.original is model
+    graphed.eval()
+    assert not model.training  # the stand-in switches the module it stands for
     x = torch.randn(16, 128, device="cuda")
     with pytest.raises(cg.ConfigError, match="eval mode with gradients enabled"):
-        model(x)
+        graphed(x)
     with torch.no_grad():
-        out = model(x)
+        out = graphed(x)
         torch.testing.assert_close(out, model[1](model[0](x)), rtol=1e-5, atol=1e-6)  # no dropout
-    assert model.graphed.eval_graph is not None
-    model.train()
-    y = model(x)
+    assert graphed.graphed.eval_graph is not None
+    graphed.train()
+    y = graphed(x)
     assert (y == 0).float().mean().item() == pytest.approx(0.5, abs=0.05)  # dropout is back
 
 

@@ -53,6 +53,7 @@ from .shapes.spec import BucketOverflowError, Buckets, BucketStats
 from .training.autograd import GraphedAutograd
 from .training.autograd_chain import graph_autograd, graph_autograd_chain
 from .training.distributed import capture_stream, ddp
+from .training.graphed_module import GraphedModule
 from .training.optimizers import make_graph_safe
 from .training.schedules import GraphSafeAdamW, GraphSafeSGD
 from .training.step import TrainStep, train_step
@@ -111,6 +112,7 @@ __all__ = [
     "GraphSafeSGD",
     "Graphed",
     "GraphedAutograd",
+    "GraphedModule",
     "InputMismatchError",
     "ModeMismatchError",
     "ModeResult",

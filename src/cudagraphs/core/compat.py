@@ -44,6 +44,7 @@ __all__ = [
     "raise_compile_limits",
     "release_pool",
     "routes_allocations_to_pools",
+    "share_module_state",
     "sleep_cycles",
     "storage_use_count",
     "tensor_address_reader",
@@ -163,6 +164,13 @@ def graph_exec(graph: torch.cuda.CUDAGraph) -> int:
         graph.instantiate()
         handle = graph.raw_cuda_graph_exec()
     return handle
+
+
+def share_module_state(view: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Make ``view`` hold the very parameter, buffer and child dicts of ``module`` (the
+    graphed stand-in of training/graphed_module.py): one state, seen through both."""
+    for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
+        object.__setattr__(view, name, getattr(module, name))
 
 
 # --- capture (recorder.py, capturing.py) ------------------------------------------------------

@@ -15,6 +15,7 @@ from ..errors import ConfigError, explain
 from ..options import Options, split_options
 from .activations import ActivationOrder
 from .autograd import GraphedAutograd
+from .graphed_module import GraphedModule
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -74,9 +75,11 @@ def graph_autograd(fn: Callable[..., Any], /, *example_args: Any, **kwargs: Any)
 
     ``fn`` is usually an ``nn.Module`` (its parameters get gradients) or a function of
     ``modules=``. Inputs and outputs are pytrees; tensor inputs that should receive gradients
-    must require grad in the example. Returns a :class:`GraphedAutograd`; for a module, the
-    module itself with ``forward`` replaced (its state dict and parameters unchanged) and the
-    :class:`GraphedAutograd` at ``module.graphed``. Module hooks are not run by replays.
+    must require grad in the example. Returns a :class:`GraphedAutograd`; for a module, a
+    :class:`~cudagraphs.training.graphed_module.GraphedModule` that shares the module's
+    parameters, buffers and children (the same state dict) and replays the graphs, with the
+    :class:`GraphedAutograd` at ``.graphed``; the module itself is left as it was. Assign the
+    result where the module was used. Module hooks are not run by replays.
 
     Right (gradient accumulation; every micro-batch does forward then backward)::
 
@@ -155,10 +158,7 @@ def _build(stages: Sequence[tuple[Any, ...]], options: Options) -> list[Any]:
     for g in built:
         module = getattr(g.fn, "__self__", None)
         if isinstance(module, nn.Module) and getattr(g.fn, "__name__", "") == "forward":
-            # Replace the module's forward so it stays in its parent, with the same state dict.
-            module.forward = g  # type: ignore[method-assign]
-            module.graphed = g  # type: ignore[assignment]
-            result.append(module)
+            result.append(GraphedModule(module, g))  # the user's module is left as it was
         else:
             result.append(g)
     return result
