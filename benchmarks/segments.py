@@ -101,8 +101,8 @@ def mlp(calls: int, windows: int) -> dict[str, Any]:
         modes["piecewise-cuda-graphs"] = peer
     g = cg.graph(model, inputs[0])
     modes["cudagraphs segments"] = g
-    # The same recording without the library's call path (no signature, address, mode or
-    # thread check, raw outputs): what those checks cost, measured beside it.
+    # The same recording replayed by hand, as a hand-written graph would be: copy_ into the
+    # input buffer, replay (no signature, address, mode or thread check; raw outputs).
     static_x, segments, static_out = g.inputs[0], g.graph, g.replayer.output
 
     def unchecked(x: torch.Tensor) -> torch.Tensor:
