@@ -4,7 +4,9 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   hf eager              model.generate (dynamic cache)
   hf static             model.generate(cache_implementation="static") (transformers compiles it)
   eager loop            a decode loop over a StaticCache, one forward per token
-  reduce-overhead loop  the same loop through torch.compile(mode="reduce-overhead")
+  reduce-overhead loop  the same loop through torch.compile(mode="reduce-overhead"), written as
+                        a user would: a static cache, an eager prefill, then per token the
+                        compiled forward on a clone of one position tensor advanced in place
   cg                    cudagraphs.integrations.transformers.Decoder (graphs of eager kernels)
   cg K=16               the same, 16 decode steps per graph launch
   cg compile            Decoder(compile=True): graphs over torch.compile'd kernels
@@ -31,6 +33,7 @@ processes, the graph memory of all batch rungs against the largest alone, and ru
 mix of every batch size 1..max with no recapture.
 
     python benchmarks/decode.py --model llama-512 --batches 1,4,16,64 [--dtype bfloat16]
+    python benchmarks/decode.py --model llama-2048 --batches 1,16 --max-length 4096
     python benchmarks/decode.py --model llama-512 --rung-memory
 """
 
@@ -133,19 +136,24 @@ class Loop:
         logits = self.model(prompt, past_key_values=self.cache, cache_position=positions).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
         tokens = [prompt, token]
-        for i in range(new - 1):
+        # As a user writes it: one position tensor on the device, a copy of it handed to each
+        # step (the compiled step's graph keeps its inputs), advanced in place.
+        position = torch.tensor([length], device=prompt.device)
+        for _ in range(new - 1):
             if self.compiled:
                 torch.compiler.cudagraph_mark_step_begin()
-            position = torch.tensor([length + i], device=prompt.device)
-            token = self.step(token, position).clone()
+            token = self.step(token, position.clone()).clone()
+            position += 1
             self.clock.tick(1)
             tokens.append(token)
         return torch.cat(tokens, dim=1)
 
 
 def make_mode(
-    name: str, model: Any, batch: int, length: int, clock: TokenClock
+    name: str, model: Any, batch: int, length: int, clock: TokenClock, configured: bool = False
 ) -> Callable[[torch.Tensor, int], Any]:
+    """One mode's request function, with a static cache of ``length`` tokens (``configured``:
+    the length was asked for with --max-length, which transformers' generate is then given)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
     from cudagraphs.integrations.transformers import Decoder
@@ -165,7 +173,16 @@ def make_mode(
     if name == "hf eager":
         return hf()
     if name == "hf static":
-        return hf(cache_implementation="static")
+        if not configured:
+            return hf(cache_implementation="static")
+        from transformers import GenerationConfig
+
+        if not hasattr(GenerationConfig(), "max_cache_len"):
+            raise SystemExit(
+                "hf static with --max-length needs a transformers whose GenerationConfig has "
+                "max_cache_len; leave the mode out, or upgrade transformers"
+            )
+        return hf(cache_implementation="static", max_cache_len=length)
     if name in ("eager loop", "reduce-overhead loop"):
         return Loop(model, batch, length, "reduce-overhead" if "reduce" in name else None, clock)
     steps = int(name.split("K=")[1]) if "K=" in name else 1
@@ -223,8 +240,22 @@ def weight_bytes(model: Any) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or tied)
 
 
+def cache_length(args: argparse.Namespace) -> int:
+    """The static cache's length: ``--max-length`` (what users configure, e.g. 4096), or just
+    what the requests need (prompt plus new tokens)."""
+    need = args.prompt + args.new
+    if args.max_length is None:
+        return need
+    if args.max_length < need:
+        raise SystemExit(
+            f"--max-length {args.max_length} is shorter than --prompt + --new ({need}): the "
+            "cache must hold every token of a request"
+        )
+    return args.max_length
+
+
 def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace) -> dict[str, Any]:
-    length = args.prompt + args.new
+    length = cache_length(args)
     torch.manual_seed(batch)
     prompt = torch.randint(0, model.config.vocab_size, (batch, args.prompt), device=DEVICE)
     calls, rows = {}, {}
@@ -235,7 +266,7 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
         before = reserved()
         start = time.perf_counter()
         clock = TokenClock()
-        call = make_mode(name, model, batch, length, clock)
+        call = make_mode(name, model, batch, length, clock, args.max_length is not None)
         built = time.perf_counter() - start  # the Decoder's captures; transformers compiles later
         tokens, _, _ = timed(lambda call=call: call(prompt, args.new))
         setup = time.perf_counter() - start  # construction plus the first call
@@ -300,6 +331,8 @@ def run_isolated(modes: list[str], batches: list[int], args: argparse.Namespace)
                    "--batches", ",".join(map(str, batches)), "--modes", name,
                    "--prompt", str(args.prompt), "--new", str(args.new), "--reps", str(args.reps),
                    "--json", str(path), "--_isolate-child"]  # fmt: skip
+            if args.max_length is not None:
+                cmd += ["--max-length", str(args.max_length)]
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
             done = json.loads(path.read_text())["batches"]
         for batch in out:
@@ -369,7 +402,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
         f"Hardware: {results['hardware']}, torch {results['torch']}, transformers "
         f"{results['transformers']}; {results['model']} ({results['parameters'] / 1e9:.2f} B "
         f"parameters, {results['dtype']}), prompt {results['prompt']}, {results['new']} new "
-        f"tokens, greedy; medians of {results['reps']} interleaved runs.",
+        f"tokens, cache length {results.get('max_length', results['prompt'] + results['new'])}, "
+        f"greedy; medians of {results['reps']} interleaved runs.",
         "",
     ]
     for batch, modes in results["batches"].items():
@@ -458,6 +492,12 @@ def main() -> None:
     )
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=128)
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="the static cache's length, as users configure it (default: --prompt + --new)",
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--append", action="store_true", help="add to the batches already in --json")
     p.add_argument(
@@ -495,8 +535,9 @@ def main() -> None:
             None if args.isolate else random_llama(args.model, DEVICE, getattr(torch, args.dtype))
         )
         modes = [m.strip() for m in args.modes.split(",")]
-        results = {**head, "parameters": parameter_count(args.model),
-                   "prompt": args.prompt, "new": args.new, "reps": args.reps, "batches": {}}  # fmt: skip
+        results = {**head, "parameters": parameter_count(args.model), "prompt": args.prompt,
+                   "new": args.new, "max_length": cache_length(args), "reps": args.reps,
+                   "batches": {}}  # fmt: skip
         path = args.json or RESULTS / f"decode-{args.model}.json"
         if args.append and path.exists():  # more batches (or modes) into an earlier run's file
             results["batches"] = json.loads(path.read_text())["batches"]

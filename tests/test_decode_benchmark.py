@@ -57,3 +57,24 @@ def test_the_rung_memory_table_gives_the_ratio_and_the_request_mix() -> None:
     assert "| all 7 rungs | 92 | 1.50 | 0 |" in text
     assert "| the largest alone | 80 | 0.50 | 0 |" in text
     assert "1.15x" in text and "64 requests, 7 graphs after it" in text
+
+
+def test_the_decode_benchmark_runs_at_a_configured_cache_length(tmp_path: Path) -> None:
+    out = tmp_path / "decode.json"
+    base = [sys.executable, "benchmarks/decode.py", "--model", "llama-tiny", "--batches", "2",
+            "--new", "5", "--reps", "1", "--no-isolate", "--dtype", "float32", "--json", str(out)]  # fmt: skip
+    modes = "eager loop,hf static,cg"
+    subprocess.run(
+        [*base, "--modes", modes, "--max-length", "96"],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    results = json.loads(out.read_text())
+    assert results["max_length"] == 96
+    rows = results["batches"]["2"]
+    assert list(rows) == modes.split(",")
+    assert all(row["tokens_equal"] for row in rows.values())
+    short = subprocess.run(
+        [*base, "--modes", "eager loop", "--max-length", "16"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert short.returncode != 0 and "shorter than --prompt + --new" in short.stderr
