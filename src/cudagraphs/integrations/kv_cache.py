@@ -11,47 +11,80 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError, explain
 
-__all__ = ["RungCaches", "cache_keyword", "full_length_layers"]
+__all__ = ["RungCaches", "cache_keyword", "full_length_layers", "length_rungs"]
 
 _ROWS = ("keys", "values")  # per-layer tensors with a batch dimension first
 
 
 class RungCaches:
-    """``caches[n]``: a ``StaticCache`` of batch ``n`` sharing the memory of the largest."""
+    """``caches[n]`` or ``caches[n, length]``: a ``StaticCache`` of batch ``n`` and ``length``
+    positions (default: all of them) sharing the memory of the largest.
 
-    def __init__(self, model: Any, rungs: list[int], max_length: int):
+    A length rung's layers hold the first ``length`` positions of its batch rung's keys and
+    values (a view) and say ``max_cache_len = length``, from which the model sizes its mask,
+    so a step attends only to that prefix. Its position counters are the batch rung's own
+    objects: a request moves to a longer rung between two steps with nothing copied.
+    """
+
+    def __init__(self, model: Any, rungs: list[int], max_length: int, lengths: Sequence[int] = ()):
         from transformers import StaticCache
 
         self.max_length = max_length
+        self.lengths = sorted({*lengths, max_length})
         largest = max(rungs)
         big = StaticCache(config=model.config, max_cache_len=max_length)
         full_length_layers(big, max_length)
         _initialize(model, big, largest)
-        self.caches: dict[int, Any] = {largest: big}
+        self.caches: dict[tuple[int, int], Any] = {(largest, max_length): big}
         for n in rungs:
             if n != largest:
-                self.caches[n] = _view(big, n)
+                self.caches[n, max_length] = _view(big, n)
+            for length in self.lengths[:-1]:
+                self.caches[n, length] = _view(self.caches[n, max_length], n, length)
         for cache in self.caches.values():
             cache.reset()
 
-    def __getitem__(self, batch: int) -> Any:
-        return self.caches[batch]
+    def __getitem__(self, key: int | tuple[int, int]) -> Any:
+        return self.caches[key if isinstance(key, tuple) else (key, self.max_length)]
 
     @property
     def bytes(self) -> int:
         """Bytes of the one set of key/value tensors all rungs share."""
-        largest = self.caches[max(self.caches)]
+        largest = self.caches[max(n for n, _ in self.caches), self.max_length]
         return sum(
             getattr(layer, name).numel() * getattr(layer, name).element_size()
             for layer in largest.layers
             for name in _ROWS
         )
+
+
+def length_rungs(cache_len: int, given: Sequence[int] | None, floor: int = 256) -> list[int]:
+    """The cache-length rungs: ``given``, else powers of two from ``floor`` below
+    ``cache_len``; always ending at ``cache_len`` (one rung when it is ``floor`` or less)."""
+    if given is not None:
+        bad = [g for g in given if not isinstance(g, int) or g < 1 or g > cache_len]
+        if bad:
+            raise ConfigError(
+                explain(
+                    f"cache_lengths must be positive ints of at most the cache's length "
+                    f"({cache_len}), got {list(given)}",
+                    "each is a prefix of the one cache that a step attends to",
+                    "pass e.g. cache_lengths=[256, 512, 1024], or leave it out",
+                )
+            )
+        return sorted({*given, cache_len})
+    rungs, length = [], floor
+    while length < cache_len:
+        rungs.append(length)
+        length *= 2
+    return [*rungs, cache_len]
 
 
 def full_length_layers(cache: Any, max_length: int) -> None:
@@ -114,12 +147,20 @@ def _initialize(model: Any, cache: Any, batch: int) -> None:
             )
 
 
-def _view(big: Any, batch: int) -> Any:
-    """A shallow copy of ``big`` whose layers hold its first ``batch`` rows."""
+def _view(big: Any, batch: int, length: int | None = None) -> Any:
+    """A shallow copy of ``big`` whose layers hold its first ``batch`` rows (with position
+    counters of their own), or, given ``length``, its first ``length`` positions (with
+    ``big``'s own counters: the same batch rung, one request at a time)."""
     cache = copy.copy(big)
     cache.layers = []
     for layer in big.layers:
         small = copy.copy(layer)
+        if length is not None:
+            for name in _ROWS:  # [batch, heads, positions, head_dim]: a prefix of positions
+                setattr(small, name, getattr(layer, name)[:, :, :length])
+            small.max_cache_len = length
+            cache.layers.append(small)
+            continue
         for name in _ROWS:
             setattr(small, name, getattr(layer, name)[:batch])
         if hasattr(small, "batch_size"):
@@ -128,4 +169,6 @@ def _view(big: Any, batch: int) -> Any:
             if isinstance(value, torch.Tensor) and name not in _ROWS:
                 setattr(small, name, value.clone())
         cache.layers.append(small)
+    if length is not None and hasattr(cache, "max_cache_len"):
+        cache.max_cache_len = length
     return cache
