@@ -1,4 +1,5 @@
-"""The decoder's forward under ``torch.compile``: one compiled variant per batch rung."""
+"""The decoder's forward under ``torch.compile``: one compiled variant per shape (batch rung and
+cache-length rung)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from ..core import compat
 __all__ = ["compiled_forward"]
 
 
-def compiled_forward(fn: Callable[..., Any], compile: bool | str, rungs: int) -> Callable[..., Any]:
+def compiled_forward(
+    fn: Callable[..., Any], compile: bool | str, shapes: int
+) -> Callable[..., Any]:
     mode = None if compile is True else compile
     compiled = torch.compile(fn, mode=mode, dynamic=False)
-    # One compiled variant per batch rung: Dynamo's recompile limit must admit them all, raised
-    # only around this function's calls (warm-up, capture), not for the rest of the process.
-    limits = compat.raise_compile_limits(2 * rungs + 8)
+    # One compiled variant per shape: Dynamo's recompile limit must admit them all, raised only
+    # around this function's calls (warm-up, capture), not for the rest of the process.
+    limits = compat.raise_compile_limits(2 * shapes + 8)
 
     def within_limits(*args: Any, **kwargs: Any) -> Any:
         with compat.compile_config_patch(limits):

@@ -148,14 +148,15 @@ class Decoder:
         self.warmup = warmup
         self.lock = threading.RLock()  # one request at a time: the rungs share cache and pool
         self.stats = DecodeStats()
-        self.forward, self.forward_padded = self._forward, self._forward_padded
-        if compile:
-            self.forward = compiled_forward(self._forward, compile, len(self.rungs))
-            self.forward_padded = compiled_forward(self._forward_padded, compile, len(self.rungs))
         # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
         # run past its last token (those steps are thrown away).
         cache_len = max_length + steps_per_graph - 1
         self.lengths = [cache_len] if until_eos else length_rungs(cache_len, cache_lengths)
+        self.forward, self.forward_padded = self._forward, self._forward_padded
+        if compile:  # one compiled variant per (batch rung, length rung): the shapes differ
+            shapes = len(self.rungs) * len(self.lengths)
+            self.forward = compiled_forward(self._forward, compile, shapes)
+            self.forward_padded = compiled_forward(self._forward_padded, compile, shapes)
         self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
         self.stats.cache_bytes = self.caches.bytes
         self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
