@@ -95,7 +95,7 @@ def _untraced(text: str, root: Path) -> list[str]:
 
 def _pages_untraced(check: Callable[[str, Path], list[str]]) -> list[str]:
     root = Path(__file__).resolve().parents[1]
-    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    pages = [root / "README.md", root / "DESIGN.md", *sorted((root / "docs").rglob("*.md"))]
     return [f"{p.name}: {item}" for p in pages for item in check(p.read_text(), root)]
 
 
