@@ -261,3 +261,29 @@ def test_the_previous_outputs_are_marked_dead_after_the_launch(
     with pytest.raises(RuntimeError, match="launch failed"):
         path(replayer, x)
     assert steps == ["replay", "invalidate"]  # a failed launch may have overwritten them
+
+
+def test_a_copy_node_takes_only_tensors_whose_bytes_are_their_values() -> None:
+    """The check the call makes before pointing a copy node at a tensor (the nodes themselves
+    need a GPU; the check is plain tensor metadata)."""
+    from cudagraphs.core.copy_nodes import CopyNodes
+
+    buf = torch.zeros(4, 8)
+    nodes = CopyNodes.__new__(CopyNodes)  # the check reads only the buffer's address and size
+    nodes._dst, nodes._nbytes = [buf.data_ptr()], [buf.nbytes]
+    z = torch.randn(8, 4, dtype=torch.complex64)
+    big = torch.zeros(10, 8)
+    taken = {
+        "plain": torch.randn(4, 8),
+        "transposed": torch.randn(8, 4).t(),
+        "negative bit": z.conj().imag.t(),
+        "requires grad": torch.randn(4, 8, requires_grad=True),
+        "parameter": torch.nn.Parameter(torch.randn(4, 8)),
+        "the buffer": buf,
+    }
+    got = {name: nodes.takes(0, x, x.data_ptr()) for name, x in taken.items()}
+    assert got == {"plain": True, "transposed": False, "negative bit": False,
+                   "requires grad": False, "parameter": False, "the buffer": False}  # fmt: skip
+    nodes._dst, nodes._nbytes = [big.data_ptr()], [big[:4].nbytes]  # overlapping, and not
+    assert not nodes.takes(0, big[1:5], big[1:5].data_ptr())
+    assert nodes.takes(0, big[4:8], big[4:8].data_ptr())

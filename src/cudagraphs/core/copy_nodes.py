@@ -47,7 +47,6 @@ __all__ = [
     "Pending",
     "native_edits",
     "record",
-    "same_bytes",
     "sources_for",
 ]
 
@@ -239,6 +238,18 @@ class CopyNodes:
             else:
                 self.off(k)
 
+    def takes(self, k: int, x: torch.Tensor, address: int) -> bool:
+        """Whether node ``k`` can copy ``x`` (at ``address``) in: whether copying its bytes
+        into the buffer is ``buffer.copy_(x)`` (shape, dtype and device already checked
+        equal): a plain contiguous tensor with plain values, not overlapping the buffer, and no
+        autograd history for ``copy_`` to record."""
+        if type(x) is not _Plain or not x.is_contiguous() or x.is_conj() or x.is_neg():
+            return False
+        if x.requires_grad:
+            return False
+        start, n = self._dst[k], self._nbytes[k]
+        return start + n <= address or address + n <= start
+
     def point(self, k: int, address: int) -> None:
         """Node ``k`` copies from ``address`` at the next replays (and is on)."""
         state = self.state[k]
@@ -261,18 +272,6 @@ class CopyNodes:
     def all_off(self) -> None:
         for k in range(len(self.nodes)):
             self.off(k)
-
-
-def same_bytes(buf: torch.Tensor, x: torch.Tensor, address: int) -> bool:
-    """Whether copying the bytes of ``x`` (at ``address``) into ``buf`` is ``buf.copy_(x)``
-    (shape, dtype and device already checked equal): a plain contiguous tensor with plain
-    values, not overlapping the buffer, and no autograd history for ``copy_`` to record."""
-    if type(x) is not _Plain or not x.is_contiguous() or x.is_conj() or x.is_neg():
-        return False
-    if x.requires_grad:
-        return False
-    start, n = buf.data_ptr(), buf.nbytes
-    return start + n <= address or address + n <= start
 
 
 def _ok(runtime: Any, err: Any, what: str) -> None:
@@ -303,9 +302,6 @@ class InputCopying:
     def replay(self) -> None:
         self.copies.all_off()
         self.recording.replay()
-
-    def pool(self) -> Any:
-        return self.recording.pool()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.recording, name)

@@ -32,7 +32,7 @@ import torch
 
 from ..errors import CudaGraphsError, CudaGraphsWarning, ReplayTimeoutError, explain
 from . import compat
-from .copy_nodes import CopyNodes, InputCopying, same_bytes
+from .copy_nodes import CopyNodes, InputCopying
 from .frames import user_stacklevel
 from .modes import Modes, newly_requiring_grad, refuse_gradients
 from .outputs import make_emitter
@@ -121,7 +121,7 @@ class Replayer:
                 "the caller's tensors",
                 ", ".join(signature.paths[i] for i in mutated),
             )
-        node = dict(zip(copies.slots, range(len(copies.slots)))) if copies is not None else {}
+        node = {slot: k for k, slot in enumerate(copies.slots)} if copies is not None else {}
         self.slots = tuple(
             (i, x, x.data_ptr(), x.shape, x.dtype, x.get_device(), x.stride(), node.get(k, -1))
             for k, (i, x) in enumerate((i, static[i]) for i in signature.tensor_index)
@@ -164,7 +164,7 @@ class Replayer:
                 address = x.data_ptr()  # a stale output raises here
                 if address == ptr and x.stride() == stride:
                     continue
-                if node >= 0 and same_bytes(buf, x, address):
+                if node >= 0 and self.copies.takes(node, x, address):  # type: ignore[union-attr]
                     pointed.append((node, address))  # the graph copies it in
                     continue
                 if dst is None:
