@@ -305,6 +305,16 @@ def raise_compile_limits(at_least: int) -> dict[str, int]:
     }
 
 
+def mark_dynamic(tensor: torch.Tensor, dim: int, *, unbacked: bool = False) -> None:
+    """Tell ``torch.compile`` that dimension ``dim`` of ``tensor`` varies between calls, so one
+    trace with a symbolic size serves them all. ``unbacked``: no guard on the size either (a
+    backed size of 1 is specialised and compiled separately)."""
+    if unbacked:
+        torch._dynamo.decorators.mark_unbacked(tensor, dim)
+    else:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 def compile_config_patch(settings: dict[str, int]) -> Any:
     """A context manager applying Dynamo config ``settings`` for its duration (this thread's
     compile calls see them; nothing is changed for the rest of the process)."""

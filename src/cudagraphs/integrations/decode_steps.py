@@ -17,7 +17,7 @@ from ..api import graph
 from ..control.flow import while_loop
 from .sampling import stop_finished
 
-__all__ = ["capture_steps"]
+__all__ = ["capture_steps", "compile_forward"]
 
 
 def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
@@ -84,3 +84,20 @@ def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
             outputs="alias",
             eager=decoder.eager,
         )
+
+
+def compile_forward(decoder: Any, mode: str) -> None:
+    """Run ``decoder``'s compiled forward of ``mode`` once, on the largest rung, so that it
+    compiles now (once for every rung: their batch and length are dynamic dimensions) and the
+    captures after it only capture. Its writes to the cache are undone."""
+    n, length = decoder.rungs[-1], decoder.lengths[-1]
+    cache, device = decoder.caches[n, length], decoder.device
+    token = torch.zeros(n, 1, dtype=torch.long, device=device)
+    position = torch.zeros(1, dtype=torch.long, device=device)
+    with torch.no_grad():
+        if mode.endswith("+padded"):
+            attends = decoder.attends[:n, :, :, :length]
+            decoder.forward_padded(token, position, cache, attends, position - decoder.padding[:n])
+        else:
+            decoder.forward(token, position, cache)
+    cache.reset()

@@ -10,6 +10,7 @@ its own. Only one rung decodes at a time, so the rungs never see each other's ro
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Sequence
 from typing import Any
@@ -28,8 +29,8 @@ class RungCaches:
     positions (default: all of them) sharing the memory of the largest.
 
     A length rung's layers hold the first ``length`` positions of its batch rung's keys and
-    values (a view) and say ``max_cache_len = length``, from which the model sizes its mask,
-    so a step attends only to that prefix. Its position counters are the batch rung's own
+    values (a view) and report that length as ``max_cache_len`` (read from the view's shape),
+    from which the model sizes its mask, so a step attends only to that prefix. Its position counters are the batch rung's own
     objects: a request moves to a longer rung between two steps with nothing copied.
     """
 
@@ -39,15 +40,17 @@ class RungCaches:
         self.max_length = max_length
         self.lengths = sorted({*lengths, max_length})
         largest = max(rungs)
-        big = StaticCache(config=model.config, max_cache_len=max_length)
-        full_length_layers(big, max_length)
-        _initialize(model, big, largest)
-        self.caches: dict[tuple[int, int], Any] = {(largest, max_length): big}
+        # One spare position past the longest rung: every rung, the longest too, is then a
+        # prefix view with the same strides, so a compiled forward sees one shape class (the
+        # length a dynamic dimension) instead of a contiguous tensor and views of it.
+        self.base = StaticCache(config=model.config, max_cache_len=max_length + 1)
+        full_length_layers(self.base, max_length + 1)
+        _initialize(model, self.base, largest)
+        self.caches: dict[tuple[int, int], Any] = {}
         for n in rungs:
-            if n != largest:
-                self.caches[n, max_length] = _view(big, n)
-            for length in self.lengths[:-1]:
-                self.caches[n, length] = _view(self.caches[n, max_length], n, length)
+            rows = self.base if n == largest else _view(self.base, n)
+            for length in self.lengths:
+                self.caches[n, length] = _view(rows, n, length)
         for cache in self.caches.values():
             cache.reset()
 
@@ -57,12 +60,20 @@ class RungCaches:
     @property
     def bytes(self) -> int:
         """Bytes of the one set of key/value tensors all rungs share."""
-        largest = self.caches[max(n for n, _ in self.caches), self.max_length]
         return sum(
             getattr(layer, name).numel() * getattr(layer, name).element_size()
-            for layer in largest.layers
+            for layer in self.base.layers
             for name in _ROWS
         )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every rung's key and value views (``[batch, heads, positions, head_dim]``)."""
+        return [
+            getattr(layer, name)
+            for cache in self.caches.values()
+            for layer in cache.layers
+            for name in _ROWS
+        ]
 
 
 def length_rungs(cache_len: int, given: Sequence[int] | None, floor: int = 256) -> list[int]:
@@ -154,13 +165,10 @@ def _view(big: Any, batch: int, length: int | None = None) -> Any:
     cache = copy.copy(big)
     cache.layers = []
     for layer in big.layers:
-        small = copy.copy(layer)
         if length is not None:
-            for name in _ROWS:  # [batch, heads, positions, head_dim]: a prefix of positions
-                setattr(small, name, getattr(layer, name)[:, :, :length])
-            small.max_cache_len = length
-            cache.layers.append(small)
+            cache.layers.append(_prefix(layer, length))
             continue
+        small = copy.copy(layer)
         for name in _ROWS:
             setattr(small, name, getattr(layer, name)[:batch])
         if hasattr(small, "batch_size"):
@@ -172,3 +180,31 @@ def _view(big: Any, batch: int, length: int | None = None) -> Any:
     if length is not None and hasattr(cache, "max_cache_len"):
         cache.max_cache_len = length
     return cache
+
+
+def _prefix(layer: Any, length: int) -> Any:
+    """``layer`` holding its first ``length`` positions, sharing its counters. Its
+    ``max_cache_len`` is read from the keys' shape, not kept as a plain int: a compiled
+    forward then sizes the mask from the tensor's (dynamic) length instead of specialising
+    on one number per rung."""
+    small = object.__new__(_prefix_class(type(layer)))
+    small.__dict__.update(vars(layer))
+    small.__dict__.pop("max_cache_len", None)
+    for name in _ROWS:  # [batch, heads, positions, head_dim]: a prefix of positions
+        setattr(small, name, getattr(layer, name)[:, :, :length])
+    return small
+
+
+@functools.cache
+def _prefix_class(layer_class: type) -> type:
+    def max_cache_len(self: Any) -> int:
+        return self.keys.shape[2]
+
+    def ignore(self: Any, value: int) -> None:  # the view's shape is its length
+        pass
+
+    return type(
+        f"Prefix{layer_class.__name__}",
+        (layer_class,),
+        {"max_cache_len": property(max_cache_len, ignore), "__module__": __name__},
+    )

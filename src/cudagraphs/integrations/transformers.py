@@ -37,8 +37,8 @@ from ..core.pool import Pool
 from ..errors import ConfigError, explain
 from ..options import check_positive_int, refuse_unknown_keywords
 from ..shapes.ladders import powers_of_two
-from .compiled import compiled_forward
-from .decode_steps import capture_steps
+from .compiled import compiled_forward, mark_rung_dims
+from .decode_steps import capture_steps, compile_forward
 from .kv_cache import RungCaches, cache_keyword, length_rungs
 from .requests import (
     MAX_EOS,
@@ -60,6 +60,7 @@ class DecodeStats:
     """What the decoder has done: set-up cost, graphs, replays, recaptures, memory."""
 
     setup_s: float = 0.0
+    compile_s: float = 0.0  # torch.compile (Decoder(compile=...)): once for every rung
     capture_s: dict[str, float] = field(default_factory=dict)
     replays: dict[str, int] = field(default_factory=dict)
     recaptures: int = 0
@@ -153,11 +154,14 @@ class Decoder:
         cache_len = max_length + steps_per_graph - 1
         self.lengths = [cache_len] if until_eos else length_rungs(cache_len, cache_lengths)
         self.forward, self.forward_padded = self._forward, self._forward_padded
-        if compile:  # one compiled variant per (batch rung, length rung): the shapes differ
-            shapes = len(self.rungs) * len(self.lengths)
-            self.forward = compiled_forward(self._forward, compile, shapes)
-            self.forward_padded = compiled_forward(self._forward_padded, compile, shapes)
+        self.compiles = bool(compile)
+        self.compiled: set[bool] = set()  # the forwards compiled so far: padded or not
+        if compile:  # one compile for all rungs: batch and cache length are dynamic dimensions
+            self.forward = compiled_forward(self._forward, compile)
+            self.forward_padded = compiled_forward(self._forward_padded, compile)
         self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
+        if compile:
+            mark_rung_dims(self.caches.tensors(), batch=0, length=2)
         self.stats.cache_bytes = self.caches.bytes
         self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
         self.params = SamplingParams.make(model.config.vocab_size, self.device)
@@ -165,7 +169,10 @@ class Decoder:
         self.pad = torch.zeros((), dtype=torch.long, device=self.device)
         # Left-padded prompts: which cache positions each row attends to, and how many padding
         # tokens it has (its position ids run that much behind the cache position).
-        self.attends = torch.zeros(max_batch, 1, 1, cache_len, dtype=torch.bool, device=self.device)
+        # (One spare position, as in the cache: every length rung's mask is a prefix view.)
+        self.attends = torch.zeros(
+            max_batch, 1, 1, cache_len + 1, dtype=torch.bool, device=self.device
+        )
         self.padding = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
         self.pool = Pool()
         self.graphs: dict[tuple[int, int, str], Any] = {}
@@ -191,6 +198,11 @@ class Decoder:
             before = torch.cuda.memory_reserved(self.device) if cuda else 0
             # Warm-up draws random numbers; the caller's seeded stream must not see them.
             with torch.random.fork_rng(devices=[self.device] if cuda else []):
+                if self.compiles and (padded := mode.endswith("+padded")) not in self.compiled:
+                    start = time.perf_counter()
+                    compile_forward(self, mode)
+                    self.compiled.add(padded)
+                    self.stats.compile_s += time.perf_counter() - start
                 for n, length in reversed(missing):  # the largest first: the pool grows once
                     start = time.perf_counter()
                     self.graphs[n, length, mode] = capture_steps(self, n, length, mode)
@@ -214,6 +226,10 @@ class Decoder:
         position_ids: torch.Tensor,
     ) -> torch.Tensor:
         # A prepared 4-D mask is used as given: no mask is built (or checked) from the padding.
+        # One batch for all rows: under torch.compile the batch is a dynamic size per tensor,
+        # and without this their broadcasting would be undecidable.
+        for rows in (attends, position_ids):
+            torch._check(rows.shape[0] == token.shape[0])
         out = self.model(
             input_ids=token,
             cache_position=position,
