@@ -177,8 +177,10 @@ def _view(big: Any, batch: int, length: int | None = None) -> Any:
             if isinstance(value, torch.Tensor) and name not in _ROWS:
                 setattr(small, name, value.clone())
         cache.layers.append(small)
-    if length is not None and hasattr(cache, "max_cache_len"):
-        cache.max_cache_len = length
+    # Older transformers keep the cache's length on the cache too; newer ones ask the layers.
+    if length is not None and not isinstance(getattr(type(cache), "max_cache_len", None), property):
+        if hasattr(cache, "max_cache_len"):
+            cache.max_cache_len = length
     return cache
 
 
