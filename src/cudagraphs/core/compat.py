@@ -305,14 +305,10 @@ def raise_compile_limits(at_least: int) -> dict[str, int]:
     }
 
 
-def mark_dynamic(tensor: torch.Tensor, dim: int, *, unbacked: bool = False) -> None:
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Tell ``torch.compile`` that dimension ``dim`` of ``tensor`` varies between calls, so one
-    trace with a symbolic size serves them all. ``unbacked``: no guard on the size either (a
-    backed size of 1 is specialised and compiled separately)."""
-    if unbacked:
-        torch._dynamo.decorators.mark_unbacked(tensor, dim)
-    else:
-        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    trace with a symbolic size serves them all (a size of 1 is still traced apart)."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 def compile_config_patch(settings: dict[str, int]) -> Any:

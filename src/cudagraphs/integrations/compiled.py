@@ -1,10 +1,12 @@
-"""The decoder's forward under ``torch.compile``: one compile for every (batch rung, cache-length
-rung) shape.
+"""The decoder's forward under ``torch.compile``: compiled per shape class, not per (batch
+rung, cache-length rung).
 
 The batch and the cache length are marked as dynamic dimensions of the tensors the forward
-reads, so Dynamo traces once with symbolic sizes instead of once per shape; every rung's graph
-is then captured over the same compiled code. The batch is marked unbacked: a backed size
-would be specialised at 1 and batch 1 compiled a second time.
+reads, so Dynamo traces with symbolic sizes instead of once per shape, and every rung's graph
+is captured over the same compiled code. Two shape classes remain: batch 1, which Dynamo
+specialises (a size of 1 broadcasts), and every larger batch. An unbacked batch would make one
+class, but each tensor's batch is then a size of its own and transformers' broadcasts between
+them (the cache's ``index_copy_``, attention) cannot be decided while tracing.
 """
 
 from __future__ import annotations
@@ -43,6 +45,6 @@ def mark_rung_dims(
     length, both varying between the graphs' calls of the compiled forward."""
     for tensor in tensors:
         if batch is not None:
-            compat.mark_dynamic(tensor, batch, unbacked=True)
+            compat.mark_dynamic(tensor, batch)
         if length is not None:
             compat.mark_dynamic(tensor, length)

@@ -87,17 +87,19 @@ def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
 
 
 def compile_forward(decoder: Any, mode: str) -> None:
-    """Run ``decoder``'s compiled forward of ``mode`` once, on the largest rung, so that it
-    compiles now (once for every rung: their batch and length are dynamic dimensions) and the
-    captures after it only capture. Its writes to the cache are undone."""
-    n, length = decoder.rungs[-1], decoder.lengths[-1]
-    cache, device = decoder.caches[n, length], decoder.device
-    token = torch.zeros(n, 1, dtype=torch.long, device=device)
-    position = torch.zeros(1, dtype=torch.long, device=device)
-    with torch.no_grad():
-        if mode.endswith("+padded"):
-            attends = decoder.attends[:n, :, :, :length]
-            decoder.forward_padded(token, position, cache, attends, position - decoder.padding[:n])
-        else:
-            decoder.forward(token, position, cache)
-    cache.reset()
+    """Run ``decoder``'s compiled forward of ``mode`` once per shape class, on the full length,
+    so that it compiles now and the captures after it only capture: the smallest batch rung
+    (batch 1 is a class of its own) and the largest, for every other (batch and cache length are dynamic dimensions). Its writes to
+    the cache are undone."""
+    length, device = decoder.lengths[-1], decoder.device
+    for n in sorted({decoder.rungs[0], decoder.rungs[-1]}):
+        cache = decoder.caches[n, length]
+        token = torch.zeros(n, 1, dtype=torch.long, device=device)
+        position = torch.zeros(1, dtype=torch.long, device=device)
+        with torch.no_grad():
+            if mode.endswith("+padded"):
+                attends, ids = decoder.attends[:n, :, :, :length], position - decoder.padding[:n]
+                decoder.forward_padded(token, position, cache, attends, ids)
+            else:
+                decoder.forward(token, position, cache)
+        cache.reset()

@@ -178,9 +178,9 @@ def _view(big: Any, batch: int, length: int | None = None) -> Any:
                 setattr(small, name, value.clone())
         cache.layers.append(small)
     # Older transformers keep the cache's length on the cache too; newer ones ask the layers.
-    if length is not None and not isinstance(getattr(type(cache), "max_cache_len", None), property):
-        if hasattr(cache, "max_cache_len"):
-            cache.max_cache_len = length
+    settable = not isinstance(getattr(type(cache), "max_cache_len", None), property)
+    if length is not None and settable and hasattr(cache, "max_cache_len"):
+        cache.max_cache_len = length
     return cache
 
 

@@ -60,7 +60,7 @@ class DecodeStats:
     """What the decoder has done: set-up cost, graphs, replays, recaptures, memory."""
 
     setup_s: float = 0.0
-    compile_s: float = 0.0  # torch.compile (Decoder(compile=...)): once for every rung
+    compile_s: float = 0.0  # torch.compile: batch 1 and larger batches, every length at once
     capture_s: dict[str, float] = field(default_factory=dict)
     replays: dict[str, int] = field(default_factory=dict)
     recaptures: int = 0
@@ -226,10 +226,6 @@ class Decoder:
         position_ids: torch.Tensor,
     ) -> torch.Tensor:
         # A prepared 4-D mask is used as given: no mask is built (or checked) from the padding.
-        # One batch for all rows: under torch.compile the batch is a dynamic size per tensor,
-        # and without this their broadcasting would be undecidable.
-        for rows in (attends, position_ids):
-            torch._check(rows.shape[0] == token.shape[0])
         out = self.model(
             input_ids=token,
             cache_position=position,
