@@ -291,3 +291,77 @@ def test_until_eos_decodes_in_one_launch_as_generate_does(llama) -> None:
         decoder.generate(prompt, max_new_tokens=4, do_sample=True)
     with pytest.raises(cg.ConfigError, match="until_eos=True decodes greedily"):
         Decoder(model, max_batch=1, max_length=16, until_eos=True, steps_per_graph=4)
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_length_rungs_decode_as_generate_across_rung_changes(llama, steps: int) -> None:
+    model, _ = llama
+    decoder = Decoder(
+        model, max_batch=4, max_length=64, steps_per_graph=steps, cache_lengths=[8, 16, 32]
+    )
+    assert decoder.lengths == [8, 16, 32, 64 + steps - 1]
+    torch.manual_seed(3)
+    for batch in (1, 3):
+        prompt = torch.randint(0, 512, (batch, 5))
+        expected = generate(model, prompt, 40, min_new_tokens=40)
+        assert torch.equal(decoder.generate(prompt, max_new_tokens=40, eos_token_id=None), expected)
+    ids, mask = left_padded([5, 2, 4], total=5)
+    padded = generate(model, ids, 40, mask, min_new_tokens=40, pad_token_id=0)
+    got = decoder.generate(ids, attention_mask=mask, max_new_tokens=40, eos_token_id=None)
+    assert torch.equal(got, padded)
+    used = {
+        key for key, n in decoder.stats.replays.items() if key.startswith("greedy batch 4") and n
+    }
+    assert "greedy batch 4" in used and len(used) >= 3  # two rung changes or more per request
+
+
+def test_length_rungs_through_the_captured_path(stand_in: None) -> None:
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    decoder = Decoder(model, max_batch=2, max_length=48, cache_lengths=[8, 16])
+    assert len(decoder.graphs) == 2 * 3  # (batch rungs 1, 2) x (lengths 8, 16, 48)
+    assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
+    torch.manual_seed(4)
+    prompt = torch.randint(0, 512, (2, 6))
+    expected = generate(model, prompt, 30, min_new_tokens=30)
+    assert torch.equal(decoder.generate(prompt, max_new_tokens=30, eos_token_id=None), expected)
+
+
+def test_length_rung_views_share_the_one_cache(llama) -> None:
+    from cudagraphs.integrations.kv_cache import length_rungs
+
+    model, _ = llama
+    decoder = Decoder(model, max_batch=4, max_length=40, cache_lengths=[16])
+    full, short = decoder.caches[2].layers[0], decoder.caches[2, 16].layers[0]
+    assert short.keys.shape[2] == 16 and short.max_cache_len == 16
+    assert short.keys.data_ptr() == full.keys.data_ptr()  # a prefix view, nothing allocated
+    shared = [n for n, v in vars(full).items() if isinstance(v, torch.Tensor) and n != "keys"]
+    assert all(getattr(short, n) is getattr(full, n) for n in shared if n != "values")
+    assert length_rungs(4096, None) == [256, 512, 1024, 2048, 4096]
+    assert length_rungs(200, None) == [200]
+    with pytest.raises(cg.ConfigError, match="cache_lengths must be positive ints"):
+        Decoder(model, max_batch=1, max_length=16, cache_lengths=[0, 8])
+
+
+def test_compiled_forward_compiles_per_shape_class_not_per_rung(llama) -> None:
+    """Batch and cache length are dynamic dimensions: two traces (batch 1, larger batches)
+    serve every (batch rung, length rung), and the tokens equal generate across rung changes."""
+    from torch._dynamo.utils import counters
+
+    model, _ = llama
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    decoder = Decoder(model, max_batch=4, max_length=48, compile=True, cache_lengths=[8, 16])
+    assert decoder.stats.compile_s > 0
+    torch.manual_seed(5)
+    for batch in (3, 1, 2):
+        prompt = torch.randint(0, 512, (batch, 5))
+        expected = generate(model, prompt, 30, min_new_tokens=30)
+        assert torch.equal(decoder.generate(prompt, max_new_tokens=30, eos_token_id=None), expected)
+    assert counters["stats"]["unique_graphs"] - before == 2
+    ids, mask = left_padded([5, 2], total=5)
+    padded = generate(model, ids, 30, mask, min_new_tokens=30, pad_token_id=0)
+    got = decoder.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None)
+    assert torch.equal(got, padded)
+    assert counters["stats"]["unique_graphs"] - before == 4  # the padded forward: its own two
+    used = {key for key, n in decoder.stats.replays.items() if n}
+    assert {"greedy batch 1 length 8", "greedy batch 4 length 16", "greedy batch 2"} <= used

@@ -201,3 +201,23 @@ def test_until_eos_in_one_launch_gives_the_per_step_tokens() -> None:
     assert torch.equal(looping.generate(prompt, max_new_tokens=NEW, eos_token_id=None), full)
     one = per_step.generate(prompt[:1], max_new_tokens=NEW, eos_token_id=None)
     assert torch.equal(looping.generate(prompt[:1], max_new_tokens=NEW, eos_token_id=None), one)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_float32_greedy_equals_generate_across_length_rungs(compile: bool) -> None:
+    """Requests cross cache-length rungs (each a prefix view of the one cache) and still give
+    generate's tokens; compiled, every rung runs on the same two compiles."""
+    model = random_llama("llama-512", "cuda")
+    torch.manual_seed(2)
+    decoder = Decoder(
+        model, max_batch=4, max_length=512, cache_lengths=[24, 32, 40], compile=compile
+    )
+    assert decoder.lengths == [24, 32, 40, 512]
+    assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
+    for b in (1, 3):
+        prompt = torch.randint(0, 32000, (b, PROMPT), device="cuda")
+        got = decoder.generate(prompt, max_new_tokens=NEW, eos_token_id=None)
+        assert_same_tokens(got, *generate_with_scores(model, prompt, NEW))
+    used = {key for key, n in decoder.stats.replays.items() if n}
+    assert {"greedy batch 1 length 24", "greedy batch 4 length 40", "greedy batch 4"} <= used
+    assert decoder.stats.recaptures == 0

@@ -305,6 +305,12 @@ def raise_compile_limits(at_least: int) -> dict[str, int]:
     }
 
 
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Tell ``torch.compile`` that dimension ``dim`` of ``tensor`` varies between calls, so one
+    trace with a symbolic size serves them all (a size of 1 is still traced apart)."""
+    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 def compile_config_patch(settings: dict[str, int]) -> Any:
     """A context manager applying Dynamo config ``settings`` for its duration (this thread's
     compile calls see them; nothing is changed for the rest of the process)."""

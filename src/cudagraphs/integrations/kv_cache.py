@@ -10,48 +10,92 @@ its own. Only one rung decodes at a time, so the rungs never see each other's ro
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..errors import ConfigError, explain
 
-__all__ = ["RungCaches", "cache_keyword", "full_length_layers"]
+__all__ = ["RungCaches", "cache_keyword", "full_length_layers", "length_rungs"]
 
 _ROWS = ("keys", "values")  # per-layer tensors with a batch dimension first
 
 
 class RungCaches:
-    """``caches[n]``: a ``StaticCache`` of batch ``n`` sharing the memory of the largest."""
+    """``caches[n]`` or ``caches[n, length]``: a ``StaticCache`` of batch ``n`` and ``length``
+    positions (default: all of them) sharing the memory of the largest.
 
-    def __init__(self, model: Any, rungs: list[int], max_length: int):
+    A length rung's layers hold the first ``length`` positions of its batch rung's keys and
+    values (a view) and report that length as ``max_cache_len`` (read from the view's shape),
+    from which the model sizes its mask, so a step attends only to that prefix. Its position counters are the batch rung's own
+    objects: a request moves to a longer rung between two steps with nothing copied.
+    """
+
+    def __init__(self, model: Any, rungs: list[int], max_length: int, lengths: Sequence[int] = ()):
         from transformers import StaticCache
 
         self.max_length = max_length
+        self.lengths = sorted({*lengths, max_length})
         largest = max(rungs)
-        big = StaticCache(config=model.config, max_cache_len=max_length)
-        full_length_layers(big, max_length)
-        _initialize(model, big, largest)
-        self.caches: dict[int, Any] = {largest: big}
+        # One spare position past the longest rung: every rung, the longest too, is then a
+        # prefix view with the same strides, so a compiled forward sees one shape class (the
+        # length a dynamic dimension) instead of a contiguous tensor and views of it.
+        self.base = StaticCache(config=model.config, max_cache_len=max_length + 1)
+        full_length_layers(self.base, max_length + 1)
+        _initialize(model, self.base, largest)
+        self.caches: dict[tuple[int, int], Any] = {}
         for n in rungs:
-            if n != largest:
-                self.caches[n] = _view(big, n)
+            rows = self.base if n == largest else _view(self.base, n)
+            for length in self.lengths:
+                self.caches[n, length] = _view(rows, n, length)
         for cache in self.caches.values():
             cache.reset()
 
-    def __getitem__(self, batch: int) -> Any:
-        return self.caches[batch]
+    def __getitem__(self, key: int | tuple[int, int]) -> Any:
+        return self.caches[key if isinstance(key, tuple) else (key, self.max_length)]
 
     @property
     def bytes(self) -> int:
         """Bytes of the one set of key/value tensors all rungs share."""
-        largest = self.caches[max(self.caches)]
         return sum(
             getattr(layer, name).numel() * getattr(layer, name).element_size()
-            for layer in largest.layers
+            for layer in self.base.layers
             for name in _ROWS
         )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every rung's key and value views (``[batch, heads, positions, head_dim]``)."""
+        return [
+            getattr(layer, name)
+            for cache in self.caches.values()
+            for layer in cache.layers
+            for name in _ROWS
+        ]
+
+
+def length_rungs(cache_len: int, given: Sequence[int] | None, floor: int = 256) -> list[int]:
+    """The cache-length rungs: ``given``, else powers of two from ``floor`` below
+    ``cache_len``; always ending at ``cache_len`` (one rung when it is ``floor`` or less)."""
+    if given is not None:
+        bad = [g for g in given if not isinstance(g, int) or g < 1 or g > cache_len]
+        if bad:
+            raise ConfigError(
+                explain(
+                    f"cache_lengths must be positive ints of at most the cache's length "
+                    f"({cache_len}), got {list(given)}",
+                    "each is a prefix of the one cache that a step attends to",
+                    "pass e.g. cache_lengths=[256, 512, 1024], or leave it out",
+                )
+            )
+        return sorted({*given, cache_len})
+    rungs, length = [], floor
+    while length < cache_len:
+        rungs.append(length)
+        length *= 2
+    return [*rungs, cache_len]
 
 
 def full_length_layers(cache: Any, max_length: int) -> None:
@@ -114,11 +158,16 @@ def _initialize(model: Any, cache: Any, batch: int) -> None:
             )
 
 
-def _view(big: Any, batch: int) -> Any:
-    """A shallow copy of ``big`` whose layers hold its first ``batch`` rows."""
+def _view(big: Any, batch: int, length: int | None = None) -> Any:
+    """A shallow copy of ``big`` whose layers hold its first ``batch`` rows (with position
+    counters of their own), or, given ``length``, its first ``length`` positions (with
+    ``big``'s own counters: the same batch rung, one request at a time)."""
     cache = copy.copy(big)
     cache.layers = []
     for layer in big.layers:
+        if length is not None:
+            cache.layers.append(_prefix(layer, length))
+            continue
         small = copy.copy(layer)
         for name in _ROWS:
             setattr(small, name, getattr(layer, name)[:batch])
@@ -128,4 +177,36 @@ def _view(big: Any, batch: int) -> Any:
             if isinstance(value, torch.Tensor) and name not in _ROWS:
                 setattr(small, name, value.clone())
         cache.layers.append(small)
+    # Older transformers keep the cache's length on the cache too; newer ones ask the layers.
+    settable = not isinstance(getattr(type(cache), "max_cache_len", None), property)
+    if length is not None and settable and hasattr(cache, "max_cache_len"):
+        cache.max_cache_len = length
     return cache
+
+
+def _prefix(layer: Any, length: int) -> Any:
+    """``layer`` holding its first ``length`` positions, sharing its counters. Its
+    ``max_cache_len`` is read from the keys' shape, not kept as a plain int: a compiled
+    forward then sizes the mask from the tensor's (dynamic) length instead of specialising
+    on one number per rung."""
+    small = object.__new__(_prefix_class(type(layer)))
+    small.__dict__.update(vars(layer))
+    small.__dict__.pop("max_cache_len", None)
+    for name in _ROWS:  # [batch, heads, positions, head_dim]: a prefix of positions
+        setattr(small, name, getattr(layer, name)[:, :, :length])
+    return small
+
+
+@functools.cache
+def _prefix_class(layer_class: type) -> type:
+    def max_cache_len(self: Any) -> int:
+        return self.keys.shape[2]
+
+    def ignore(self: Any, value: int) -> None:  # the view's shape is its length
+        pass
+
+    return type(
+        f"Prefix{layer_class.__name__}",
+        (layer_class,),
+        {"max_cache_len": property(max_cache_len, ignore), "__module__": __name__},
+    )

@@ -1,8 +1,10 @@
 """Token-by-token decoding of a transformers causal LM through CUDA graphs.
 
 :class:`Decoder` prepares one ``StaticCache`` sized for the largest batch, prefills each request
-eagerly, and decodes with captured graphs: one per batch-size rung (all in one memory pool, each
-on a view of the one cache), each running ``steps_per_graph`` decode steps per launch with the
+eagerly, and decodes with captured graphs: one per batch-size rung and cache-length rung (all in
+one memory pool, each on a view of the one cache: a request's launch attends only to the
+shortest prefix that holds its positions, and moves to a longer rung as it grows, with nothing
+copied), each running ``steps_per_graph`` decode steps per launch with the
 next token chosen inside the graph (greedy, or sampled with temperature, top-k and top-p from
 the device generator) and fed back on the device. The host replays, and looks at the device
 only every ``check_every`` tokens, to stop once every sequence has ended.
@@ -31,14 +33,13 @@ from typing import Any
 
 import torch
 
-from ..api import graph
-from ..control.flow import while_loop
 from ..core.pool import Pool
 from ..errors import ConfigError, explain
 from ..options import check_positive_int, refuse_unknown_keywords
 from ..shapes.ladders import powers_of_two
-from .compiled import compiled_forward
-from .kv_cache import RungCaches, cache_keyword
+from .compiled import compiled_forward, mark_rung_dims
+from .decode_steps import capture_steps, compile_forward
+from .kv_cache import RungCaches, cache_keyword, length_rungs
 from .requests import (
     MAX_EOS,
     check_attention,
@@ -59,6 +60,7 @@ class DecodeStats:
     """What the decoder has done: set-up cost, graphs, replays, recaptures, memory."""
 
     setup_s: float = 0.0
+    compile_s: float = 0.0  # torch.compile: batch 1 and larger batches, every length at once
     capture_s: dict[str, float] = field(default_factory=dict)
     replays: dict[str, int] = field(default_factory=dict)
     recaptures: int = 0
@@ -90,6 +92,11 @@ class Decoder:
         eager: modules or module classes run eagerly between each step's graphs (``cg.graph``'s
             ``eager``), e.g. an fp32 MoE block that reads its routing on the host
             (``eager=[MixtralSparseMoeBlock]``). Not with ``compile`` or ``until_eos``.
+        cache_lengths: the cache-length rungs (default: powers of two from 256 below the
+            cache's length, and the length itself): a launch attends only to the shortest
+            prefix of the cache that holds its positions, so short requests in a long cache
+            do not read all of it. One graph per (batch rung, length rung); ``until_eos``
+            uses the full length only.
     """
 
     def __init__(
@@ -106,6 +113,7 @@ class Decoder:
         warmup: int = 2,
         until_eos: bool = False,
         eager: Sequence[Any] = (),
+        cache_lengths: Sequence[int] | None = None,
         **unknown: Any,
     ):
         refuse_unknown_keywords("Decoder", unknown, Decoder.__init__)
@@ -141,14 +149,19 @@ class Decoder:
         self.warmup = warmup
         self.lock = threading.RLock()  # one request at a time: the rungs share cache and pool
         self.stats = DecodeStats()
-        self.forward, self.forward_padded = self._forward, self._forward_padded
-        if compile:
-            self.forward = compiled_forward(self._forward, compile, len(self.rungs))
-            self.forward_padded = compiled_forward(self._forward_padded, compile, len(self.rungs))
         # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
         # run past its last token (those steps are thrown away).
         cache_len = max_length + steps_per_graph - 1
-        self.caches = RungCaches(model, self.rungs, cache_len)
+        self.lengths = [cache_len] if until_eos else length_rungs(cache_len, cache_lengths)
+        self.forward, self.forward_padded = self._forward, self._forward_padded
+        self.compiles = bool(compile)
+        self.compiled: set[bool] = set()  # the forwards compiled so far: padded or not
+        if compile:  # one compile for all rungs: batch and cache length are dynamic dimensions
+            self.forward = compiled_forward(self._forward, compile)
+            self.forward_padded = compiled_forward(self._forward_padded, compile)
+        self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
+        if compile:
+            mark_rung_dims(self.caches.tensors(), batch=0, length=2)
         self.stats.cache_bytes = self.caches.bytes
         self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
         self.params = SamplingParams.make(model.config.vocab_size, self.device)
@@ -156,10 +169,13 @@ class Decoder:
         self.pad = torch.zeros((), dtype=torch.long, device=self.device)
         # Left-padded prompts: which cache positions each row attends to, and how many padding
         # tokens it has (its position ids run that much behind the cache position).
-        self.attends = torch.zeros(max_batch, 1, 1, cache_len, dtype=torch.bool, device=self.device)
+        # (One spare position, as in the cache: every length rung's mask is a prefix view.)
+        self.attends = torch.zeros(
+            max_batch, 1, 1, cache_len + 1, dtype=torch.bool, device=self.device
+        )
         self.padding = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
         self.pool = Pool()
-        self.graphs: dict[tuple[int, str], Any] = {}
+        self.graphs: dict[tuple[int, int, str], Any] = {}
         self.prepare("sample" if do_sample else "greedy")
         self.stats.setup_s = time.perf_counter() - start
 
@@ -168,7 +184,12 @@ class Decoder:
         ``"+padded"`` for requests of left-padded prompts (captured on the first such request)."""
         # Decoding is inference: captured (and replayed, in generate) without autograd.
         with self.lock, torch.no_grad():
-            missing = [n for n in self.rungs if (n, mode) not in self.graphs]
+            missing = [
+                (n, length)
+                for n in self.rungs
+                for length in self.lengths
+                if (n, length, mode) not in self.graphs
+            ]
             if not missing:
                 return
             cuda = self.device.type == "cuda"
@@ -177,10 +198,15 @@ class Decoder:
             before = torch.cuda.memory_reserved(self.device) if cuda else 0
             # Warm-up draws random numbers; the caller's seeded stream must not see them.
             with torch.random.fork_rng(devices=[self.device] if cuda else []):
-                for n in reversed(missing):  # the largest first: the pool grows once
+                if self.compiles and (padded := mode.endswith("+padded")) not in self.compiled:
                     start = time.perf_counter()
-                    self.graphs[n, mode] = self._capture(n, mode)
-                    self.stats.capture_s[f"{mode} batch {n}"] = time.perf_counter() - start
+                    compile_forward(self, mode)
+                    self.compiled.add(padded)
+                    self.stats.compile_s += time.perf_counter() - start
+                for n, length in reversed(missing):  # the largest first: the pool grows once
+                    start = time.perf_counter()
+                    self.graphs[n, length, mode] = capture_steps(self, n, length, mode)
+                    self.stats.capture_s[self._key(mode, n, length)] = time.perf_counter() - start
             if cuda:
                 torch.cuda.empty_cache()  # warm-up activations: not the graphs' memory
                 self.stats.graph_bytes += torch.cuda.memory_reserved(self.device) - before
@@ -210,73 +236,21 @@ class Decoder:
         )
         return out.logits[:, -1, :]
 
-    def _chooser(self, mode: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _length_rung(self, end: int) -> int:
+        """The index of the shortest cache-length rung holding positions ``[0, end)``."""
+        return next(i for i, rung in enumerate(self.lengths) if rung >= end)
+
+    def _key(self, mode: str, n: int, length: int) -> str:
+        """The name of a graph in the statistics: ``"greedy batch 4"``, ``"... length 512"``."""
+        full = length == self.caches.max_length
+        return f"{mode} batch {n}" + ("" if full else f" length {length}")
+
+    def chooser(self, mode: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The token choice of ``mode`` (greedy, or sampled with the current parameters)."""
         if mode.startswith("greedy"):
             return greedy
         params = self.params
         return lambda logits: sample(logits, params)
-
-    def _capture(self, n: int, mode: str) -> Any:
-        forward, choose, cache = self.forward, self._chooser(mode), self.caches[n]
-        history, eos, pad, steps = self.history[:n], self.eos, self.pad, self.steps
-        attends, padding, padded = self.attends[:n], self.padding[:n], mode.endswith("+padded")
-        forward_padded, until_eos, limit = self.forward_padded, self.until_eos, self.max_length
-
-        def one_step(token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor) -> None:
-            # Everything stays on the device: the token is fed back and the position advanced
-            # in place, so one launch runs any number of steps.
-            if padded:  # this position joins every row's view; ids skip the padding
-                attends.index_fill_(3, position, True)
-                logits = forward_padded(token, position, cache, attends, position - padding)
-            else:
-                logits = forward(token, position, cache)
-            chosen = stop_finished(choose(logits), finished, eos, pad)
-            position.add_(1)
-            history.scatter_(1, position.view(1, 1).expand(n, 1), chosen)
-            token.copy_(chosen)
-
-        def decode_steps(
-            token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor, left: torch.Tensor
-        ) -> None:
-            if not until_eos:
-                for _ in range(steps):
-                    one_step(token, position, finished)
-                return
-
-            def more(*state: torch.Tensor) -> torch.Tensor:  # a device-side test, no sync
-                return (state[3] > 0) & ~state[2].all()
-
-            def step(*state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                one_step(*state[:3])
-                state[3].sub_(1)
-                return state
-
-            while_loop(more, step, (token, position, finished, left), max_iterations=limit)
-
-        name = mode.replace("+", "_")
-        decode_steps.__qualname__ = decode_steps.__name__ = f"decode_{name}_batch{n}"
-        token = torch.zeros(n, 1, dtype=torch.long, device=self.device)
-        position = torch.zeros(1, dtype=torch.long, device=self.device)
-        finished = torch.zeros(n, dtype=torch.bool, device=self.device)
-        left = torch.ones((), dtype=torch.long, device=self.device)  # steps left (until_eos)
-        with torch.no_grad():
-            return graph(
-                decode_steps,
-                token,
-                position,
-                finished,
-                left,
-                pool=self.pool,
-                warmup=self.warmup,
-                # The step reaches the model through a bound method: name it, so the guard
-                # sees a parameter moved to new memory (and captures again) before a replay.
-                modules=[self.model],
-                # The decoder owns the cache and the buffers and resets them per request, so
-                # warm-up's writes need no putting back (that would copy the whole cache).
-                side_effects="keep",
-                outputs="alias",
-                eager=self.eager,
-            )
 
     def generate(
         self,
@@ -317,24 +291,33 @@ class Decoder:
                 self.params.set(temperature, top_k, top_p)
             self.prepare(mode)
             n = next(r for r in self.rungs if r >= batch)
-            graphed = self.graphs[n, mode]
+            graphs = [self.graphs[n, rung, mode] for rung in self.lengths]
             # A weight moved to new memory: capture again now, before the prefill resets the
             # cache and the buffers (a recapture's warm-up runs steps, which would otherwise
             # advance the cache's position counters in the middle of the request).
-            graphed.refresh()
-            token, position, finished, left = graphed.inputs
+            for graphed in graphs:
+                graphed.refresh()
+            # Launch k decodes positions length + (k - 1) * steps onwards and attends to every
+            # position before length + k * steps: the shortest length rung that holds them.
+            at = self._length_rung(length + self.steps)
+            token, position, finished, left = graphs[at].inputs
             self._prefill(input_ids, padding, n, mode, eos, pad, token, position, finished)
             left.fill_(max_new_tokens - 1)  # until_eos: one launch decodes them all
             launches = 1 if self.until_eos else math.ceil((max_new_tokens - 1) / self.steps)
-            launch = 0
+            self.stats.replays.setdefault(self._key(mode, n, self.lengths[at]), 0)
             for launch in range(1, launches + 1):
-                graphed(token, position, finished, left)
+                if (rung := self._length_rung(length + launch * self.steps)) != at:
+                    state = graphs[rung].inputs  # the request moves on; the cache stays put
+                    for mine, theirs in zip(state, (token, position, finished, left)):
+                        mine.copy_(theirs)
+                    at, (token, position, finished, left) = rung, state
+                graphs[at](token, position, finished, left)
+                key = self._key(mode, n, self.lengths[at])
+                self.stats.replays[key] = self.stats.replays.get(key, 0) + 1
                 if eos and launch % self.check_every == 0 and launch < launches:
                     self.stats.checks += 1
                     if bool(finished.all()):
                         break
-            key = f"{mode} batch {n}"
-            self.stats.replays[key] = self.stats.replays.get(key, 0) + launch
             # A guarded tensor that moved (a reloaded model) makes a graph capture again.
             self.stats.recaptures = sum(g.stats.recaptures for g in self.graphs.values())
             out = self.history[:batch, : length + max_new_tokens].clone()
@@ -379,7 +362,7 @@ class Decoder:
         finished.zero_()
         finished[batch:] = True
         first = stop_finished(
-            self._chooser(mode)(out.logits[:, -1, :]), finished, self.eos, self.pad
+            self.chooser(mode)(out.logits[:, -1, :]), finished, self.eos, self.pad
         )
         token.copy_(first)
         position.fill_(length)
@@ -389,5 +372,6 @@ class Decoder:
     def __repr__(self) -> str:
         return (
             f"<cudagraphs Decoder {type(self.model).__name__} rungs={self.rungs} "
+            f"lengths={self.lengths} "
             f"steps_per_graph={self.steps} graphs={len(self.graphs)}>"
         )

@@ -1,0 +1,162 @@
+"""Start-up and graph memory of ``Decoder(compile=True)`` against one reduce-overhead compile.
+
+Each measurement runs in a fresh process of its own:
+  reduce-overhead cold  the reduce-overhead loop of ``decode.py`` at ``--batch`` (one batch size,
+                        as a user compiles it), with an empty on-disk compile cache: the time
+                        from building the loop to the end of its first request
+  cudagraphs cold       ``Decoder(compile=True, max_batch=--batch)`` with its default batch rungs
+                        (powers of two up to --batch) and cache-length rungs (powers of two from
+                        256 up to --max-length), an empty on-disk compile cache: construction
+                        (compile, every capture) plus the first request
+  cudagraphs warm       the same again in a second process, on the cache the cold one left
+  largest rung alone    ``batch_sizes=[--batch]``, ``cache_lengths=[]``: the graph memory of the
+                        largest (batch, length) rung's graph by itself
+
+Graph memory is the growth of ``torch.cuda.memory_reserved()`` over the captures, as
+``DecodeStats.graph_bytes`` reports it; the KV cache is allocated once, before them.
+
+    python benchmarks/decode_startup.py --model llama-2048 --batch 16 --max-length 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    from cudagraphs.tools.workloads import random_llama
+
+    model = random_llama(args.model, "cuda", getattr(torch, args.dtype))
+    torch.manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt), device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    if args.which == "reduce-overhead":
+        from decode import Loop, TokenClock
+
+        loop = Loop(model, args.batch, args.max_length, "reduce-overhead", TokenClock())
+        loop(prompt, args.new)
+        torch.cuda.synchronize()
+        return {"setup_s": time.perf_counter() - start}
+    from cudagraphs.integrations.transformers import Decoder
+
+    alone = args.which == "largest"
+    decoder = Decoder(
+        model,
+        max_batch=args.batch,
+        max_length=args.max_length,
+        compile=True,
+        batch_sizes=[args.batch] if alone else None,
+        cache_lengths=[] if alone else None,
+    )
+    decoder.generate(prompt, max_new_tokens=args.new, eos_token_id=None)
+    torch.cuda.synchronize()
+    stats = decoder.stats
+    return {
+        "setup_s": time.perf_counter() - start,
+        "construction_s": stats.setup_s,
+        "compile_s": stats.compile_s,
+        "capture_s": sum(stats.capture_s.values()),
+        "graphs": len(decoder.graphs),
+        "batch_rungs": decoder.rungs,
+        "length_rungs": decoder.lengths,
+        "graph_bytes": stats.graph_bytes,
+        "cache_bytes": stats.cache_bytes,
+    }
+
+
+def run(args: argparse.Namespace, which: str, cache_dir: str) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
+           "--batch", str(args.batch), "--max-length", str(args.max_length),
+           "--prompt", str(args.prompt), "--new", str(args.new), "--_child", which]  # fmt: skip
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"{which} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def markdown(results: dict[str, Any]) -> list[str]:
+    rows, mib = results["runs"], 1 << 20
+    ro, cold, warm, alone = (
+        rows[k] for k in ("reduce-overhead cold", "cudagraphs cold", "cudagraphs warm", "largest")
+    )
+    lines = [
+        f"Hardware: {results['hardware']}, torch {results['torch']}; {results['model']} "
+        f"({results['dtype']}), batch {results['batch']}, cache length {results['max_length']}, "
+        f"a request of {results['prompt']} + {results['new']} tokens; each row a fresh process.",
+        "",
+        "| run | set-up + first request s | compile s | captures s | graphs | graph memory MiB |",
+        "|---|---|---|---|---|---|",
+        f"| reduce-overhead loop, cold | {ro['setup_s']:.1f} | - | - | - | - |",
+    ]
+    for label, r in (("cudagraphs, cold", cold), ("cudagraphs, warm (second process)", warm),
+                     ("cudagraphs, largest rung alone", alone)):  # fmt: skip
+        lines.append(
+            f"| {label} | {r['setup_s']:.1f} | {r['compile_s']:.1f} | {r['capture_s']:.1f} | "
+            f"{r['graphs']} | {r['graph_bytes'] / mib:.0f} |"
+        )
+    lines += [
+        "",
+        f"Batch rungs {cold['batch_rungs']}, cache-length rungs {cold['length_rungs']}. Cold "
+        f"set-up against one reduce-overhead compile: {cold['setup_s'] / ro['setup_s']:.2f}x; "
+        f"graph memory of all rungs against the largest alone: "
+        f"{warm['graph_bytes'] / alone['graph_bytes']:.2f}x; the KV cache "
+        f"({cold['cache_bytes'] / mib:.0f} MiB) is allocated once, before the captures.",
+        "",
+    ]
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="llama-2048")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=4096)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--_child", dest="which", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.which:
+        with torch.no_grad():
+            print(json.dumps(child(args)))
+        return
+    head = {"hardware": torch.cuda.get_device_name(), "torch": torch.__version__,
+            **{k: getattr(args, k) for k in ("model", "dtype", "batch", "max_length", "prompt",
+                                             "new")}}  # fmt: skip
+    runs = {}
+    with tempfile.TemporaryDirectory() as ro_cache, tempfile.TemporaryDirectory() as cg_cache:
+        runs["reduce-overhead cold"] = run(args, "reduce-overhead", ro_cache)
+        runs["cudagraphs cold"] = run(args, "cudagraphs", cg_cache)
+        runs["cudagraphs warm"] = run(args, "cudagraphs", cg_cache)
+        runs["largest"] = run(args, "largest", cg_cache)
+    results = {**head, "runs": runs}
+    text = "\n".join(markdown(results))
+    print(text, flush=True)
+    path = args.json or RESULTS / f"decode-startup-{args.model}.json"
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

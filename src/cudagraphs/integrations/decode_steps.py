@@ -1,0 +1,105 @@
+"""The decode graph of one (batch rung, cache-length rung, mode) of a :class:`Decoder`.
+
+A launch runs ``steps_per_graph`` decode steps, or (``until_eos``) a loop on the device until
+every row has ended. Everything stays on the device: the token is fed back and the position
+advanced in place. A length rung's graph runs on the view of the cache that holds its first
+``length`` positions (``kv_cache.RungCaches``), and its mask of attended positions is the same
+prefix, so a step reads only that much of the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..api import graph
+from ..control.flow import while_loop
+from .sampling import stop_finished
+
+__all__ = ["capture_steps", "compile_forward"]
+
+
+def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
+    """Capture the decode graph of batch rung ``n`` on cache-length rung ``length`` for
+    ``decoder`` (a ``transformers.Decoder``: its buffers, caches, forward and options)."""
+    forward, choose, cache = decoder.forward, decoder.chooser(mode), decoder.caches[n, length]
+    history, eos, pad, steps = decoder.history[:n], decoder.eos, decoder.pad, decoder.steps
+    attends, padding = decoder.attends[:n, :, :, :length], decoder.padding[:n]
+    padded, forward_padded = mode.endswith("+padded"), decoder.forward_padded
+    until_eos, limit = decoder.until_eos, decoder.max_length
+
+    def one_step(token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor) -> None:
+        if padded:  # this position joins every row's view; ids skip the padding
+            attends.index_fill_(3, position, True)
+            logits = forward_padded(token, position, cache, attends, position - padding)
+        else:
+            logits = forward(token, position, cache)
+        chosen = stop_finished(choose(logits), finished, eos, pad)
+        position.add_(1)
+        history.scatter_(1, position.view(1, 1).expand(n, 1), chosen)
+        token.copy_(chosen)
+
+    def decode_steps(
+        token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor, left: torch.Tensor
+    ) -> None:
+        if not until_eos:
+            for _ in range(steps):
+                one_step(token, position, finished)
+            return
+
+        def more(*state: torch.Tensor) -> torch.Tensor:  # a device-side test, no sync
+            return (state[3] > 0) & ~state[2].all()
+
+        def step(*state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            one_step(*state[:3])
+            state[3].sub_(1)
+            return state
+
+        while_loop(more, step, (token, position, finished, left), max_iterations=limit)
+
+    name = mode.replace("+", "_")
+    suffix = "" if length == decoder.caches.max_length else f"_len{length}"
+    decode_steps.__qualname__ = decode_steps.__name__ = f"decode_{name}_batch{n}{suffix}"
+    device = decoder.device
+    token = torch.zeros(n, 1, dtype=torch.long, device=device)
+    position = torch.zeros(1, dtype=torch.long, device=device)
+    finished = torch.zeros(n, dtype=torch.bool, device=device)
+    left = torch.ones((), dtype=torch.long, device=device)  # steps left (until_eos)
+    with torch.no_grad():
+        return graph(
+            decode_steps,
+            token,
+            position,
+            finished,
+            left,
+            pool=decoder.pool,
+            warmup=decoder.warmup,
+            # The step reaches the model through a bound method: name it, so the guard sees a
+            # parameter moved to new memory (and captures again) before a replay.
+            modules=[decoder.model],
+            # The decoder owns the cache and the buffers and resets them per request, so
+            # warm-up's writes need no putting back (that would copy the whole cache).
+            side_effects="keep",
+            outputs="alias",
+            eager=decoder.eager,
+        )
+
+
+def compile_forward(decoder: Any, mode: str) -> None:
+    """Run ``decoder``'s compiled forward of ``mode`` once per shape class, on the full length,
+    so that it compiles now and the captures after it only capture: the smallest batch rung
+    (batch 1 is a class of its own) and the largest, for every other (batch and cache length are dynamic dimensions). Its writes to
+    the cache are undone."""
+    length, device = decoder.lengths[-1], decoder.device
+    for n in sorted({decoder.rungs[0], decoder.rungs[-1]}):
+        cache = decoder.caches[n, length]
+        token = torch.zeros(n, 1, dtype=torch.long, device=device)
+        position = torch.zeros(1, dtype=torch.long, device=device)
+        with torch.no_grad():
+            if mode.endswith("+padded"):
+                attends, ids = decoder.attends[:n, :, :, :length], position - decoder.padding[:n]
+                decoder.forward_padded(token, position, cache, attends, ids)
+            else:
+                decoder.forward(token, position, cache)
+        cache.reset()
