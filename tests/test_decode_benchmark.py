@@ -78,3 +78,21 @@ def test_the_decode_benchmark_runs_at_a_configured_cache_length(tmp_path: Path) 
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert short.returncode != 0 and "shorter than --prompt + --new" in short.stderr
+
+
+def test_the_decode_profile_counts_what_each_token_runs(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    subprocess.run(
+        [sys.executable, "benchmarks/decode_profile.py", "--model", "llama-tiny", "--compile",
+         "none", "--max-length", "32", "--prompt", "4", "--new", "8", "--dtype", "float32",
+         "--json", str(out), "--markdown", str(tmp_path / "profile.md")],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["tokens_per_s"] > 0 and result["kernels_per_token"] > 1
+    costliest = result["costliest"]
+    assert 1 <= len(costliest) <= 10
+    spent = [k["us_per_token"] for k in costliest]
+    assert spent == sorted(spent, reverse=True)  # the costliest first
+    assert sum(k["share_of_busy"] for k in costliest) <= 1 + 1e-9
+    assert "aten::mm" in {k["kernel"] for k in costliest}  # the projections, on the CPU

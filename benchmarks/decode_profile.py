@@ -1,0 +1,156 @@
+"""Where a decode step's time goes: the kernels of ``Decoder(compile=...)`` at batch 1.
+
+One warm request, then a profiled one (``torch.profiler``, CUDA activity: the kernels a graph
+replay launches are recorded one by one). Reports kernels per token, GPU kernel time per token
+against the wall time per token (the gap is time the GPU waits), the share of the
+weight-streaming roofline (every weight read once per token at the HBM bandwidth), and the ten
+kernels that cost the most per token.
+
+    python benchmarks/decode_profile.py --model llama-2048 --max-length 168
+    python benchmarks/decode_profile.py --model llama-2048 --compile max-autotune-no-cudagraphs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
+
+
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.tools.workloads import random_llama
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    model = random_llama(args.model, device, getattr(torch, args.dtype))
+    compile_mode: bool | str = True if args.compile == "default" else args.compile
+    if args.compile == "none":
+        compile_mode = False
+    decoder = Decoder(
+        model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode
+    )
+    torch.manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
+
+    def request() -> None:
+        decoder.generate(prompt, max_new_tokens=args.new, eos_token_id=None)
+        if cuda:
+            torch.cuda.synchronize()
+
+    request()  # warm
+    start = time.perf_counter()
+    request()
+    wall = time.perf_counter() - start
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        request()
+    # Kernels as CUPTI saw them (a graph replay's too), summed per name; on a CPU (a smoke run
+    # of this script) the operators' own time instead.
+    per_kernel: dict[str, tuple[int, float]] = {}
+    for entry in prof.key_averages():
+        on_gpu = entry.device_type == DeviceType.CUDA
+        if on_gpu or (not cuda and entry.self_cpu_time_total > 0):
+            us = entry.self_device_time_total if on_gpu else entry.self_cpu_time_total
+            per_kernel[entry.key] = (entry.count, float(us))
+    tokens = args.new
+    kernels = sum(count for count, _ in per_kernel.values())
+    busy_us = sum(us for _, us in per_kernel.values())
+    weights = sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if p is not model.get_input_embeddings().weight or p is model.get_output_embeddings().weight
+    )
+    costliest = sorted(per_kernel.items(), key=lambda item: -item[1][1])[:10]
+    return {
+        "hardware": torch.cuda.get_device_name() if cuda else "CPU",
+        "torch": torch.__version__,
+        "model": args.model,
+        "dtype": args.dtype,
+        "compile": args.compile,
+        "cache_length": args.max_length,
+        "prompt": args.prompt,
+        "new": tokens,
+        "tokens_per_s": tokens / wall,
+        "wall_us_per_token": 1e6 * wall / tokens,
+        "kernels_per_token": kernels / tokens,
+        "gpu_busy_us_per_token": busy_us / tokens,
+        "roofline_share": (tokens / wall) * weights / HBM_BYTES_PER_S,
+        "costliest": [
+            {
+                "kernel": name,
+                "calls_per_token": count / tokens,
+                "us_per_token": us / tokens,
+                "share_of_busy": us / busy_us if busy_us else 0.0,
+            }
+            for name, (count, us) in costliest
+        ],
+    }
+
+
+def markdown(r: dict[str, Any]) -> list[str]:
+    lines = [
+        f"Hardware: {r['hardware']}, torch {r['torch']}; {r['model']} ({r['dtype']}), batch 1, "
+        f"`Decoder(compile={r['compile']!r})`, cache length {r['cache_length']}, a request of "
+        f"{r['prompt']} + {r['new']} tokens (the profiled one; the timed one before it unprofiled).",
+        "",
+        f"- tokens/s {r['tokens_per_s']:.1f}; wall {r['wall_us_per_token']:.1f} µs per token; "
+        f"GPU kernel time {r['gpu_busy_us_per_token']:.1f} µs per token; "
+        f"{r['kernels_per_token']:.1f} kernels per token; weight-streaming roofline share "
+        f"{100 * r['roofline_share']:.1f}%",
+        "",
+        "| kernel | calls per token | µs per token | share of kernel time |",
+        "|---|---|---|---|",
+    ]
+    for k in r["costliest"]:
+        name = k["kernel"].replace("|", "/")
+        name = name if len(name) <= 90 else name[:87] + "..."
+        lines.append(
+            f"| `{name}` | {k['calls_per_token']:.1f} | {k['us_per_token']:.1f} | "
+            f"{100 * k['share_of_busy']:.1f}% |"
+        )
+    return [*lines, ""]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="llama-2048")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-length", type=int, default=168)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument(
+        "--compile",
+        default="default",
+        help="'default' (compile=True), a torch.compile mode, or 'none' (eager kernels)",
+    )
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--markdown", type=Path, default=None)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    with torch.no_grad():
+        results = profile(args)
+    text = "\n".join(markdown(results))
+    print(text, flush=True)
+    path = args.json or RESULTS / f"decode-profile-{args.model}.json"
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
