@@ -96,3 +96,18 @@ def test_the_decode_profile_counts_what_each_token_runs(tmp_path: Path) -> None:
     assert spent == sorted(spent, reverse=True)  # the costliest first
     assert sum(k["share_of_busy"] for k in costliest) <= 1 + 1e-9
     assert "aten::mm" in {k["kernel"] for k in costliest}  # the projections, on the CPU
+
+
+def test_the_compile_cost_benchmark_times_every_variant(tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    subprocess.run(
+        [sys.executable, "benchmarks/decode_compile_cost.py", "--model", "llama-tiny",
+         "--batch", "2", "--max-length", "300", "--json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    runs = json.loads(out.read_text())["runs"]
+    assert list(runs) == ["static", "length", "batch", "both"]
+    for which, row in runs.items():
+        phases = (row["bytecode_tracing"], row["create_aot_dispatcher_function"])
+        assert all(0 < t <= row["_compile.compile_inner"] for t in phases), which
+        assert row["second_call_s"] < row["first_call_s"], which  # the second call is compiled

@@ -1,0 +1,124 @@
+"""What marking the batch and the cache length dynamic costs ``torch.compile`` in tracing.
+
+The Decoder's forward (one decode step of a Llama over a prefix view of the rung caches) is
+compiled with the ``aot_eager`` backend, which runs Dynamo and AOTAutograd but no code
+generation, so the figures are the tracing cost alone and the script runs on a CPU. Each
+variant runs in a fresh process with an empty on-disk compile cache:
+
+  static   every size a constant (one compile per (batch rung, length rung))
+  length   the cache length a dynamic dimension
+  batch    the batch a dynamic dimension
+  both     both, as ``Decoder(compile=True)`` marks them
+
+Reported per variant: Dynamo's bytecode tracing, AOTAutograd, and the whole compile, from
+``torch._dynamo.utils.compile_times()``.
+
+    python benchmarks/decode_compile_cost.py --model llama-2048 --markdown reports/x.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+VARIANTS = {"static": {}, "length": {"length": 2}, "batch": {"batch": 0}, "both": {"batch": 0, "length": 2}}  # fmt: skip
+PHASES = {
+    "bytecode_tracing": "Dynamo tracing s",
+    "create_aot_dispatcher_function": "AOTAutograd s",
+    "_compile.compile_inner": "whole compile s",
+}
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    from cudagraphs.integrations.compiled import mark_rung_dims
+    from cudagraphs.integrations.kv_cache import RungCaches
+    from cudagraphs.tools.workloads import random_llama
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = random_llama(args.model, device, torch.bfloat16)
+    caches = RungCaches(model, [args.batch], args.max_length, [256, args.max_length])
+    marks = VARIANTS[args.which]
+
+    def forward(token: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
+        out = model(input_ids=token, cache_position=position, use_cache=True, past_key_values=cache)
+        return out.logits[:, -1, :]
+
+    if marks:
+        mark_rung_dims(caches.tensors(), **marks)
+    compiled = torch.compile(forward, backend="aot_eager", dynamic=False if not marks else None)
+    token = torch.zeros(args.batch, 1, dtype=torch.long, device=device)
+    if "batch" in marks:
+        mark_rung_dims([token], batch=0)
+    start = time.perf_counter()
+    compiled(token, torch.tensor([5], device=device), caches[args.batch, 256])
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    compiled(token, torch.tensor([6], device=device), caches[args.batch, 256])
+    second = time.perf_counter() - start
+    rows = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    times = dict(zip(rows[0], rows[1])) if isinstance(rows, tuple) else {}
+    return {
+        "first_call_s": first,
+        "second_call_s": second,
+        **{key: float(times.get(key, "nan")) for key in PHASES},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", default="llama-2048")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--max-length", type=int, default=4096)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--_child", dest="which", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    if args.which:
+        with torch.no_grad():
+            print(json.dumps(child(args)))
+        return
+    runs = {}
+    for which in VARIANTS:
+        with tempfile.TemporaryDirectory() as cache:
+            cmd = [sys.executable, __file__, "--model", args.model, "--batch", str(args.batch),
+                   "--max-length", str(args.max_length), "--_child", which]  # fmt: skip
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+            runs[which] = json.loads(proc.stdout.strip().splitlines()[-1])
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    lines = [
+        f"{device}, {os.cpu_count()} CPU cores, torch {torch.__version__}; {args.model} (bf16), "
+        f"batch {args.batch}, a decode step on the 256-position view of a cache of "
+        f"{args.max_length}; backend aot_eager (no code generation); each variant a fresh process.",
+        "",
+        "| dynamic dimensions | " + " | ".join(PHASES.values()) + " |",
+        "|---|" + "---|" * len(PHASES),
+    ]
+    for which, r in runs.items():
+        lines.append(f"| {which} | " + " | ".join(f"{r[k]:.1f}" for k in PHASES) + " |")
+    text = "\n".join([*lines, ""])
+    print(text)
+    path = args.json or RESULTS / f"decode-compile-cost-{args.model}.json"
+    path.write_text(
+        json.dumps({"device": device, "torch": torch.__version__, "runs": runs}, indent=1) + "\n"
+    )
+    if args.markdown:
+        args.markdown.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
