@@ -3,7 +3,9 @@
 The Decoder prepares one static KV cache for the largest batch, prefills eagerly, and decodes
 with CUDA graphs, one per batch rung, here 4 decode steps per graph launch with the next token
 chosen and fed back on the GPU. Its greedy output is checked token for token against
-``model.generate`` and timed against a plain decode loop. Random weights from a config (no
+``model.generate`` and timed against a plain decode loop. Then the same requests through a
+Decoder whose cache is as long as chat models configure it (4096 positions): its cache-length
+rungs keep these short requests on a prefix of the cache. Random weights from a config (no
 download). On a CPU-only machine the decode steps run eagerly, with the same tokens.
 
     python examples/llm_decode.py
@@ -94,3 +96,17 @@ print(
     f"Decoder {torch.equal(graph_tokens, expected)}"
 )
 assert torch.equal(graph_tokens, expected), "the Decoder must give generate's tokens"
+
+# A cache as long as users configure it: the default cache-length rungs are powers of two from
+# 256 up to it, and a launch attends only to the shortest prefix that holds its positions.
+with torch.no_grad():
+    long = Decoder(model, max_batch=BATCH, max_length=4096, steps_per_graph=4)
+    long_tokens, long_speed = timed(
+        lambda: long.generate(prompt, max_new_tokens=NEW, eos_token_id=None)
+    )
+used = {key: n for key, n in long.stats.replays.items() if n}
+print(f"Decoder, cache of 4096: {long_speed:9.1f} tokens/s; length rungs {long.lengths}")
+print(
+    f"  launches per rung: {used}; tokens equal model.generate {torch.equal(long_tokens, expected)}"
+)
+assert torch.equal(long_tokens, expected), "the rungs must not change the tokens"
