@@ -9,6 +9,7 @@ prefix, so a step reads only that much of the cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,18 +24,15 @@ __all__ = ["capture_steps", "compile_forward"]
 def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
     """Capture the decode graph of batch rung ``n`` on cache-length rung ``length`` for
     ``decoder`` (a ``transformers.Decoder``: its buffers, caches, forward and options)."""
-    forward, choose, cache = decoder.forward, decoder.chooser(mode), decoder.caches[n, length]
+    logits_of, choose = _rung_forward(decoder, n, length, mode), decoder.chooser(mode)
     history, eos, pad, steps = decoder.history[:n], decoder.eos, decoder.pad, decoder.steps
-    attends, padding = decoder.attends[:n, :, :, :length], decoder.padding[:n]
-    padded, forward_padded = mode.endswith("+padded"), decoder.forward_padded
+    attends, padded = decoder.attends[:n, :, :, :length], mode.endswith("+padded")
     until_eos, limit = decoder.until_eos, decoder.max_length
 
     def one_step(token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor) -> None:
-        if padded:  # this position joins every row's view; ids skip the padding
+        if padded:  # this position joins every row's view
             attends.index_fill_(3, position, True)
-            logits = forward_padded(token, position, cache, attends, position - padding)
-        else:
-            logits = forward(token, position, cache)
+        logits = logits_of(token, position)
         chosen = stop_finished(choose(logits), finished, eos, pad)
         position.add_(1)
         history.scatter_(1, position.view(1, 1).expand(n, 1), chosen)
@@ -89,17 +87,27 @@ def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
 def compile_forward(decoder: Any, mode: str) -> None:
     """Run ``decoder``'s compiled forward of ``mode`` once per shape class, on the full length,
     so that it compiles now and the captures after it only capture: the smallest batch rung
-    (batch 1 is a class of its own) and the largest, for every other (batch and cache length are dynamic dimensions). Its writes to
-    the cache are undone."""
+    (batch 1 is a class of its own) and the largest, for every other (batch and cache length
+    are dynamic dimensions). Its writes to the cache are undone."""
     length, device = decoder.lengths[-1], decoder.device
     for n in sorted({decoder.rungs[0], decoder.rungs[-1]}):
-        cache = decoder.caches[n, length]
         token = torch.zeros(n, 1, dtype=torch.long, device=device)
         position = torch.zeros(1, dtype=torch.long, device=device)
         with torch.no_grad():
-            if mode.endswith("+padded"):
-                attends, ids = decoder.attends[:n, :, :, :length], position - decoder.padding[:n]
-                decoder.forward_padded(token, position, cache, attends, ids)
-            else:
-                decoder.forward(token, position, cache)
-        cache.reset()
+            _rung_forward(decoder, n, length, mode)(token, position)
+        decoder.caches[n, length].reset()
+
+
+def _rung_forward(
+    decoder: Any, n: int, length: int, mode: str
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The logits of one decode step on rung (``n``, ``length``): ``(token, position)`` through
+    the decoder's forward, on that rung's view of the cache (``+padded``: with its mask and
+    position ids that skip each row's padding)."""
+    cache = decoder.caches[n, length]
+    if not mode.endswith("+padded"):
+        return lambda token, position: decoder.forward(token, position, cache)
+    attends, padding = decoder.attends[:n, :, :, :length], decoder.padding[:n]
+    return lambda token, position: decoder.forward_padded(
+        token, position, cache, attends, position - padding
+    )

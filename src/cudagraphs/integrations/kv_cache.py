@@ -30,8 +30,9 @@ class RungCaches:
 
     A length rung's layers hold the first ``length`` positions of its batch rung's keys and
     values (a view) and report that length as ``max_cache_len`` (read from the view's shape),
-    from which the model sizes its mask, so a step attends only to that prefix. Its position counters are the batch rung's own
-    objects: a request moves to a longer rung between two steps with nothing copied.
+    from which the model sizes its mask, so a step attends only to that prefix. Its position
+    counters are the batch rung's own objects: a request moves to a longer rung between two
+    steps with nothing copied.
     """
 
     def __init__(self, model: Any, rungs: list[int], max_length: int, lengths: Sequence[int] = ()):
@@ -50,7 +51,7 @@ class RungCaches:
         for n in rungs:
             rows = self.base if n == largest else _view(self.base, n)
             for length in self.lengths:
-                self.caches[n, length] = _view(rows, n, length)
+                self.caches[n, length] = _length_view(rows, length)
         for cache in self.caches.values():
             cache.reset()
 
@@ -158,16 +159,12 @@ def _initialize(model: Any, cache: Any, batch: int) -> None:
             )
 
 
-def _view(big: Any, batch: int, length: int | None = None) -> Any:
-    """A shallow copy of ``big`` whose layers hold its first ``batch`` rows (with position
-    counters of their own), or, given ``length``, its first ``length`` positions (with
-    ``big``'s own counters: the same batch rung, one request at a time)."""
+def _view(big: Any, batch: int) -> Any:
+    """A shallow copy of ``big`` whose layers hold its first ``batch`` rows, with position
+    counters of their own."""
     cache = copy.copy(big)
     cache.layers = []
     for layer in big.layers:
-        if length is not None:
-            cache.layers.append(_prefix(layer, length))
-            continue
         small = copy.copy(layer)
         for name in _ROWS:
             setattr(small, name, getattr(layer, name)[:batch])
@@ -177,9 +174,18 @@ def _view(big: Any, batch: int, length: int | None = None) -> Any:
             if isinstance(value, torch.Tensor) and name not in _ROWS:
                 setattr(small, name, value.clone())
         cache.layers.append(small)
+    return cache
+
+
+def _length_view(rows: Any, length: int) -> Any:
+    """A shallow copy of ``rows`` (one batch rung's cache) whose layers hold its first
+    ``length`` positions, with ``rows``' own counters: the same batch rung, one request at a
+    time."""
+    cache = copy.copy(rows)
+    cache.layers = [_prefix(layer, length) for layer in rows.layers]
     # Older transformers keep the cache's length on the cache too; newer ones ask the layers.
     settable = not isinstance(getattr(type(cache), "max_cache_len", None), property)
-    if length is not None and settable and hasattr(cache, "max_cache_len"):
+    if settable and hasattr(cache, "max_cache_len"):
         cache.max_cache_len = length
     return cache
 

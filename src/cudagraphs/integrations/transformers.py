@@ -304,20 +304,24 @@ class Decoder:
             self._prefill(input_ids, padding, n, mode, eos, pad, token, position, finished)
             left.fill_(max_new_tokens - 1)  # until_eos: one launch decodes them all
             launches = 1 if self.until_eos else math.ceil((max_new_tokens - 1) / self.steps)
-            self.stats.replays.setdefault(self._key(mode, n, self.lengths[at]), 0)
+            first, launched = at, [0] * len(self.lengths)  # launches per length rung
             for launch in range(1, launches + 1):
-                if (rung := self._length_rung(length + launch * self.steps)) != at:
+                if (end := length + launch * self.steps) > self.lengths[at]:
+                    rung = self._length_rung(end)
                     state = graphs[rung].inputs  # the request moves on; the cache stays put
                     for mine, theirs in zip(state, (token, position, finished, left)):
                         mine.copy_(theirs)
                     at, (token, position, finished, left) = rung, state
                 graphs[at](token, position, finished, left)
-                key = self._key(mode, n, self.lengths[at])
-                self.stats.replays[key] = self.stats.replays.get(key, 0) + 1
+                launched[at] += 1
                 if eos and launch % self.check_every == 0 and launch < launches:
                     self.stats.checks += 1
                     if bool(finished.all()):
                         break
+            for i, count in enumerate(launched):
+                if count or i == first:
+                    key = self._key(mode, n, self.lengths[i])
+                    self.stats.replays[key] = self.stats.replays.get(key, 0) + count
             # A guarded tensor that moved (a reloaded model) makes a graph capture again.
             self.stats.recaptures = sum(g.stats.recaptures for g in self.graphs.values())
             out = self.history[:batch, : length + max_new_tokens].clone()
