@@ -1,10 +1,14 @@
-"""What every benchmark script shares: its command line, the CUDA check, writing results."""
+"""What every benchmark script shares: its command line, the CUDA check, writing results, runs
+in fresh processes."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,3 +90,13 @@ def write(results: Any, markdown: str, args: argparse.Namespace, console: Consol
     if args.markdown:
         args.markdown.write_text(markdown)
     console.print(f"wrote {args.json}")
+
+
+def fresh_process(argv: list[str], cache_dir: str, what: str) -> dict[str, Any]:
+    """Run a benchmark script's child (``python ARGV``) in a fresh process whose on-disk compile
+    cache is ``cache_dir``; the last line it prints is its JSON result."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+    proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise SystemExit(f"{what} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -30,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import RESULTS, fresh_process, write
+from rich.console import Console
 
-RESULTS = Path(__file__).parent / "results"
 VARIANTS = {"static": {}, "length": {"length": 2}, "batch": {"batch": 0}, "both": {"batch": 0, "length": 2}}  # fmt: skip
 PHASES = {
     "bytecode_tracing": "Dynamo tracing s",
@@ -94,11 +93,11 @@ def main() -> None:
     runs = {}
     for which in VARIANTS:
         with tempfile.TemporaryDirectory() as cache:
-            cmd = [sys.executable, __file__, "--model", args.model, "--batch", str(args.batch),
-                   "--max-length", str(args.max_length), "--_child", which]  # fmt: skip
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-            runs[which] = json.loads(proc.stdout.strip().splitlines()[-1])
+            runs[which] = fresh_process(
+                [__file__, "--model", args.model, "--batch", str(args.batch), "--max-length",
+                 str(args.max_length), "--_child", which],
+                cache, which,
+            )  # fmt: skip
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     lines = [
         f"{device}, {os.cpu_count()} CPU cores, torch {torch.__version__}; {args.model} (bf16), "
@@ -112,12 +111,8 @@ def main() -> None:
         lines.append(f"| {which} | " + " | ".join(f"{r[k]:.1f}" for k in PHASES) + " |")
     text = "\n".join([*lines, ""])
     print(text)
-    path = args.json or RESULTS / f"decode-compile-cost-{args.model}.json"
-    path.write_text(
-        json.dumps({"device": device, "torch": torch.__version__, "runs": runs}, indent=1) + "\n"
-    )
-    if args.markdown:
-        args.markdown.write_text(text)
+    args.json = args.json or RESULTS / f"decode-compile-cost-{args.model}.json"
+    write({"device": device, "torch": torch.__version__, "runs": runs}, text, args, Console())
 
 
 if __name__ == "__main__":

@@ -13,16 +13,15 @@ kernels that cost the most per token.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-
-RESULTS = Path(__file__).parent / "results"
-HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
+from common import RESULTS, write
+from decode import HBM_BYTES_PER_S, weight_bytes
+from rich.console import Console
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
@@ -68,11 +67,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     tokens = args.new
     kernels = sum(count for count, _ in per_kernel.values())
     busy_us = sum(us for _, us in per_kernel.values())
-    weights = sum(
-        p.numel() * p.element_size()
-        for p in model.parameters()
-        if p is not model.get_input_embeddings().weight or p is model.get_output_embeddings().weight
-    )
+    weights = weight_bytes(model)
     costliest = sorted(per_kernel.items(), key=lambda item: -item[1][1])[:10]
     return {
         "hardware": torch.cuda.get_device_name() if cuda else "CPU",
@@ -146,10 +141,8 @@ def main() -> None:
         results = profile(args)
     text = "\n".join(markdown(results))
     print(text, flush=True)
-    path = args.json or RESULTS / f"decode-profile-{args.model}.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
+    args.json = args.json or RESULTS / f"decode-profile-{args.model}.json"
+    write(results, text + "\n", args, Console())
 
 
 if __name__ == "__main__":

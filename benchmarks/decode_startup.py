@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -32,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-RESULTS = Path(__file__).parent / "results"
+from common import RESULTS, fresh_process, write
+from rich.console import Console
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
@@ -79,14 +76,12 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, which: str, cache_dir: str) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--model", args.model, "--dtype", args.dtype,
-           "--batch", str(args.batch), "--max-length", str(args.max_length),
-           "--prompt", str(args.prompt), "--new", str(args.new), "--_child", which]  # fmt: skip
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode:
-        raise SystemExit(f"{which} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return fresh_process(
+        [__file__, "--model", args.model, "--dtype", args.dtype, "--batch", str(args.batch),
+         "--max-length", str(args.max_length), "--prompt", str(args.prompt), "--new",
+         str(args.new), "--_child", which],
+        cache_dir, which,
+    )  # fmt: skip
 
 
 def markdown(results: dict[str, Any]) -> list[str]:
@@ -152,10 +147,8 @@ def main() -> None:
     results = {**head, "runs": runs}
     text = "\n".join(markdown(results))
     print(text, flush=True)
-    path = args.json or RESULTS / f"decode-startup-{args.model}.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
-    if args.markdown:
-        args.markdown.write_text(text + "\n")
+    args.json = args.json or RESULTS / f"decode-startup-{args.model}.json"
+    write(results, text + "\n", args, Console())
 
 
 if __name__ == "__main__":
