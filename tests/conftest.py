@@ -17,8 +17,8 @@ import torch
 
 import cudagraphs as cg
 from cudagraphs.core import recorder as capture_module
-from cudagraphs.core.state import WriteRecorder
 from cudagraphs.core.tree import NAMESPACE
+from cudagraphs.core.written_state import WriteRecorder
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

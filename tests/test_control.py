@@ -126,7 +126,7 @@ def test_a_body_routes_allocations_once_and_gives_back_what_it_took(monkeypatch)
     """The allocator bookkeeping around conditional bodies: the capture's own routing is
     replaced once (however many bodies), and after the capture the routing and the pool
     reference taken for it are given back, so the pool lives exactly as long as the graph."""
-    from cudagraphs.core.capturing import active_capture, capturing
+    from cudagraphs.core.active_capture import active_capture, capturing
 
     calls: list[tuple[str, int, object]] = []
 
@@ -162,7 +162,7 @@ def test_the_capture_names_its_pool_before_it_begins(monkeypatch) -> None:
     import contextlib
 
     from cudagraphs.core import recorder
-    from cudagraphs.core.capturing import active_capture
+    from cudagraphs.core.active_capture import active_capture
 
     events: list[object] = []
 

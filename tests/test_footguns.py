@@ -370,7 +370,7 @@ def test_verify_passes_a_clean_model_and_compares_random_outputs_by_shape() -> N
 # ---------------------------------------------------------------- real models keep state
 # Warm-up, verification and the doctor run the function for real; a transformers static cache
 # advances its own device counter on every call, BatchNorm its statistics, threads share one
-# graph, torch.compile lives in the same process. (CPU variants: tests/test_state.py.)
+# graph, torch.compile lives in the same process. (CPU variants: tests/test_written_state.py.)
 
 HERE = Path(__file__).resolve().parent
 

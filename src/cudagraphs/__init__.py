@@ -23,6 +23,7 @@ from .core.stats import Stats
 from .diagnose.doctor import Finding, Report, doctor
 from .errors import (
     BatcherClosed,
+    BucketOverflowError,
     CaptureError,
     CollectiveMismatchError,
     ConditionalNodesUnavailable,
@@ -46,10 +47,11 @@ from .errors import (
 )
 from .options import OutputPolicy
 from .serve.batcher import Batcher
+from .shapes.bucket_stats import BucketStats
 from .shapes.bucketed import Bucketed
 from .shapes.exact import ExactShapes
 from .shapes.ladders import powers_of_two, server_sizes
-from .shapes.spec import BucketOverflowError, Buckets, BucketStats
+from .shapes.spec import Buckets
 from .training.autograd import GraphedAutograd
 from .training.autograd_chain import graph_autograd, graph_autograd_chain
 from .training.distributed import capture_stream, ddp

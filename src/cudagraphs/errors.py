@@ -11,6 +11,7 @@ from typing import Any
 
 __all__ = [
     "BatcherClosed",
+    "BucketOverflowError",
     "CaptureError",
     "CollectiveMismatchError",
     "ConditionalNodesUnavailable",
@@ -73,6 +74,10 @@ class InputMismatchError(CudaGraphsError):
     Python value it saw was frozen into the recording; a different value would be silently
     ignored (or broadcast, or cast) if it were not refused here.
     """
+
+
+class BucketOverflowError(InputMismatchError):
+    """A real size is above the largest rung of its bucket ladder (``overflow="raise"``)."""
 
 
 class CaptureError(CudaGraphsError):

@@ -9,7 +9,7 @@ through the driver at first use; nothing is compiled or written to disk.
 
 The CUDA runtime is reached through ``cuda-bindings`` (``pip install cudagraphs[conditional]``),
 imported only when a node is made. From the first body on, the caching allocator serves every
-allocation of the capture from its own pool (``core.capturing``), so the body's memory is the
+allocation of the capture from its own pool (``core.active_capture``), so the body's memory is the
 graph's, reused on every iteration.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..core import compat
-from ..core.capturing import active_capture
+from ..core.active_capture import active_capture
 from ..errors import CaptureError, ConditionalNodesUnavailable, explain
 from . import kernels
 

@@ -173,7 +173,7 @@ def share_module_state(view: torch.nn.Module, module: torch.nn.Module) -> None:
         object.__setattr__(view, name, getattr(module, name))
 
 
-# --- capture (recorder.py, capturing.py) ------------------------------------------------------
+# --- capture (recorder.py, active_capture.py) -------------------------------------------------
 
 
 def clear_cublas_workspaces() -> None:
@@ -233,7 +233,7 @@ def tensors_at_addresses(
     return functools.partial(equal, list(tensors), list(ptrs), list(range(len(tensors))))
 
 
-# --- ops as the dispatcher sees them (state.py, diagnose/watches.py) --------------------------
+# --- ops as the dispatcher sees them (written_state.py, diagnose/watches.py) ---------------------
 
 
 def op_name(func: Any) -> str:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .state import storage_key
+from .written_state import storage_key
 
 __all__ = ["is_compiled", "named_roots", "reachable_tensors", "walk"]
 

@@ -25,14 +25,14 @@ import torch
 
 from ..errors import CaptureError, ConfigError, CudaGraphsError, explain
 from . import compat
-from .capturing import capturing
+from .active_capture import capturing
 from .copy_nodes import CopyNodes, CopyNodesUnavailable, sources_for
 from .copy_nodes import record as record_copies
 from .failures import block_hint, classify_failure
 from .frames import callable_name, failing_module, user_location
 from .segments import Segments
 from .splitter import KeptWrites, NeedsSplitting, Splitter, module_gaps
-from .state import DeferredWriteRecorder
+from .written_state import DeferredWriteRecorder
 
 __all__ = [
     "Recording",

@@ -24,8 +24,8 @@ from . import collectives, compat, python_state, recorder, segments, side_effect
 from .frames import callable_name
 from .guards import modules_of
 from .recorder import Recording
-from .state import Written
 from .tree import Signature
+from .written_state import Written
 
 __all__ = ["Run", "eager_modules", "warm_up_and_capture"]
 

@@ -3,7 +3,7 @@
 Warm-up on the examples, bucket probes, recaptures, verification and the doctor run the function
 for real. :class:`SideEffects` wraps such runs: with ``"restore"`` (the default) every tensor they
 write outside the call's inputs and the RNG states are put back afterwards (see
-:mod:`cudagraphs.core.state` for how writes are found), ``"keep"`` lets the runs count, and
+:mod:`cudagraphs.core.written_state` for how writes are found), ``"keep"`` lets the runs count, and
 ``"raise"`` puts everything back and refuses (:class:`~cudagraphs.errors.StateWriteError`).
 """
 
@@ -20,7 +20,7 @@ import torch
 from ..errors import CudaGraphsWarning, StateWriteError, explain
 from .frames import callable_name, user_stacklevel
 from .reach import is_compiled, reachable_tensors
-from .state import Snapshot, Versions, WriteRecorder, Written, storage_key
+from .written_state import Snapshot, Versions, WriteRecorder, Written, storage_key
 
 __all__ = ["SideEffects", "report"]
 

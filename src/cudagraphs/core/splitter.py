@@ -22,7 +22,7 @@ import torch
 
 from ..errors import SegmentError, explain
 from . import compat
-from .capturing import active_capture
+from .active_capture import active_capture
 from .frames import callable_name, user_frame
 from .segments import Gap, Segments
 from .tree import NAMESPACE

@@ -6,8 +6,8 @@ dtype and device. Plain values were seen once, at capture, and baked into the re
 call must bring equal values. This module records that signature and turns a mismatch into an
 :class:`~cudagraphs.errors.InputMismatchError` that names the leaf (``args[0]['obs']``).
 
-The fast per-call check lives in :mod:`cudagraphs.graphed`; everything here runs at capture
-time or after a mismatch, where clarity beats speed.
+The fast per-call check lives in :mod:`cudagraphs.core.replayer`; everything here runs at
+capture time or after a mismatch, where clarity beats speed.
 """
 
 from __future__ import annotations

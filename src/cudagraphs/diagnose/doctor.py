@@ -27,8 +27,8 @@ from ..core.frames import user_frame
 from ..core.guards import closure_tensors, modules_of
 from ..core.reach import reachable_tensors
 from ..core.side_effects import SideEffects
-from ..core.state import RngState, storage_key
 from ..core.tree import NAMESPACE, Signature, flatten, leaf_paths
+from ..core.written_state import RngState, storage_key
 from .findings import KINDS, Collector, Finding, Report
 from .verify import random_like
 from .watches import DispatchWatch, FunctionWatch, as_if_capturing, patched_calls, sync_debug

@@ -26,8 +26,8 @@ import torch
 from ..core.frames import callable_name, user_stacklevel
 from ..core.reach import named_roots
 from ..core.side_effects import SideEffects
-from ..core.state import Snapshot, Written
 from ..core.tree import NAMESPACE, leaf_paths
+from ..core.written_state import Snapshot, Written
 from ..errors import CudaGraphsWarning, VerificationError, explain
 
 if TYPE_CHECKING:

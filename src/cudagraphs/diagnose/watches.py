@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 from ..core.compat import OPS_DISPATCH_MODE, op_name, op_returns_alias
 from ..core.frames import user_frame
 from ..core.splitter import current_eager_step
-from ..core.state import storage_key, written_arguments
+from ..core.written_state import storage_key, written_arguments
 from .findings import Collector
 
 __all__ = ["DispatchWatch", "FunctionWatch", "as_if_capturing", "patched_calls", "sync_debug"]

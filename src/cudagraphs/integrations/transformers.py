@@ -38,9 +38,7 @@ from ..errors import ConfigError, explain
 from ..options import check_positive_int, refuse_unknown_keywords
 from ..shapes.ladders import powers_of_two
 from .compiled import compiled_forward, mark_rung_dims
-from .decode_steps import capture_steps, compile_forward
-from .kv_cache import RungCaches, cache_keyword, length_rungs
-from .requests import (
+from .decode_requests import (
     MAX_EOS,
     check_attention,
     check_eager,
@@ -50,6 +48,8 @@ from .requests import (
     stop_ids,
     trim_finished,
 )
+from .decode_steps import capture_steps, compile_forward
+from .kv_cache import RungCaches, cache_keyword, length_rungs
 from .sampling import SamplingParams, greedy, sample, stop_finished
 
 __all__ = ["DecodeStats", "Decoder"]

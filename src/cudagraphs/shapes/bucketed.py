@@ -39,9 +39,11 @@ from ..core.side_effects import SideEffects
 from ..core.tree import NAMESPACE, Signature, flatten
 from ..errors import ConfigError, explain
 from ..options import Options
+from .bucket_stats import BucketStats
 from .dispatch import Dispatcher
+from .output_dims import infer_output_dims
 from .overflow import Overflow
-from .spec import Buckets, BucketStats, declare_inputs, infer_output_dims, real_sizes
+from .spec import Buckets, declare_inputs, real_sizes
 from .staging import SharedInput
 
 __all__ = ["Bucketed"]

@@ -13,8 +13,7 @@ import optree
 import torch
 
 from ..core.tree import NAMESPACE, leaf_paths
-from ..errors import explain
-from .spec import BucketOverflowError
+from ..errors import BucketOverflowError, explain
 
 __all__ = ["Overflow"]
 

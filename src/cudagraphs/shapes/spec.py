@@ -1,39 +1,26 @@
 """What a bucketed graph is declared with, and how a call's sizes are read and checked.
 
 :class:`Buckets` is the user's declaration; this module resolves it against the example call
-(which tensor dimensions follow which size symbol, with which pad value), reads each call's
-real sizes (refusing inputs that disagree), and infers which output dimensions to slice.
+(which tensor dimensions follow which size symbol, with which pad value) and reads each call's
+real sizes, refusing inputs that disagree. Which output dimensions follow a symbol is found in
+``output_dims.py``; the counts a bucketed graph keeps are in ``bucket_stats.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
-import optree
 import torch
 
-from ..core.tree import Signature, flatten, leaf_paths
+from ..core.tree import Signature
 from ..errors import ConfigError, InputMismatchError, explain
 
-__all__ = [
-    "BucketOverflowError",
-    "BucketStats",
-    "BucketedInput",
-    "Buckets",
-    "declare_inputs",
-    "dims_tuple",
-    "infer_output_dims",
-    "real_sizes",
-]
+__all__ = ["BucketedInput", "Buckets", "declare_inputs", "dims_tuple", "real_sizes"]
 
 
 Overflow = Literal["raise", "eager", "chunk"]
-
-
-class BucketOverflowError(InputMismatchError):
-    """A real size is above the largest rung of its ladder (``overflow="raise"``)."""
 
 
 DimSpec = Sequence[str | None] | Mapping[int, str]
@@ -54,7 +41,7 @@ class Buckets:
             away, so the pad must be a valid input.
         out_dims: output path (``"out"``, ``"out[0]"``, ``"out['logits']"``) -> symbols per
             dimension, for outputs whose dimensions cannot be inferred (declared ones win).
-        overflow: above the largest rung: ``"raise"`` (:class:`BucketOverflowError`),
+        overflow: above the largest rung: ``"raise"`` (:class:`~cudagraphs.errors.BucketOverflowError`),
             ``"eager"`` (run ``fn`` eagerly, logged once, counted) or ``"chunk"`` (split along
             the symbol into pieces of the largest rung, replay each, concatenate).
         lazy: capture each bucket on its first use instead of all up front.
@@ -66,53 +53,6 @@ class Buckets:
     out_dims: Mapping[str, DimSpec] | None = None
     overflow: Overflow = "raise"
     lazy: bool = False
-
-
-@dataclass
-class BucketStats:
-    """Per-bucket hits and costs, padding waste and overflows of a :class:`Bucketed`."""
-
-    hits: dict[tuple[int, ...], int] = field(default_factory=dict)
-    capture_s: dict[tuple[int, ...], float] = field(default_factory=dict)
-    pool_bytes: dict[tuple[int, ...], int] = field(default_factory=dict)
-    real_elements: int = 0
-    padded_elements: int = 0
-    overflows: int = 0
-    eager_calls: int = 0
-    #: growth of torch.cuda.memory_reserved() while all buckets were captured (what a user sees)
-    reserved_bytes: int = 0
-
-    @property
-    def padding_waste(self) -> float:
-        """Padded elements over real elements, across all calls (0.0: no padding)."""
-        return self.padded_elements / self.real_elements if self.real_elements else 0.0
-
-    @property
-    def pool_total_bytes(self) -> int:
-        return sum(self.pool_bytes.values())
-
-    def print(self, symbols: Sequence[str], title: str, console: Any = None) -> None:
-        """A rich table: per bucket, capture seconds, pool MiB and hits; then the totals."""
-        from rich.console import Console
-        from rich.table import Table
-
-        console = console or Console()
-        table = Table(title=title)
-        for column in (*symbols, "capture s", "pool MiB", "hits"):
-            table.add_column(column, justify="right")
-        for combo in sorted(self.capture_s, reverse=True):
-            table.add_row(
-                *map(str, combo),
-                f"{self.capture_s[combo]:.3f}",
-                f"{self.pool_bytes[combo] / 2**20:.1f}",
-                str(self.hits.get(combo, 0)),
-            )
-        console.print(table)
-        console.print(
-            f"pool total {self.pool_total_bytes / 2**20:.1f} MiB; memory reserved by the "
-            f"buckets {self.reserved_bytes / 2**20:.1f} MiB; padding waste "
-            f"{self.padding_waste:.1%}; overflows {self.overflows}"
-        )
 
 
 def dims_tuple(
@@ -281,74 +221,3 @@ def real_sizes(
             )
         )
     return {s: n for s, (n, _) in sizes.items()}
-
-
-def infer_output_dims(
-    shapes_at: Callable[[tuple[int, ...]], tuple[Any, list[tuple[int, ...] | None]]],
-    base_combo: tuple[int, ...],
-    spec: Buckets,
-    ladders: dict[str, tuple[int, ...]],
-) -> tuple[optree.PyTreeSpec, list[tuple[int, tuple[tuple[int, str], ...]]]]:
-    """Find which output dimensions follow which symbol.
-
-    ``shapes_at(combo)`` runs the function eagerly on inputs resized to ``combo`` and returns
-    its output and output shapes. The largest combination is compared with, per symbol, the
-    same combination at another size of that symbol: a dimension follows the symbol when its
-    size equals the symbol's in both runs and changes with no other symbol. Declared
-    ``spec.out_dims`` win.
-    """
-    symbols = list(ladders)
-    base_out = shapes_at(base_combo)
-    _, out_spec = flatten(base_out[0])
-    shapes = base_out[1]
-    follows: list[dict[int, str]] = [{} for _ in shapes]
-    for k, symbol in enumerate(symbols):
-        ladder = ladders[symbol]
-        other = ladder[-2] if len(ladder) > 1 else ladder[-1] - 1
-        if other < 1:
-            continue
-        combo = list(base_combo)
-        combo[k] = other
-        probe = shapes_at(tuple(combo))[1]
-        for i, (a, b) in enumerate(zip(shapes, probe)):
-            if a is None:
-                continue
-            for d, (na, nb) in enumerate(zip(a, b)):
-                if na == nb:
-                    continue
-                if na == base_combo[k] and nb == other and d not in follows[i]:
-                    follows[i][d] = symbol
-                else:
-                    follows[i][d] = "?"
-    declared = spec.out_dims or {}
-    paths = leaf_paths(out_spec, root="out")
-    unknown = [p for p in declared if p not in paths]
-    if unknown:
-        raise ConfigError(
-            explain(
-                f"out_dims names {unknown[0]!r}, which is not an output",
-                f"the outputs are {paths}",
-                "use one of those paths",
-            )
-        )
-    result = []
-    for i, shape in enumerate(shapes):
-        if shape is None:
-            continue
-        if paths[i] in declared:
-            dims = dims_tuple(declared[paths[i]], len(shape), f"out_dims[{paths[i]!r}]", ladders)
-            result.append((i, tuple((d, s) for d, s in enumerate(dims) if s is not None)))
-            continue
-        if "?" in follows[i].values():
-            d = next(d for d, s in follows[i].items() if s == "?")
-            raise ConfigError(
-                explain(
-                    f"cannot tell which symbol output {paths[i]} dimension {d} follows "
-                    f"(its size changes with the buckets but equals no single symbol's size)",
-                    "outputs are sliced back to the real sizes, which needs a symbol per dimension",
-                    f"declare it: Buckets(out_dims={{{paths[i]!r}: (...)}}), or return a shape "
-                    "whose varying dimensions each follow one symbol",
-                )
-            )
-        result.append((i, tuple(sorted(follows[i].items()))))
-    return out_spec, result

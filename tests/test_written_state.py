@@ -20,7 +20,7 @@ import cudagraphs as cg
 from cudagraphs.core.guards import AddressGuard
 from cudagraphs.core.reach import reachable_tensors
 from cudagraphs.core.side_effects import SideEffects
-from cudagraphs.core.state import Snapshot, WriteRecorder
+from cudagraphs.core.written_state import Snapshot, WriteRecorder
 
 
 class ToyCache:
