@@ -64,97 +64,10 @@ class Options:
     eager: Sequence[Any] = ()
 
     def __post_init__(self) -> None:
-        warmup = self.warmup
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ConfigError(
-                explain(
-                    f"warmup must be an int >= 0, got {warmup!r}",
-                    "it is the number of eager calls run before capture",
-                    "pass warmup=3 (the default) or more for torch.compile'd functions",
-                )
-            )
-        _choice("outputs", self.outputs, OUTPUT_POLICIES)
-        _choice("capture_error_mode", self.capture_error_mode, CAPTURE_ERROR_MODES)
-        _choice("fallback", self.fallback, ("raise", "eager"))
-        _choice("guard", self.guard, ("replay", "capture"))
-        _choice("on_stale", self.on_stale, ("recapture", "raise"))
-        _choice("side_effects", self.side_effects, SIDE_EFFECTS)
-        modules = tuple(self.modules)
-        if not all(isinstance(m, torch.nn.Module) for m in modules):
-            raise ConfigError(
-                explain(
-                    "modules must be a sequence of torch.nn.Module",
-                    "their parameters and buffers are the tensors the graph reads by address",
-                    "pass modules=[model] (the modules fn uses that are not fn itself)",
-                )
-            )
-        object.__setattr__(self, "modules", modules)
-        verify = self.verify
-        if isinstance(verify, bool):
-            verify = 3 if verify else 0
-        if not isinstance(verify, int) or verify < 0:
-            raise ConfigError(
-                explain(
-                    f"verify must be a bool or an int >= 0, got {verify!r}",
-                    "it is the number of fresh random inputs a new graph is checked on",
-                    "pass verify=True (3 inputs) or verify=5",
-                )
-            )
-        object.__setattr__(self, "verify", verify)
-        if self.stream is not None and not isinstance(self.stream, torch.cuda.Stream):
-            raise ConfigError(
-                explain(
-                    f"stream must be a torch.cuda.Stream or None, got {type(self.stream).__name__}",
-                    "capture needs a CUDA side stream to record on",
-                    "pass stream=torch.cuda.Stream(), or leave it out",
-                )
-            )
-        object.__setattr__(self, "pool", _pool(self.pool))
-        harmless = self.harmless_state
-        if isinstance(harmless, str):
-            harmless = (harmless,)
-        if not isinstance(harmless, (tuple, list)) or not all(
-            isinstance(h, str) and h for h in harmless
-        ):
-            raise ConfigError(
-                explain(
-                    f"harmless_state must be a tuple of attribute names, got {harmless!r}",
-                    "it names plain Python values the function may change from run to run "
-                    "without changing what the GPU does (a logging counter)",
-                    "pass harmless_state=('calls',) or harmless_state=('Model.calls',)",
-                )
-            )
-        object.__setattr__(self, "harmless_state", tuple(harmless))
-        _choice("segments", self.segments, SEGMENT_POLICIES)
-        eager = self.eager
-        if isinstance(eager, (torch.nn.Module, type)):
-            eager = (eager,)
-        if not isinstance(eager, (tuple, list)) or not all(
-            isinstance(e, torch.nn.Module)
-            or (isinstance(e, type) and issubclass(e, torch.nn.Module))
-            for e in eager
-        ):
-            raise ConfigError(
-                explain(
-                    f"eager must be a list of modules or module classes, got {eager!r}",
-                    "each module named there runs eagerly between two graphs (a gap), at every "
-                    "call",
-                    "pass eager=[model.router] or eager=[MixtralExperts]; for a function, mark "
-                    "it with @cg.eager instead",
-                )
-            )
-        object.__setattr__(self, "eager", tuple(eager))
-        timeout = self.replay_timeout_s
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
-        ):
-            raise ConfigError(
-                explain(
-                    f"replay_timeout_s must be a number of seconds > 0 or None, got {timeout!r}",
-                    "it bounds how long a call waits for its replay to finish",
-                    "pass replay_timeout_s=30.0, or leave it out (no wait)",
-                )
-            )
+        for name, choices in _CHOICES.items():
+            _choice(name, getattr(self, name), choices)
+        for name, checked in _CHECKED.items():  # each returns the value in its one form
+            object.__setattr__(self, name, checked(getattr(self, name)))
 
     def replace(self, **changes: Any) -> Options:
         """A copy with some options changed (validated again)."""
@@ -322,3 +235,126 @@ def check_positive_int(name: str, value: Any, why: str) -> None:
         raise ConfigError(
             explain(f"{name} must be a positive int, got {value!r}", why, f"pass {name}=1 or more")
         )
+
+
+def _warmup(warmup: Any) -> int:
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ConfigError(
+            explain(
+                f"warmup must be an int >= 0, got {warmup!r}",
+                "it is the number of eager calls run before capture",
+                "pass warmup=3 (the default) or more for torch.compile'd functions",
+            )
+        )
+    return warmup
+
+
+def _modules(modules: Any) -> tuple[torch.nn.Module, ...]:
+    modules = tuple(modules)
+    if not all(isinstance(m, torch.nn.Module) for m in modules):
+        raise ConfigError(
+            explain(
+                "modules must be a sequence of torch.nn.Module",
+                "their parameters and buffers are the tensors the graph reads by address",
+                "pass modules=[model] (the modules fn uses that are not fn itself)",
+            )
+        )
+    return modules
+
+
+def _verify(verify: Any) -> int:
+    if isinstance(verify, bool):
+        verify = 3 if verify else 0
+    if not isinstance(verify, int) or verify < 0:
+        raise ConfigError(
+            explain(
+                f"verify must be a bool or an int >= 0, got {verify!r}",
+                "it is the number of fresh random inputs a new graph is checked on",
+                "pass verify=True (3 inputs) or verify=5",
+            )
+        )
+    return verify
+
+
+def _stream(stream: Any) -> Any:
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise ConfigError(
+            explain(
+                f"stream must be a torch.cuda.Stream or None, got {type(stream).__name__}",
+                "capture needs a CUDA side stream to record on",
+                "pass stream=torch.cuda.Stream(), or leave it out",
+            )
+        )
+    return stream
+
+
+def _harmless_state(harmless: Any) -> tuple[str, ...]:
+    if isinstance(harmless, str):
+        harmless = (harmless,)
+    if not isinstance(harmless, (tuple, list)) or not all(
+        isinstance(h, str) and h for h in harmless
+    ):
+        raise ConfigError(
+            explain(
+                f"harmless_state must be a tuple of attribute names, got {harmless!r}",
+                "it names plain Python values the function may change from run to run "
+                "without changing what the GPU does (a logging counter)",
+                "pass harmless_state=('calls',) or harmless_state=('Model.calls',)",
+            )
+        )
+    return tuple(harmless)
+
+
+def _eager(eager: Any) -> tuple[Any, ...]:
+    if isinstance(eager, (torch.nn.Module, type)):
+        eager = (eager,)
+    if not isinstance(eager, (tuple, list)) or not all(
+        isinstance(e, torch.nn.Module) or (isinstance(e, type) and issubclass(e, torch.nn.Module))
+        for e in eager
+    ):
+        raise ConfigError(
+            explain(
+                f"eager must be a list of modules or module classes, got {eager!r}",
+                "each module named there runs eagerly between two graphs (a gap), at every call",
+                "pass eager=[model.router] or eager=[MixtralExperts]; for a function, mark "
+                "it with @cg.eager instead",
+            )
+        )
+    return tuple(eager)
+
+
+def _replay_timeout(timeout: Any) -> float | None:
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+    ):
+        raise ConfigError(
+            explain(
+                f"replay_timeout_s must be a number of seconds > 0 or None, got {timeout!r}",
+                "it bounds how long a call waits for its replay to finish",
+                "pass replay_timeout_s=30.0, or leave it out (no wait)",
+            )
+        )
+    return timeout
+
+
+#: Options whose value is one of a few names.
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "outputs": OUTPUT_POLICIES,
+    "capture_error_mode": CAPTURE_ERROR_MODES,
+    "fallback": ("raise", "eager"),
+    "guard": ("replay", "capture"),
+    "on_stale": ("recapture", "raise"),
+    "side_effects": SIDE_EFFECTS,
+    "segments": SEGMENT_POLICIES,
+}
+#: The other options' checks, each returning the value in the one form the library uses.
+_CHECKED: dict[str, Callable[[Any], Any]] = {
+    "warmup": _warmup,
+    "modules": _modules,
+    "verify": _verify,
+    "stream": _stream,
+    "pool": _pool,
+    "harmless_state": _harmless_state,
+    "eager": _eager,
+    "replay_timeout_s": _replay_timeout,
+}

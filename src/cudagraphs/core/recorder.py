@@ -230,10 +230,64 @@ def _capture(
     pending = sources_for(copy_inputs, range(len(copy_inputs)))  # outside the pool
     graph = compat.new_graph(keep=pending is not None)
     start = time.perf_counter()
-    failure: BaseException | None = None
-    end_failure: BaseException | None = None
+    run = _record(
+        fn, args, kwargs, graph, stream, pool, capture_error_mode, segments, eager_modules,
+        writes, pending,
+    )  # fmt: skip
+    if writes is not None:
+        torch.cuda.synchronize(device)
+        writes.restore()  # the segmented capture ran the function: put its writes back
+    if isinstance(run.failure, NeedsSplitting):
+        _recover(torch.cuda.CUDAGraph(), device, stream)
+        raise run.failure
+    if run.failure is None and run.end_failure is None:
+        torch.cuda.synchronize(device)
+        # Drop the workspace map's reference to the block in our pool, so eager matmuls on this
+        # stream do not share memory with the graph.
+        compat.clear_cublas_workspaces()
+        copies = None
+        if pending is not None:
+            recorded = run.recorded
+            copies = CopyNodes(
+                recorded.graphs[0] if isinstance(recorded, Segments) else recorded, pending
+            )
+        return Recording(
+            graph=run.recorded,
+            output=run.output,
+            capture_s=time.perf_counter() - start,
+            pool_bytes=torch.cuda.memory_reserved(device) - reserved_before,
+            copies=copies,
+        )
+    _recover(graph, device, stream)
+    raise _failed_capture(fn, run.failure, run.end_failure)
+
+
+@dataclass
+class _Run:
+    """What one recording of the function gave: its output and the recording, or the error
+    the function raised (``failure``) and the one ending the capture raised (``end_failure``)."""
+
     output: Any = None
     recorded: Any = None
+    failure: BaseException | None = None
+    end_failure: BaseException | None = None
+
+
+def _record(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    graph: torch.cuda.CUDAGraph,
+    stream: torch.cuda.Stream,
+    pool: Any,
+    capture_error_mode: str,
+    segments: str,
+    eager_modules: Sequence[torch.nn.Module],
+    writes: DeferredWriteRecorder | KeptWrites | None,
+    pending: Any,
+) -> _Run:
+    """Run ``fn`` once inside a capture on ``stream``; the capture always ends."""
+    run = _Run()
     # A collection during capture could free a tensor whose memory the recording still uses
     # (or run __del__ code that syncs); keep the collector off for the duration.
     gc_was_enabled = gc.isenabled()
@@ -247,61 +301,45 @@ def _capture(
             graph.capture_begin(pool, capture_error_mode=capture_error_mode)
             if pending is not None:
                 record_copies(pending, stream)
-            with capturing(pool, device.index) as active:
+            with capturing(pool, stream.device.index) as active:
                 splitter = active.splitter = Splitter(
-                    graph, pool, device, capture_error_mode,
+                    graph, pool, stream.device, capture_error_mode,
                     refuse=segments == "refuse", writes=writes, active=active,
                 )  # fmt: skip
                 try:
                     with writes if writes is not None else contextlib.nullcontext():
-                        output = fn(*args, **kwargs)
+                        run.output = fn(*args, **kwargs)
                 except BaseException as error:  # KeyboardInterrupt too: capture must still end
-                    failure = error
+                    run.failure = error
                 finally:
                     # Always end the capture, or the stream stays in capture mode and every
                     # later CUDA call in the process fails.
                     try:
-                        if failure is None:
-                            recorded = splitter.finish()
+                        if run.failure is None:
+                            run.recorded = splitter.finish()
                         else:
                             splitter.abandon()
                     except BaseException as error:
-                        end_failure = error
+                        run.end_failure = error
                     active.finish()
     finally:
         for hook in hooks:
             hook.remove()
         if gc_was_enabled:
             gc.enable()
-    if writes is not None:
-        torch.cuda.synchronize(device)
-        writes.restore()  # the segmented capture ran the function: put its writes back
-    if isinstance(failure, NeedsSplitting):
-        _recover(torch.cuda.CUDAGraph(), device, stream)
-        raise failure
-    if failure is None and end_failure is None:
-        torch.cuda.synchronize(device)
-        # Drop the workspace map's reference to the block in our pool, so eager matmuls on this
-        # stream do not share memory with the graph.
-        compat.clear_cublas_workspaces()
-        copies = None
-        if pending is not None:
-            copies = CopyNodes(
-                recorded.graphs[0] if isinstance(recorded, Segments) else recorded, pending
-            )
-        return Recording(
-            graph=recorded,
-            output=output,
-            capture_s=time.perf_counter() - start,
-            pool_bytes=torch.cuda.memory_reserved(device) - reserved_before,
-            copies=copies,
-        )
+    return run
 
-    _recover(graph, device, stream)
+
+def _failed_capture(
+    fn: Callable[..., Any], failure: BaseException | None, end_failure: BaseException | None
+) -> BaseException:
+    """The error to raise for a capture that failed: the user's interrupt or the library's own
+    refusal as they are, anything else as a :class:`CaptureError` naming the kind of failure
+    and the user's line."""
     if isinstance(failure, (KeyboardInterrupt, SystemExit)):
-        raise failure
+        return failure
     if isinstance(failure, CudaGraphsError) and not isinstance(failure, CaptureError):
-        raise failure  # the library's own refusal (a random draw in a loop body): it explains
+        return failure  # the library's own refusal (a random draw in a loop body): it explains
     primary = failure if failure is not None else end_failure
     assert primary is not None
     kind, what, fix = classify_failure(primary, end_failure)
@@ -310,7 +348,7 @@ def _capture(
     location = user_location(primary)
     where = f" at {location}" if location else ""
     detail = f"{type(primary).__name__}: {str(primary).strip().splitlines()[0][:300]}"
-    raise CaptureError(
+    error = CaptureError(
         explain(
             f"capturing {callable_name(fn)} into a CUDA graph failed ({kind}){where}: {what}",
             f"the first error was {detail}",
@@ -318,7 +356,9 @@ def _capture(
         ),
         kind=kind,
         location=location,
-    ) from primary
+    )
+    error.__cause__ = primary
+    return error
 
 
 def _recover(graph: torch.cuda.CUDAGraph, device: torch.device, stream: torch.cuda.Stream) -> None:

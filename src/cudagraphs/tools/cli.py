@@ -36,7 +36,8 @@ def _prog() -> str:
     return invoked
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line: the top-level parser and each command's own (for its usage errors)."""
     parser = argparse.ArgumentParser(
         prog=_prog(),
         description="CUDA graphs in PyTorch, safe, fast and easy.",
@@ -50,15 +51,51 @@ def main(argv: list[str] | None = None) -> int:
         help="when your code raises, print the whole traceback instead of one line",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    demo = commands.add_parser(
+    return parser, {
+        name: add(commands)
+        for name, add in (("demo", _add_demo), ("doctor", _add_doctor), ("bench", _add_bench),
+                          ("serve", _add_serve))
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, commands = _parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(commands["serve"], args)
+        if args.command == "doctor":
+            return _doctor(commands["doctor"], args.target)
+        if args.command == "bench":
+            return _bench(commands["bench"], args)
+    except UserCodeRaised as raised:
+        return _report_user_error(raised, full=args.traceback)
+    if args.command == "demo":
+        if args.calls < 1 or args.windows < 1:
+            commands["demo"].error("--calls and --windows must be at least 1")
+        from .demo import run_demo
+
+        return run_demo(calls=args.calls, windows=args.windows)
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse refuses first
+    return 2
+
+
+def _add_demo(commands: Any) -> argparse.ArgumentParser:
+    command = commands.add_parser(
         "demo",
         help="run small launch-bound workloads eagerly and graphed, check and time them",
         description="An MLP, a transformer, a training step and an RL rollout, each checked "
         "against eager and timed side by side; without CUDA it shows what still works.",
     )
-    demo.add_argument("--calls", type=int, default=30, help="calls per timing window (default 30)")
-    demo.add_argument("--windows", type=int, default=3, help="timing windows (default 3)")
-    doctor = commands.add_parser(
+    command.add_argument(
+        "--calls", type=int, default=30, help="calls per timing window (default 30)"
+    )
+    command.add_argument("--windows", type=int, default=3, help="timing windows (default 3)")
+    return command
+
+
+def _add_doctor(commands: Any) -> argparse.ArgumentParser:
+    command = commands.add_parser(
         "doctor",
         help="list what in a function would break capture or corrupt a graph",
         description="FILE.py:FUNC names a function that takes no arguments and returns "
@@ -66,61 +103,54 @@ def main(argv: list[str] | None = None) -> int:
         "Exit code 1 when a finding breaks capture or would make replays wrong, 3 when your "
         "code raised.",
     )
-    doctor.add_argument("target", metavar="FILE.py:FUNC")
-    _traceback_option(doctor)
-    bench = commands.add_parser(
+    command.add_argument("target", metavar="FILE.py:FUNC")
+    _traceback_option(command)
+    return command
+
+
+def _add_bench(commands: Any) -> argparse.ArgumentParser:
+    command = commands.add_parser(
         "bench",
         help="time a function eagerly, compiled and graphed, side by side",
         description="FILE.py:FUNC names a function that takes no arguments and returns "
         "(callable, args) or (callable, args, kwargs). Every mode is checked against eager, "
         "then timed side by side; prints a table, optionally writes JSON and a PNG chart.",
     )
-    bench.add_argument("target", metavar="FILE.py:FUNC")
-    _traceback_option(bench)
-    bench.add_argument(
+    command.add_argument("target", metavar="FILE.py:FUNC")
+    _traceback_option(command)
+    command.add_argument(
         "--modes",
         default=None,
         help="comma-separated subset of: eager,compile,reduce-overhead,cudagraphs,"
         "cudagraphs+compile (default: all)",
     )
-    bench.add_argument(
+    command.add_argument(
         "--compile-mode",
         default="max-autotune-no-cudagraphs",
         help="torch.compile mode for the compiled modes (default max-autotune-no-cudagraphs)",
     )
-    bench.add_argument("--calls", type=int, default=50, help="calls per window (default 50)")
-    bench.add_argument("--windows", type=int, default=5, help="timing windows (default 5)")
-    bench.add_argument("--no-check", action="store_true", help="do not compare outputs with eager")
-    bench.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
-    bench.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
-    serve = commands.add_parser(
+    command.add_argument("--calls", type=int, default=50, help="calls per window (default 50)")
+    command.add_argument("--windows", type=int, default=5, help="timing windows (default 5)")
+    command.add_argument(
+        "--no-check", action="store_true", help="do not compare outputs with eager"
+    )
+    command.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    command.add_argument("--plot", type=Path, default=None, help="write a PNG chart here")
+    return command
+
+
+def _add_serve(commands: Any) -> argparse.ArgumentParser:
+    command = commands.add_parser(
         "serve",
         help="serve the HTTP app that FILE.py:MAKE builds, with uvicorn",
         description="FILE.py:MAKE names a function that takes no arguments and returns an ASGI "
         "app (a FastAPI app, say examples/serve_http.py:make). Needs the serve extra: "
         "pip install cudagraphs[serve].",
     )
-    serve.add_argument("target", metavar="FILE.py:MAKE")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "serve":
-            return _serve(serve, args)
-        if args.command == "doctor":
-            return _doctor(doctor, args.target)
-        if args.command == "bench":
-            return _bench(bench, args)
-    except UserCodeRaised as raised:
-        return _report_user_error(raised, full=args.traceback)
-    if args.command == "demo":
-        if args.calls < 1 or args.windows < 1:
-            demo.error("--calls and --windows must be at least 1")
-        from .demo import run_demo
-
-        return run_demo(calls=args.calls, windows=args.windows)
-    parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse refuses first
-    return 2
+    command.add_argument("target", metavar="FILE.py:MAKE")
+    command.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    command.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    return command
 
 
 def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
