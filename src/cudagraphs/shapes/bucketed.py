@@ -86,15 +86,7 @@ class Bucketed:
         self.signature, leaves = Signature.of_call(example_args, example_kwargs)
         self._examples = leaves
         self.inputs = declare_inputs(self.signature, leaves, buckets, self.ladders)
-        if options.pool is not None and not isinstance(options.pool, Pool):
-            raise ConfigError(
-                explain(
-                    "buckets share one cg.Pool; a raw pool handle or graphed callable was given",
-                    "every bucket is captured into the same pool, which cudagraphs accounts",
-                    "pass pool=cg.Pool() (or leave it out)",
-                )
-            )
-        self.pool = options.pool or Pool()
+        self.pool = _shared_pool(options.pool)
         self._bucket_options = options.replace(pool=self.pool)
         self._buckets: dict[tuple[int, ...], _Bucket] = {}
         self.lock = threading.RLock()
@@ -111,9 +103,15 @@ class Bucketed:
             SharedInput(inp, leaves[inp.index], self.dispatch.largest) for inp in self.inputs
         ]
         self._overflow = Overflow(self, buckets.overflow)
-        # The fast path: positional tensors only, one symbol, each input bucketed along one
-        # dimension with nothing else to check (the batch-bucket case). Such a call needs no
-        # pytree flattening and no second signature check below the bucket layer.
+        self._prepare_fast_path()
+        if not buckets.lazy:
+            self._capture_all()
+
+    def _prepare_fast_path(self) -> None:
+        """What the fast path needs, decided once. It takes positional tensors only, one
+        symbol, each input bucketed along one dimension with nothing else to check (the
+        batch-bucket case): such a call needs no pytree flattening and no second signature
+        check below the bucket layer."""
         sig = self.signature
         self._fast = (
             sig.is_flat
@@ -136,8 +134,6 @@ class Bucketed:
         # One input bucketed along its rows: a call at an exact rung needs no padding and no
         # slicing, so the bucket's own one-call replay path (in C where built) does it all.
         self._whole_rung = self._fast and len(self._shared) == 1 and self._shared[0].rows_only
-        if not buckets.lazy:
-            self._capture_all()
 
     # ------------------------------------------------------------------ capture
 
@@ -380,3 +376,16 @@ def cut_rows(graphed: Graphed[Any], rung: int, real: int) -> None:
     graph = graphed.graph
     if isinstance(graph, Segments):
         graph.cut_rows(rung, real)
+
+
+def _shared_pool(pool: Any) -> Pool:
+    """The one :class:`Pool` every bucket is captured into (a new one unless given)."""
+    if pool is not None and not isinstance(pool, Pool):
+        raise ConfigError(
+            explain(
+                "buckets share one cg.Pool; a raw pool handle or graphed callable was given",
+                "every bucket is captured into the same pool, which cudagraphs accounts",
+                "pass pool=cg.Pool() (or leave it out)",
+            )
+        )
+    return pool or Pool()

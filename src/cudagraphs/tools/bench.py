@@ -102,26 +102,12 @@ def bench(
                 results[mode] = result
                 if call is not None:
                     calls_of[mode] = call
-            for mode, call in list(calls_of.items()):
-                if expected is not None:
-                    error = _check(call, sets, expected)
-                    if isinstance(error, str):
-                        results[mode].error = error
-                        del calls_of[mode]
-                        continue
-                    results[mode].max_abs_error = error
+            if expected is not None:
+                _check_all(calls_of, results, sets, expected)
             task = progress.add_task(f"timing {len(calls_of)} modes side by side")
             _time(calls_of, results, sets, calls, windows, cuda)
             progress.remove_task(task)
-        floor = None
-        if profile:
-            try:
-                # With a graph mode in the run, also measure the replay's own GPU time, so the
-                # floor can be read against it.
-                replay = cuda and any(m.startswith("cudagraphs") for m in results)
-                floor = run_profile(fn, *args, replay=replay, **kwargs)
-            except Exception as failure:  # a profile must never lose the benchmark itself
-                notes.append(f"profile failed: {type(failure).__name__}: {failure}")
+        floor = _kernel_floor(fn, args, kwargs, results, cuda, notes) if profile else None
     _break_even(results)
     if not check:
         notes.append("outputs not compared (check=False)")
@@ -134,6 +120,42 @@ def bench(
         profile=floor,
         notes=notes,
     )
+
+
+def _check_all(
+    calls_of: dict[str, Callable[[Any], Any]],
+    results: dict[str, ModeResult],
+    sets: list[tuple[tuple[Any, ...], dict[str, Any]]],
+    expected: list[Any],
+) -> None:
+    """Compare every mode with eager on every input set; a mode that disagrees (or fails) is
+    reported with the reason and not timed."""
+    for mode, call in list(calls_of.items()):
+        error = _check(call, sets, expected)
+        if isinstance(error, str):
+            results[mode].error = error
+            del calls_of[mode]
+            continue
+        results[mode].max_abs_error = error
+
+
+def _kernel_floor(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    results: dict[str, ModeResult],
+    cuda: bool,
+    notes: list[str],
+) -> Any:
+    """The profile's kernel floor, or ``None`` with a note when profiling failed."""
+    try:
+        # With a graph mode in the run, also measure the replay's own GPU time, so the floor
+        # can be read against it.
+        replay = cuda and any(m.startswith("cudagraphs") for m in results)
+        return run_profile(fn, *args, replay=replay, **kwargs)
+    except Exception as failure:  # a profile must never lose the benchmark itself
+        notes.append(f"profile failed: {type(failure).__name__}: {failure}")
+        return None
 
 
 def _modes(modes: Sequence[str] | None) -> list[str]:
