@@ -1,4 +1,4 @@
-"""The one compiled piece: the address check behind the guard (src/cudagraphs/core/_addresses.cpp).
+"""The one compiled piece: the host-side work before a replay (src/cudagraphs/core/_before_replay.cpp).
 
 Optional: without a C++ compiler or the Python headers the install still succeeds and the guard
 uses its pure fallbacks (see cudagraphs/core/addresses.py). Everything else is in pyproject.toml.
@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "cudagraphs.core._addresses",
-            sources=["src/cudagraphs/core/_addresses.cpp"],
+            "cudagraphs.core._before_replay",
+            sources=["src/cudagraphs/core/_before_replay.cpp"],
             extra_compile_args=["-O2", "-std=c++17"],
             language="c++",
             optional=True,

@@ -123,7 +123,7 @@ def _backend_in_fresh_process(**env: str) -> str:
     "code",
     [
         "import os; os.environ['CUDAGRAPHS_NO_COMPILE'] = '1'",
-        "import sys; sys.modules['cudagraphs.core._addresses'] = None",  # not built at install
+        "import sys; sys.modules['cudagraphs.core._before_replay'] = None",  # not built at install
     ],
     ids=["opted out", "not built"],
 )

@@ -3,8 +3,9 @@
 The address guard runs this before every replay, so its cost is paid per call. Three ways, the
 fastest that works is used:
 
-1. ``compiled``: a small C++ extension (``_addresses.cpp``, about 140 lines), built when the
-   package is installed (optional: installing without a compiler still works). It includes
+1. ``compiled``: the small C++ extension of the host-side work before a replay
+   (``_before_replay.cpp``: this check, the modules' check, the copy nodes' edits), built when
+   the package is installed (optional: installing without a compiler still works). It includes
    ``Python.h`` only and reads each address through the function pointer that PyTorch exports
    for Inductor's C++ wrapper (``compat.tensor_address_reader``), so no Python objects are made
    per tensor: a few ns per tensor.
@@ -51,10 +52,10 @@ def compiled_module() -> Any:
         reader = compat.tensor_address_reader()
         if reader is None:
             raise ImportError(f"this PyTorch does not export {_READER}")
-        from . import _addresses  # type: ignore[attr-defined]
+        from . import _before_replay  # type: ignore[attr-defined]
 
-        _addresses.bind(reader)
-        _module = _addresses
+        _before_replay.bind(reader)
+        _module = _before_replay
     except ImportError as error:
         _failure = (
             f"{error}; the compiled address check is built when cudagraphs is installed "

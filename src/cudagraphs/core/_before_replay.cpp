@@ -182,6 +182,6 @@ static PyMethodDef methods[] = {
   {nullptr, nullptr, 0, nullptr},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_addresses", nullptr, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_before_replay", nullptr, -1, methods};
 
-PyMODINIT_FUNC PyInit__addresses(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__before_replay(void) { return PyModule_Create(&module); }
