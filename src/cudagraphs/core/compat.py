@@ -23,7 +23,6 @@ __all__ = [
     "allocating_in_pool",
     "begin_allocate_to_pool",
     "clear_cublas_workspaces",
-    "compile_config_patch",
     "declare_amp_scaling",
     "end_allocate_to_pool",
     "foreach_copy",
@@ -41,7 +40,6 @@ __all__ = [
     "op_returns_alias",
     "op_schema_arguments",
     "op_writes",
-    "raise_compile_limits",
     "release_pool",
     "routes_allocations_to_pools",
     "share_module_state",
@@ -294,27 +292,10 @@ def declare_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
 # --- torch.compile and timing (integrations, tools) -------------------------------------------
 
 
-def raise_compile_limits(at_least: int) -> dict[str, int]:
-    """The Dynamo recompile limits needed for ``at_least`` compiled variants of one function;
-    returned as the settings to pass to ``torch._dynamo.config.patch`` (never set globally)."""
-    config = torch._dynamo.config
-    return {
-        name: at_least
-        for name in ("recompile_limit", "cache_size_limit")
-        if hasattr(config, name) and getattr(config, name) < at_least
-    }
-
-
 def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Tell ``torch.compile`` that dimension ``dim`` of ``tensor`` varies between calls, so one
     trace with a symbolic size serves them all (a size of 1 is still traced apart)."""
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
-
-
-def compile_config_patch(settings: dict[str, int]) -> Any:
-    """A context manager applying Dynamo config ``settings`` for its duration (this thread's
-    compile calls see them; nothing is changed for the rest of the process)."""
-    return torch._dynamo.config.patch(settings)
 
 
 def sleep_cycles(cycles: int) -> None:
