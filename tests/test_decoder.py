@@ -337,7 +337,9 @@ def test_length_rung_views_share_the_one_cache(llama) -> None:
     shared = [n for n, v in vars(full).items() if isinstance(v, torch.Tensor) and n != "keys"]
     assert all(getattr(short, n) is getattr(full, n) for n in shared if n != "values")
     assert length_rungs(4096, None) == [256, 512, 1024, 2048, 4096]
-    assert length_rungs(200, None) == [200]
+    assert length_rungs(4099, None) == [256, 512, 1024, 2048, 4099]  # not 4096 and 4099
+    assert length_rungs(600, None) == [256, 600]
+    assert length_rungs(200, None) == [200] and length_rungs(500, None) == [500]
     with pytest.raises(cg.ConfigError, match="cache_lengths must be positive ints"):
         Decoder(model, max_batch=1, max_length=16, cache_lengths=[0, 8])
 
