@@ -337,7 +337,9 @@ def test_length_rung_views_share_the_one_cache(llama) -> None:
     shared = [n for n, v in vars(full).items() if isinstance(v, torch.Tensor) and n != "keys"]
     assert all(getattr(short, n) is getattr(full, n) for n in shared if n != "values")
     assert length_rungs(4096, None) == [256, 512, 1024, 2048, 4096]
-    assert length_rungs(200, None) == [200]
+    assert length_rungs(4099, None) == [256, 512, 1024, 2048, 4099]  # not 4096 and 4099
+    assert length_rungs(600, None) == [256, 600]
+    assert length_rungs(200, None) == [200] and length_rungs(500, None) == [500]
     with pytest.raises(cg.ConfigError, match="cache_lengths must be positive ints"):
         Decoder(model, max_batch=1, max_length=16, cache_lengths=[0, 8])
 
@@ -365,3 +367,22 @@ def test_compiled_forward_compiles_per_shape_class_not_per_rung(llama) -> None:
     assert counters["stats"]["unique_graphs"] - before == 4  # the padded forward: its own two
     used = {key for key, n in decoder.stats.replays.items() if n}
     assert {"greedy batch 1 length 8", "greedy batch 4 length 16", "greedy batch 2"} <= used
+
+
+def test_a_decoder_of_one_shape_compiles_it_statically(llama) -> None:
+    """One batch rung and one length rung: every size is a constant (a faster trace and
+    specialised kernels), and the tokens equal generate."""
+    from torch._dynamo.utils import counters
+
+    model, _ = llama
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    decoder = Decoder(model, max_batch=2, max_length=40, batch_sizes=[2], compile=True)
+    assert decoder.lengths == [40]
+    keys = decoder.caches[2].layers[0].keys
+    assert not getattr(keys, "_dynamo_weak_dynamic_indices", None)  # nothing marked dynamic
+    torch.manual_seed(6)
+    prompt = torch.randint(0, 512, (2, 5))
+    expected = generate(model, prompt, 20, min_new_tokens=20)
+    assert torch.equal(decoder.generate(prompt, max_new_tokens=20, eos_token_id=None), expected)
+    assert counters["stats"]["unique_graphs"] - before == 1

@@ -21,14 +21,19 @@ from ..core import compat
 __all__ = ["compiled_forward", "mark_rung_dims"]
 
 
-def compiled_forward(fn: Callable[..., Any], compile: bool | str) -> Callable[..., Any]:
+def compiled_forward(
+    fn: Callable[..., Any], compile: bool | str, *, dynamic: bool
+) -> Callable[..., Any]:
     """``fn(token, position, cache, *rows)`` through ``torch.compile`` (``compile`` is
-    ``True`` or a mode name), the batch dimension of the token and of each of ``rows``
-    (``[batch, ...]``; a 4-D mask also ``[..., length]``) marked at each call: they are made
-    per graph at capture (the token is the graph's own input buffer), so they cannot be marked
-    ahead like the cache."""
+    ``True`` or a mode name). ``dynamic``: the batch dimension of the token and of each of
+    ``rows`` (``[batch, ...]``; a 4-D mask also ``[..., length]``) is marked at each call: they
+    are made per graph at capture (the token is the graph's own input buffer), so they cannot
+    be marked ahead like the cache. Otherwise every size is a constant: for a decoder of one
+    (batch, length) shape, whose static trace is faster and whose kernels are specialised."""
     mode = None if compile is True else compile
-    compiled = torch.compile(fn, mode=mode, dynamic=None)
+    compiled = torch.compile(fn, mode=mode, dynamic=None if dynamic else False)
+    if not dynamic:
+        return compiled
 
     def forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
         mark_rung_dims([token, *rows], batch=0)

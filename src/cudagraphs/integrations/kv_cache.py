@@ -78,8 +78,10 @@ class RungCaches:
 
 
 def length_rungs(cache_len: int, given: Sequence[int] | None, floor: int = 256) -> list[int]:
-    """The cache-length rungs: ``given``, else powers of two from ``floor`` below
-    ``cache_len``; always ending at ``cache_len`` (one rung when it is ``floor`` or less)."""
+    """The cache-length rungs: ``given``, else powers of two from ``floor`` up to half of
+    ``cache_len``; always ending at ``cache_len`` (one rung below ``2 * floor``). Each rung at
+    least doubles the last: a power of two just under the cache's length (4096 for a cache of
+    4099) would be one more graph per batch rung for a few positions."""
     if given is not None:
         bad = [g for g in given if not isinstance(g, int) or g < 1 or g > cache_len]
         if bad:
@@ -93,7 +95,7 @@ def length_rungs(cache_len: int, given: Sequence[int] | None, floor: int = 256) 
             )
         return sorted({*given, cache_len})
     rungs, length = [], floor
-    while length < cache_len:
+    while 2 * length <= cache_len:
         rungs.append(length)
         length *= 2
     return [*rungs, cache_len]

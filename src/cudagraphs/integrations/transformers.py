@@ -156,11 +156,14 @@ class Decoder:
         self.forward, self.forward_padded = self._forward, self._forward_padded
         self.compiles = bool(compile)
         self.compiled: set[bool] = set()  # the forwards compiled so far: padded or not
-        if compile:  # one compile for all rungs: batch and cache length are dynamic dimensions
-            self.forward = compiled_forward(self._forward, compile)
-            self.forward_padded = compiled_forward(self._forward_padded, compile)
-        self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
+        # One compile for all rungs: batch and cache length are dynamic dimensions, unless
+        # there is only one (batch, length) shape.
+        dynamic = len(self.rungs) * len(self.lengths) > 1
         if compile:
+            self.forward = compiled_forward(self._forward, compile, dynamic=dynamic)
+            self.forward_padded = compiled_forward(self._forward_padded, compile, dynamic=dynamic)
+        self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
+        if compile and dynamic:
             mark_rung_dims(self.caches.tensors(), batch=0, length=2)
         self.stats.cache_bytes = self.caches.bytes
         self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
