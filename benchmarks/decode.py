@@ -11,6 +11,8 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   cg K=16               the same, 16 decode steps per graph launch
   cg compile            Decoder(compile=True): graphs over torch.compile'd kernels
   cg compile K=4/K=16   the same, 4 or 16 steps per launch
+  cg compile autotune   Decoder(compile="max-autotune-no-cudagraphs"): kernels chosen by timing
+                        candidates while compiling (fewer, fused kernels per token)
   cg until-eos          Decoder(until_eos=True): one launch per request, a loop on the device
   cg compile until-eos  the same over torch.compile'd kernels
   cg eos-check          per-step graphs that stop at end-of-sequence as a plain loop would: a
@@ -57,8 +59,8 @@ RESULTS = Path(__file__).parent / "results"
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 ALL_MODES = (
     "hf eager", "hf static", "eager loop", "reduce-overhead loop",
-    "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg until-eos",
-    "cg compile until-eos", "cg eos-check", "cg compile eos-check",
+    "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg compile autotune",
+    "cg until-eos", "cg compile until-eos", "cg eos-check", "cg compile eos-check",
 )  # fmt: skip
 
 
@@ -149,6 +151,13 @@ class Loop:
         return torch.cat(tokens, dim=1)
 
 
+def _compile_of(mode: str) -> bool | str:
+    """The Decoder's ``compile=`` argument for a ``cg ...`` mode name."""
+    if "autotune" in mode:
+        return "max-autotune-no-cudagraphs"
+    return "compile" in mode
+
+
 def make_mode(
     name: str, model: Any, batch: int, length: int, clock: TokenClock, configured: bool = False
 ) -> Callable[[torch.Tensor, int], Any]:
@@ -191,7 +200,7 @@ def make_mode(
     eos_check = "eos-check" in name
     decoder = Decoder(
         model, max_batch=batch, max_length=length, batch_sizes=[batch], steps_per_graph=steps,
-        compile="compile" in name, check_every=1 if eos_check else 1 << 30,
+        compile=_compile_of(name), check_every=1 if eos_check else 1 << 30,
         until_eos="until-eos" in name,
     )  # fmt: skip
     for key, graphed in list(decoder.graphs.items()):

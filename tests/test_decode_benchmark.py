@@ -111,3 +111,15 @@ def test_the_compile_cost_benchmark_times_every_variant(tmp_path: Path) -> None:
         phases = (row["bytecode_tracing"], row["create_aot_dispatcher_function"])
         assert all(0 < t <= row["_compile.compile_inner"] for t in phases), which
         assert row["second_call_s"] < row["first_call_s"], which  # the second call is compiled
+
+
+def test_each_decoder_mode_builds_the_decoder_it_names() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import decode
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert decode._compile_of("cg compile autotune") == "max-autotune-no-cudagraphs"
+    assert decode._compile_of("cg compile K=4") is True
+    assert decode._compile_of("cg K=16") is False
+    assert "cg compile autotune" in decode.ALL_MODES
