@@ -11,6 +11,9 @@ Each measurement runs in a fresh process of its own:
   cudagraphs warm       the same again in a second process, on the cache the cold one left
   largest rung alone    ``batch_sizes=[--batch]``, ``cache_lengths=[]``: the graph memory of the
                         largest (batch, length) rung's graph by itself
+  batch rungs from 2    cold again, with ``batch_sizes`` the powers of two from 2 up to --batch:
+                        no batch-1 rung, so one compile serves every rung (Dynamo specialises a
+                        size of 1), and a single request runs on the batch-2 graph
 
 Graph memory is the growth of ``torch.cuda.memory_reserved()`` over the captures, as
 ``DecodeStats.graph_bytes`` reports it; the KV cache is allocated once, before them.
@@ -51,12 +54,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from cudagraphs.integrations.transformers import Decoder
 
     alone = args.which == "largest"
+    batch_sizes = [args.batch] if alone else None
+    if args.which == "from-two":
+        batch_sizes = [b for b in (2 << i for i in range(12)) if b < args.batch] + [args.batch]
     decoder = Decoder(
         model,
         max_batch=args.batch,
         max_length=args.max_length,
         compile=True,
-        batch_sizes=[args.batch] if alone else None,
+        batch_sizes=batch_sizes,
         cache_lengths=[] if alone else None,
     )
     decoder.generate(prompt, max_new_tokens=args.new, eos_token_id=None)
@@ -98,8 +104,12 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|",
         f"| reduce-overhead loop, cold | {ro['setup_s']:.1f} | - | - | - | - |",
     ]
-    for label, r in (("cudagraphs, cold", cold), ("cudagraphs, warm (second process)", warm),
-                     ("cudagraphs, largest rung alone", alone)):  # fmt: skip
+    labelled = [("cudagraphs, cold", cold), ("cudagraphs, warm (second process)", warm),
+                ("cudagraphs, largest rung alone", alone)]  # fmt: skip
+    from_two = rows.get("from two")
+    if from_two:
+        labelled.append((f"cudagraphs, cold, batch rungs {from_two['batch_rungs']}", from_two))
+    for label, r in labelled:
         lines.append(
             f"| {label} | {r['setup_s']:.1f} | {r['compile_s']:.1f} | {r['capture_s']:.1f} | "
             f"{r['graphs']} | {r['graph_bytes'] / mib:.0f} |"
@@ -113,6 +123,12 @@ def markdown(results: dict[str, Any]) -> list[str]:
         f"({cold['cache_bytes'] / mib:.0f} MiB) is allocated once, before the captures.",
         "",
     ]
+    if from_two:
+        lines[-1:] = [
+            f"Without a batch-1 rung, cold set-up against one reduce-overhead compile: "
+            f"{from_two['setup_s'] / ro['setup_s']:.2f}x.",
+            "",
+        ]
     return lines
 
 
@@ -144,6 +160,8 @@ def main() -> None:
         runs["cudagraphs cold"] = run(args, "cudagraphs", cg_cache)
         runs["cudagraphs warm"] = run(args, "cudagraphs", cg_cache)
         runs["largest"] = run(args, "largest", cg_cache)
+    with tempfile.TemporaryDirectory() as from_two_cache:
+        runs["from two"] = run(args, "from-two", from_two_cache)
     results = {**head, "runs": runs}
     text = "\n".join(markdown(results))
     print(text, flush=True)

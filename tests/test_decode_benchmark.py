@@ -123,3 +123,30 @@ def test_each_decoder_mode_builds_the_decoder_it_names() -> None:
     assert decode._compile_of("cg compile K=4") is True
     assert decode._compile_of("cg K=16") is False
     assert "cg compile autotune" in decode.ALL_MODES
+
+
+def test_the_startup_table_has_a_row_per_run_and_the_ratios() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import decode_startup
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    mib = 1 << 20
+
+    def row(setup: float, rungs: list[int], graphs: int, memory: int) -> dict[str, object]:
+        return {"setup_s": setup, "compile_s": setup - 2, "capture_s": 1.0, "graphs": graphs,
+                "batch_rungs": rungs, "length_rungs": [256, 512], "graph_bytes": memory * mib,
+                "cache_bytes": 100 * mib}  # fmt: skip
+
+    results = {"hardware": "H", "torch": "t", "model": "llama-2048", "dtype": "bfloat16",
+               "batch": 16, "max_length": 512, "prompt": 32, "new": 128, "runs": {
+                   "reduce-overhead cold": {"setup_s": 20.0},
+                   "cudagraphs cold": row(60.0, [1, 2, 4], 6, 50),
+                   "cudagraphs warm": row(10.0, [1, 2, 4], 6, 50),
+                   "largest": row(8.0, [4], 1, 40),
+                   "from two": row(30.0, [2, 4], 4, 45)}}  # fmt: skip
+    text = "\n".join(decode_startup.markdown(results))
+    assert "| cudagraphs, cold | 60.0 | 58.0 | 1.0 | 6 | 50 |" in text
+    assert "| cudagraphs, cold, batch rungs [2, 4] | 30.0 | 28.0 | 1.0 | 4 | 45 |" in text
+    assert "compile: 3.00x" in text and "alone: 1.25x" in text
+    assert "Without a batch-1 rung, cold set-up against one reduce-overhead compile: 1.50x" in text

@@ -369,6 +369,28 @@ def test_compiled_forward_compiles_per_shape_class_not_per_rung(llama) -> None:
     assert {"greedy batch 1 length 8", "greedy batch 4 length 16", "greedy batch 2"} <= used
 
 
+def test_batch_rungs_from_two_compile_one_class_and_serve_batch_one(llama) -> None:
+    """Without a batch-1 rung, Dynamo has no size 1 to specialise: one trace serves every
+    (batch, length) rung, and a single request runs on the batch-2 graph with generate's
+    tokens (the trade for half the compile: one padding row at batch 1)."""
+    from torch._dynamo.utils import counters
+
+    model, _ = llama
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    decoder = Decoder(
+        model, max_batch=4, max_length=48, compile=True, batch_sizes=[2, 4], cache_lengths=[8]
+    )
+    torch.manual_seed(7)
+    for batch in (1, 3):
+        prompt = torch.randint(0, 512, (batch, 5))
+        expected = generate(model, prompt, 20, min_new_tokens=20)
+        assert torch.equal(decoder.generate(prompt, max_new_tokens=20, eos_token_id=None), expected)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    used = {key for key, n in decoder.stats.replays.items() if n}
+    assert "greedy batch 2 length 8" in used and not any("batch 1" in key for key in used)
+
+
 def test_a_decoder_of_one_shape_compiles_it_statically(llama) -> None:
     """One batch rung and one length rung: every size is a constant (a faster trace and
     specialised kernels), and the tokens equal generate."""
