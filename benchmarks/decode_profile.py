@@ -8,6 +8,10 @@ kernels that cost the most per token.
 
     python benchmarks/decode_profile.py --model llama-2048 --max-length 168
     python benchmarks/decode_profile.py --model llama-2048 --compile max-autotune-no-cudagraphs
+    python benchmarks/decode_profile.py --model llama-2048 --sdpa flash
+
+``--sdpa`` picks scaled-dot-product attention's kernel (``torch.nn.attention.sdpa_kernel``) for
+the construction (compile and captures) and every request; ``default`` leaves PyTorch's choice.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     compile_mode: bool | str = True if args.compile == "default" else args.compile
     if args.compile == "none":
         compile_mode = False
+    start = time.perf_counter()
     decoder = Decoder(
         model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode
     )
+    setup_s = time.perf_counter() - start
     torch.manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
 
@@ -75,6 +81,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "dtype": args.dtype,
         "compile": args.compile,
+        "sdpa": args.sdpa,
+        "setup_s": setup_s,
         "cache_length": args.max_length,
         "prompt": args.prompt,
         "new": tokens,
@@ -95,16 +103,31 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def attention_kernel(name: str) -> Any:
+    """``sdpa_kernel`` for one backend, or a context that changes nothing for ``default``."""
+    import contextlib
+
+    if name == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}  # fmt: skip
+    return sdpa_kernel(backends[name])
+
+
 def markdown(r: dict[str, Any]) -> list[str]:
     lines = [
         f"Hardware: {r['hardware']}, torch {r['torch']}; {r['model']} ({r['dtype']}), batch 1, "
-        f"`Decoder(compile={r['compile']!r})`, cache length {r['cache_length']}, a request of "
-        f"{r['prompt']} + {r['new']} tokens (the profiled one; the timed one before it unprofiled).",
+        f"`Decoder(compile={r['compile']!r})`, attention kernel {r.get('sdpa', 'default')}, "
+        f"cache length {r['cache_length']}, a request of {r['prompt']} + {r['new']} tokens (the "
+        "profiled one; the timed one before it unprofiled).",
         "",
         f"- tokens/s {r['tokens_per_s']:.1f}; wall {r['wall_us_per_token']:.1f} µs per token; "
         f"GPU kernel time {r['gpu_busy_us_per_token']:.1f} µs per token; "
         f"{r['kernels_per_token']:.1f} kernels per token; weight-streaming roofline share "
-        f"{100 * r['roofline_share']:.1f}%",
+        f"{100 * r['roofline_share']:.1f}%"
+        + (f"; construction {r['setup_s']:.1f} s" if "setup_s" in r else ""),
         "",
         "| kernel | calls per token | µs per token | share of kernel time |",
         "|---|---|---|---|",
@@ -133,11 +156,17 @@ def main() -> None:
         default="default",
         help="'default' (compile=True), a torch.compile mode, or 'none' (eager kernels)",
     )
+    p.add_argument(
+        "--sdpa",
+        default="default",
+        choices=["default", "flash", "efficient", "cudnn", "math"],
+        help="scaled-dot-product attention's kernel (default: PyTorch's choice)",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     args = p.parse_args()
     warnings.filterwarnings("ignore")
-    with torch.no_grad():
+    with torch.no_grad(), attention_kernel(args.sdpa):
         results = profile(args)
     text = "\n".join(markdown(results))
     print(text, flush=True)

@@ -85,11 +85,13 @@ def test_the_decode_profile_counts_what_each_token_runs(tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, "benchmarks/decode_profile.py", "--model", "llama-tiny", "--compile",
          "none", "--max-length", "32", "--prompt", "4", "--new", "8", "--dtype", "float32",
-         "--json", str(out), "--markdown", str(tmp_path / "profile.md")],
+         "--sdpa", "math", "--json", str(out), "--markdown", str(tmp_path / "profile.md")],
         cwd=ROOT, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     result = json.loads(out.read_text())
     assert result["tokens_per_s"] > 0 and result["kernels_per_token"] > 1
+    assert result["sdpa"] == "math" and result["setup_s"] > 0
+    assert "attention kernel math" in (tmp_path / "profile.md").read_text()
     costliest = result["costliest"]
     assert 1 <= len(costliest) <= 10
     spent = [k["us_per_token"] for k in costliest]
