@@ -51,12 +51,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         loop(prompt, args.new)
         torch.cuda.synchronize()
         return {"setup_s": time.perf_counter() - start}
+    from cudagraphs import powers_of_two
     from cudagraphs.integrations.transformers import Decoder
 
     alone = args.which == "largest"
     batch_sizes = [args.batch] if alone else None
     if args.which == "from-two":
-        batch_sizes = [b for b in (2 << i for i in range(12)) if b < args.batch] + [args.batch]
+        batch_sizes = powers_of_two(args.batch, minimum=2)
     decoder = Decoder(
         model,
         max_batch=args.batch,
