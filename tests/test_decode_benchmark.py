@@ -4,16 +4,27 @@ tokens."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _benchmark(name: str) -> Any:
+    """The module of ``benchmarks/{name}.py`` (its own imports, like ``common``, found beside it)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def test_the_decode_benchmark_reports_every_mode(tmp_path: Path) -> None:
@@ -40,12 +51,7 @@ def test_the_decode_benchmark_reports_every_mode(tmp_path: Path) -> None:
 
 
 def test_the_rung_memory_table_gives_the_ratio_and_the_request_mix() -> None:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("decode_benchmark", ROOT / "benchmarks/decode.py")
-    assert spec is not None and spec.loader is not None
-    decode = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(decode)
+    decode = _benchmark("decode")
     mib = 1 << 20
     every = {"graph_bytes": 92 * mib, "graphs": 7, "setup_s": 1.5, "recaptures": 0,
              "requests": 64, "graphs_after": 7}  # fmt: skip
@@ -116,11 +122,7 @@ def test_the_compile_cost_benchmark_times_every_variant(tmp_path: Path) -> None:
 
 
 def test_each_decoder_mode_builds_the_decoder_it_names() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import decode
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    decode = _benchmark("decode")
     assert decode._compile_of("cg compile autotune") == "max-autotune-no-cudagraphs"
     assert decode._compile_of("cg compile K=4") is True
     assert decode._compile_of("cg K=16") is False
@@ -128,11 +130,7 @@ def test_each_decoder_mode_builds_the_decoder_it_names() -> None:
 
 
 def test_the_startup_table_has_a_row_per_run_and_the_ratios() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import decode_startup
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    decode_startup = _benchmark("decode_startup")
     mib = 1 << 20
 
     def row(setup: float, rungs: list[int], graphs: int, memory: int) -> dict[str, object]:
