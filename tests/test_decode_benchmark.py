@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -114,11 +115,21 @@ def test_the_compile_cost_benchmark_times_every_variant(tmp_path: Path) -> None:
         cwd=ROOT, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     runs = json.loads(out.read_text())["runs"]
-    assert list(runs) == ["static", "length", "batch", "both"]
+    assert list(runs) == ["static", "length", "batch", "both", "sliced", "unbacked"]
     for which, row in runs.items():
         phases = (row["bytecode_tracing"], row["create_aot_dispatcher_function"])
         assert all(0 < t <= row["_compile.compile_inner"] for t in phases), which
         assert row["second_call_s"] < row["first_call_s"], which  # the second call is compiled
+    assert all(runs[w]["graph_breaks"] == 0 for w in runs if w != "unbacked")
+    # A backed batch makes batch 1 a trace of its own; an unbacked one does not, from torch
+    # 2.13 on. Under 2.11 the attention's fake implementation asks whether the batch is 1,
+    # which an unbacked size cannot answer: the graph breaks there (DESIGN.md).
+    assert [runs[w]["traces_with_batch_1"] for w in ("batch", "both", "sliced")] == [2, 2, 2]
+    unbacked = runs["unbacked"]
+    if torch.__version__ >= "2.13":
+        assert (unbacked["traces_with_batch_1"], unbacked["graph_breaks"]) == (1, 0)
+    else:
+        assert unbacked["graph_breaks"] > 0
 
 
 def test_each_decoder_mode_builds_the_decoder_it_names() -> None:
