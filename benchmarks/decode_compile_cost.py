@@ -52,10 +52,11 @@ PHASES = {
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
+    from torch._dynamo.utils import counters
+
     from cudagraphs.integrations.compiled import mark_rung_dims
     from cudagraphs.integrations.kv_cache import RungCaches
     from cudagraphs.tools.workloads import random_llama
-    from torch._dynamo.utils import counters
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = random_llama(args.model, device, torch.bfloat16)
@@ -149,14 +150,16 @@ def main() -> None:
         f"batch {args.batch}, a decode step on the 256-position view of a cache of "
         f"{args.max_length}; backend aot_eager (no code generation); each variant a fresh process.",
         "",
-        "| dynamic dimensions | " + " | ".join(PHASES.values())
+        "| dynamic dimensions | "
+        + " | ".join(PHASES.values())
         + " | traces with batch 1 too | graph breaks |",
         "|---|" + "---|" * (len(PHASES) + 2),
     ]
     for which, r in runs.items():
         traces = r.get("traces_with_batch_1")
         lines.append(
-            f"| {which} | " + " | ".join(f"{r[k]:.1f}" for k in PHASES)
+            f"| {which} | "
+            + " | ".join(f"{r[k]:.1f}" for k in PHASES)
             + f" | {'-' if traces is None else traces} | {r.get('graph_breaks', 0)} |"
         )
     text = "\n".join([*lines, ""])
