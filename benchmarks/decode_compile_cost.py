@@ -8,12 +8,13 @@ variant runs in a fresh process with an empty on-disk compile cache:
   static   every size a constant (one compile per (batch rung, length rung))
   length   the cache length a dynamic dimension
   batch    the batch a dynamic dimension
-  both     both, as ``Decoder(compile=True)`` marks them
+  both     both, marked on the cache views (the Decoder where its cache cannot be cut)
 
-Two alternatives that the Decoder does not use, measured to decide (DESIGN.md):
+Two more, measured to decide (DESIGN.md):
 
-  sliced   batch and length dynamic, but the step receives the one full-size cache and cuts
-           each layer's keys and values to the token's batch and the rung's length itself:
+  sliced   batch and length dynamic, and the step cuts each layer's keys and values out of
+           the one full-size cache itself, to the token's batch and the length of a 1-D
+           tensor (``RungCaches.cut``, what ``Decoder(compile=True)`` does where it can):
            two symbols instead of two per cache tensor
   unbacked as ``sliced``, with the batch marked unbacked (no size-1 specialisation)
 
@@ -67,20 +68,16 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         out = model(input_ids=token, cache_position=position, use_cache=True, past_key_values=cache)
         return out.logits[:, -1, :]
 
-    full = [(layer.keys, layer.values) for layer in caches.base.layers]
-
-    def cut_inside(token: torch.Tensor, position: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-        rows, length = token.shape[0], span.shape[0]
-        torch._check(rows >= 1)
-        torch._check(rows <= args.batch)
-        torch._check(length <= args.max_length)
-        cache = caches[args.batch, 256]
-        for layer, (keys, values) in zip(cache.layers, full):
-            layer.keys, layer.values = keys[:rows, :, :length], values[:rows, :, :length]
+    def cut_inside(
+        token: torch.Tensor, position: torch.Tensor, cache: Any, span: torch.Tensor
+    ) -> torch.Tensor:
+        caches.cut(cache, token.shape[0], span.shape[0])  # as Decoder(compile=True) does
         return forward(token, position, cache)
 
     cut = args.which in CUT_INSIDE
-    if marks and not cut:
+    if cut:
+        caches.write_through()
+    elif marks:
         mark_rung_dims(caches.tensors(), **marks)
     dynamic = False if not marks else None
     compiled = torch.compile(cut_inside if cut else forward, backend="aot_eager", dynamic=dynamic)
@@ -93,9 +90,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             mark_rung_dims([token], batch=0)
         where = torch.tensor([position], device=device)
         if cut:
-            span = torch.empty(256, device=device)
+            span = caches.span(caches[batch, 256])
             mark_rung_dims([span], batch=0)  # its one dimension: the length
-            compiled(token, where, span)
+            compiled(token, where, caches[batch, 256], span)
         else:
             compiled(token, where, caches[batch, 256])
 
@@ -127,6 +124,7 @@ def main() -> None:
     p.add_argument("--model", default="llama-2048")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-length", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=1, help="fresh processes per variant (median)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--_child", dest="which", default=None, help=argparse.SUPPRESS)
@@ -136,19 +134,20 @@ def main() -> None:
         with torch.no_grad():
             print(json.dumps(child(args)))
         return
-    runs = {}
-    for which in VARIANTS:
-        with tempfile.TemporaryDirectory() as cache:
-            runs[which] = fresh_process(
-                [__file__, "--model", args.model, "--batch", str(args.batch), "--max-length",
-                 str(args.max_length), "--_child", which],
-                cache, which,
-            )  # fmt: skip
+    repeats: dict[str, list[dict[str, Any]]] = {which: [] for which in VARIANTS}
+    for _ in range(args.repeats):  # interleaved: a drift in the machine's speed hits every variant
+        for which in VARIANTS:
+            argv = [__file__, "--model", args.model, "--batch", str(args.batch),
+                    "--max-length", str(args.max_length), "--_child", which]  # fmt: skip
+            with tempfile.TemporaryDirectory() as cache:
+                repeats[which].append(fresh_process(argv, cache, which))
+    runs = {which: _median_run(rs) for which, rs in repeats.items()}
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     lines = [
         f"{device}, {os.cpu_count()} CPU cores, torch {torch.__version__}; {args.model} (bf16), "
         f"batch {args.batch}, a decode step on the 256-position view of a cache of "
-        f"{args.max_length}; backend aot_eager (no code generation); each variant a fresh process.",
+        f"{args.max_length}; backend aot_eager (no code generation); each variant a fresh "
+        f"process, median of {args.repeats} (interleaved).",
         "",
         "| dynamic dimensions | "
         + " | ".join(PHASES.values())
@@ -165,7 +164,14 @@ def main() -> None:
     text = "\n".join([*lines, ""])
     print(text)
     args.json = args.json or RESULTS / f"decode-compile-cost-{args.model}.json"
-    write({"device": device, "torch": torch.__version__, "runs": runs}, text, args, Console())
+    result = {"device": device, "torch": torch.__version__, "runs": runs, "repeats": repeats}
+    write(result, text, args, Console())
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run whose whole compile is the median of ``runs`` (its phases stay one run's)."""
+    ordered = sorted(runs, key=lambda r: r["_compile.compile_inner"])
+    return ordered[(len(ordered) - 1) // 2]
 
 
 if __name__ == "__main__":

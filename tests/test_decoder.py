@@ -344,6 +344,32 @@ def test_length_rung_views_share_the_one_cache(llama) -> None:
         Decoder(model, max_batch=1, max_length=16, cache_lengths=[0, 8])
 
 
+def test_a_cut_rung_writes_what_the_layers_own_update_writes(llama) -> None:
+    """The compiled step cuts each rung out of the one cache and writes new keys through the
+    full-size tensors (``RungCaches.cut``); that write must be transformers' own: the same
+    positions (the layer's count, which it advances), rows and values."""
+    from cudagraphs.integrations.kv_cache import RungCaches
+
+    model, _ = llama
+    own, cut = (RungCaches(model, [1, 2, 4], 48, [8, 16]) for _ in range(2))
+    assert cut.cuttable()
+    cut.write_through()
+    torch.manual_seed(3)
+    for rows, length, positions in ((4, 48, 5), (2, 16, 1), (2, 16, 1), (1, 8, 3)):
+        mine, theirs = own[rows, length], cut[rows, length]
+        cut.cut(theirs, rows, length)
+        assert cut.span(theirs).shape == (length,)
+        for layer in range(len(mine.layers)):
+            keys, values = torch.randn(2, rows, 2, positions, 16)  # heads 2, head_dim 16
+            expected = mine.layers[layer].update(keys, values)
+            got = theirs.layers[layer].update(keys, values)
+            for a, b in zip(expected, got):
+                assert a.shape == b.shape == (rows, 2, length, 16) and torch.equal(a, b)
+    for a, b in zip(own.base.layers, cut.base.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        assert torch.equal(a.cumulative_length, b.cumulative_length)
+
+
 def test_compiled_forward_compiles_per_shape_class_not_per_rung(llama) -> None:
     """Batch and cache length are dynamic dimensions: two traces (batch 1, larger batches)
     serve every (batch rung, length rung), and the tokens equal generate across rung changes."""
@@ -354,6 +380,9 @@ def test_compiled_forward_compiles_per_shape_class_not_per_rung(llama) -> None:
     before = counters["stats"]["unique_graphs"]
     decoder = Decoder(model, max_batch=4, max_length=48, compile=True, cache_lengths=[8, 16])
     assert decoder.stats.compile_s > 0
+    # The step cuts the rungs itself: every rung's layers write through the one cache.
+    layers = [layer for cache in decoder.caches.caches.values() for layer in cache.layers]
+    assert decoder.caches.cuttable() and all(layer.full is not None for layer in layers)
     torch.manual_seed(5)
     for batch in (3, 1, 2):
         prompt = torch.randint(0, 512, (batch, 5))

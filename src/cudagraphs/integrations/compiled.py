@@ -1,12 +1,18 @@
 """The decoder's forward under ``torch.compile``: compiled per shape class, not per (batch
 rung, cache-length rung).
 
-The batch and the cache length are marked as dynamic dimensions of the tensors the forward
-reads, so Dynamo traces with symbolic sizes instead of once per shape, and every rung's graph
-is captured over the same compiled code. Two shape classes remain: batch 1, which Dynamo
-specialises (a size of 1 broadcasts), and every larger batch. An unbacked batch would make one
-class, but each tensor's batch is then a size of its own and transformers' broadcasts between
-them (the cache's ``index_copy_``, attention) cannot be decided while tracing.
+The batch and the cache length are dynamic dimensions, so Dynamo traces with symbolic sizes
+instead of once per shape, and every rung's graph is captured over the same compiled code. The
+step is handed the rung's cache and a 1-D tensor as long as its length rung, and cuts the
+layers' keys and values out of the one full-size cache itself (``RungCaches.cut``): two
+symbols (the token's batch, the length) instead of two per cache tensor, about a third less
+to trace (``reports/decode-compile-cost.md``, ``sliced`` against ``both``). Where
+the cache's layers cannot be cut (no tensor write position), the rung views are marked instead.
+
+Two shape classes remain: batch 1, which Dynamo specialises (a size of 1 broadcasts), and
+every larger batch. An unbacked batch would make one class under torch 2.13, but under 2.11
+the attention's fake implementation asks whether the batch is 1, and the graph breaks there
+(the same report).
 """
 
 from __future__ import annotations
@@ -22,25 +28,48 @@ __all__ = ["compiled_forward", "mark_rung_dims"]
 
 
 def compiled_forward(
-    fn: Callable[..., Any], compile: bool | str, *, dynamic: bool
+    fn: Callable[..., Any], compile: bool | str, *, dynamic: bool, caches: Any = None
 ) -> Callable[..., Any]:
     """``fn(token, position, cache, *rows)`` through ``torch.compile`` (``compile`` is
     ``True`` or a mode name). ``dynamic``: the batch dimension of the token and of each of
     ``rows`` (``[batch, ...]``; a 4-D mask also ``[..., length]``) is marked at each call: they
     are made per graph at capture (the token is the graph's own input buffer), so they cannot
-    be marked ahead like the cache. Otherwise every size is a constant: for a decoder of one
-    (batch, length) shape, whose static trace is faster and whose kernels are specialised."""
+    be marked ahead. With ``caches`` (a ``RungCaches`` after ``write_through()``) the step cuts
+    the rung's cache itself; without, the caller marks the cache views. Not ``dynamic``: every
+    size is a constant, for a decoder of one (batch, length) shape, whose static trace is
+    faster and whose kernels are specialised."""
     mode = None if compile is True else compile
-    compiled = torch.compile(fn, mode=mode, dynamic=None if dynamic else False)
     if not dynamic:
-        return compiled
+        return torch.compile(fn, mode=mode, dynamic=False)
+    if caches is None:
+        compiled = torch.compile(fn, mode=mode)
 
-    def forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
-        mark_rung_dims([token, *rows], batch=0)
-        mark_rung_dims([row for row in rows if row.dim() == 4], length=3)
-        return compiled(token, position, cache, *rows)
+        def forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
+            _mark_call(token, rows)
+            return compiled(token, position, cache, *rows)
 
-    return forward
+        return forward
+
+    def cut_step(
+        token: torch.Tensor, position: torch.Tensor, cache: Any, span: torch.Tensor, *rows: Any
+    ) -> Any:
+        caches.cut(cache, token.shape[0], span.shape[0])
+        return fn(token, position, cache, *rows)
+
+    cut_compiled = torch.compile(cut_step, mode=mode)
+
+    def cut_forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
+        span = caches.span(cache)
+        _mark_call(token, rows)
+        mark_rung_dims([span], batch=0)  # its one dimension: the length rung
+        return cut_compiled(token, position, cache, span, *rows)
+
+    return cut_forward
+
+
+def _mark_call(token: torch.Tensor, rows: tuple[Any, ...]) -> None:
+    mark_rung_dims([token, *rows], batch=0)
+    mark_rung_dims([row for row in rows if row.dim() == 4], length=3)
 
 
 def mark_rung_dims(

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..core import compat
 from ..errors import ConfigError, explain
 
 __all__ = ["RungCaches", "cache_keyword", "full_length_layers", "length_rungs"]
@@ -47,6 +48,7 @@ class RungCaches:
         self.base = StaticCache(config=model.config, max_cache_len=max_length + 1)
         full_length_layers(self.base, max_length + 1)
         _initialize(model, self.base, largest)
+        self.largest = largest
         self.caches: dict[tuple[int, int], Any] = {}
         for n in rungs:
             rows = self.base if n == largest else _view(self.base, n)
@@ -54,6 +56,9 @@ class RungCaches:
                 self.caches[n, length] = _length_view(rows, length)
         for cache in self.caches.values():
             cache.reset()
+        # A 1-D tensor whose prefix of ``length`` stands for a length rung in a compiled step
+        # (see ``cut``): the one dynamic dimension that carries the length.
+        self.spans = torch.empty(max_length + 1, device=self.base.layers[0].keys.device)
 
     def __getitem__(self, key: int | tuple[int, int]) -> Any:
         return self.caches[key if isinstance(key, tuple) else (key, self.max_length)]
@@ -75,6 +80,42 @@ class RungCaches:
             for layer in cache.layers
             for name in _ROWS
         ]
+
+    def cuttable(self) -> bool:
+        """Whether a compiled step can cut the rungs itself (:meth:`cut`): the layers keep
+        their write position in a tensor (transformers' ``StaticLayer``), which
+        :func:`_write_through_full` reproduces."""
+        return all(
+            isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)
+            for layer in self.base.layers
+        )
+
+    def write_through(self) -> None:
+        """From now on every rung's layers write new keys into the full-size tensors (the
+        same memory their views show), as :meth:`cut` needs."""
+        for cache in self.caches.values():
+            for layer, full in zip(cache.layers, self.base.layers):
+                layer.full = (full.keys, full.values)
+
+    def span(self, cache: Any) -> torch.Tensor:
+        """The 1-D tensor as long as ``cache``'s length rung (a view of one buffer)."""
+        return self.spans[: cache.layers[0].keys.shape[2]]
+
+    def cut(self, cache: Any, rows: int, length: int) -> None:
+        """Make ``cache``'s layers hold the first ``rows`` rows and ``length`` positions of
+        the one full-size cache (after :meth:`write_through`).
+
+        Called inside a compiled step, with ``rows`` and ``length`` the sizes of the token and
+        of :meth:`span`: the step then reads two dynamic sizes instead of two per cache tensor
+        (``reports/decode-compile-cost.md``, ``sliced``), and a write goes to the full-size
+        tensor, a graph input, which the compiler updates in place (a write through a view cut
+        inside the step would be compiled as a copy of the layer's whole prefix)."""
+        compat.assume(rows >= 1)
+        compat.assume(rows <= self.largest)
+        compat.assume(length <= self.max_length)
+        for layer, full in zip(cache.layers, self.base.layers):
+            layer.keys = full.keys[:rows, :, :length]
+            layer.values = full.values[:rows, :, :length]
 
 
 def length_rungs(cache_len: int, given: Sequence[int] | None, floor: int = 256) -> list[int]:
@@ -213,8 +254,35 @@ def _prefix_class(layer_class: type) -> type:
     def ignore(self: Any, value: int) -> None:  # the view's shape is its length
         pass
 
+    def update(self: Any, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        if getattr(self, "full", None) is None:  # not cut by a compiled step: the layer's own
+            return layer_class.update(self, key_states, value_states, *args, **kwargs)
+        return _write_through_full(self, key_states, value_states)
+
     return type(
         f"Prefix{layer_class.__name__}",
         (layer_class,),
-        {"max_cache_len": property(max_cache_len, ignore), "__module__": __name__},
+        {
+            "max_cache_len": property(max_cache_len, ignore),
+            "update": update,
+            "__module__": __name__,
+        },
     )
+
+
+def _write_through_full(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> Any:
+    """``StaticLayer.update`` for a layer cut by :meth:`RungCaches.cut`: the new positions
+    are the layer's count so far (which it advances), written into the full-size tensors at
+    the call's rows and every head; returns the layer's (cut) keys and values, as it does."""
+    length = keys.shape[-2]
+    positions = torch.arange(length, device=keys.device) + layer.cumulative_length
+    layer.cumulative_length.add_(length)
+    where = (
+        torch.arange(keys.shape[0], device=keys.device)[:, None, None],
+        torch.arange(keys.shape[1], device=keys.device)[None, :, None],
+        positions[None, None, :],
+    )
+    full_keys, full_values = layer.full
+    full_keys.index_put_(where, keys)
+    full_values.index_put_(where, values)
+    return layer.keys, layer.values

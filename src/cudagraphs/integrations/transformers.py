@@ -159,12 +159,18 @@ class Decoder:
         # One compile for all rungs: batch and cache length are dynamic dimensions, unless
         # there is only one (batch, length) shape.
         dynamic = len(self.rungs) * len(self.lengths) > 1
-        if compile:
-            self.forward = compiled_forward(self._forward, compile, dynamic=dynamic)
-            self.forward_padded = compiled_forward(self._forward_padded, compile, dynamic=dynamic)
         self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
-        if compile and dynamic:
-            mark_rung_dims(self.caches.tensors(), batch=0, length=2)
+        if compile:
+            cut = dynamic and self.caches.cuttable()
+            if cut:  # the compiled step cuts each rung out of the one cache (compiled.py)
+                self.caches.write_through()
+            elif dynamic:
+                mark_rung_dims(self.caches.tensors(), batch=0, length=2)
+            caches = self.caches if cut else None
+            self.forward = compiled_forward(self._forward, compile, dynamic=dynamic, caches=caches)
+            self.forward_padded = compiled_forward(
+                self._forward_padded, compile, dynamic=dynamic, caches=caches
+            )
         self.stats.cache_bytes = self.caches.bytes
         self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
         self.params = SamplingParams.make(model.config.vocab_size, self.device)
