@@ -37,7 +37,7 @@ from ..core.pool import Pool
 from ..errors import ConfigError, explain
 from ..options import check_positive_int, refuse_unknown_keywords
 from ..shapes.ladders import powers_of_two
-from .compiled import compiled_forward, mark_rung_dims
+from .compiled import compiled_forward, compiled_tail, mark_rung_dims
 from .decode_requests import (
     MAX_EOS,
     check_attention,
@@ -48,7 +48,7 @@ from .decode_requests import (
     stop_ids,
     trim_finished,
 )
-from .decode_steps import capture_steps, compile_forward
+from .decode_steps import capture_steps, compile_forward, greedy_tail
 from .kv_cache import RungCaches, cache_keyword, length_rungs
 from .sampling import SamplingParams, greedy, sample, stop_finished
 
@@ -159,9 +159,11 @@ class Decoder:
         # One compile for all rungs: batch and cache length are dynamic dimensions, unless
         # there is only one (batch, length) shape.
         dynamic = len(self.rungs) * len(self.lengths) > 1
+        self.greedy_tail = None
         if compile:
             self.forward = compiled_forward(self._forward, compile, dynamic=dynamic)
             self.forward_padded = compiled_forward(self._forward_padded, compile, dynamic=dynamic)
+            self.greedy_tail = compiled_tail(greedy_tail)
         self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
         if compile and dynamic:
             mark_rung_dims(self.caches.tensors(), batch=0, length=2)
@@ -170,6 +172,7 @@ class Decoder:
         self.params = SamplingParams.make(model.config.vocab_size, self.device)
         self.eos = torch.full((MAX_EOS,), -1, dtype=torch.long, device=self.device)
         self.pad = torch.zeros((), dtype=torch.long, device=self.device)
+        self.stops = (self.eos, self.pad)
         # Left-padded prompts: which cache positions each row attends to, and how many padding
         # tokens it has (its position ids run that much behind the cache position).
         # (One spare position, as in the cache: every length rung's mask is a prefix view.)
