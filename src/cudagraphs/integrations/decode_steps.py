@@ -36,11 +36,8 @@ def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
         logits = logits_of(token, position)
         if tail is not None:
             tail(logits, token, position, finished, history, eos, pad)
-            return
-        chosen = stop_finished(choose(logits), finished, eos, pad)
-        position.add_(1)
-        history.scatter_(1, position.view(1, 1).expand(n, 1), chosen)
-        token.copy_(chosen)
+        else:
+            feed_back(choose(logits), token, position, finished, history, eos, pad)
 
     def decode_steps(
         token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor, left: torch.Tensor
@@ -102,7 +99,9 @@ def compile_forward(decoder: Any, mode: str) -> None:
             if decoder.greedy_tail is not None and mode.startswith("greedy"):
                 finished = torch.zeros(n, dtype=torch.bool, device=device)
                 history = torch.zeros_like(decoder.history[:n])
-                decoder.greedy_tail(logits, token, position, finished, history, *decoder.stops)
+                decoder.greedy_tail(
+                    logits, token, position, finished, history, decoder.eos, decoder.pad
+                )
         decoder.caches[n, length].reset()
 
 
@@ -115,11 +114,24 @@ def greedy_tail(
     eos: torch.Tensor,
     pad: torch.Tensor,
 ) -> None:
-    """A greedy step after its logits, in place on the device: the choice, the end-of-sequence
-    rule, the position advanced, the token kept in the history and fed back. Under
+    """A greedy step after its logits: the choice, then :func:`feed_back`. Under
     ``compile=True`` this is compiled too, so its nine small eager kernels become a few fused
     ones inside the graph."""
-    chosen = stop_finished(greedy(logits), finished, eos, pad)
+    feed_back(greedy(logits), token, position, finished, history, eos, pad)
+
+
+def feed_back(
+    chosen: torch.Tensor,
+    token: torch.Tensor,
+    position: torch.Tensor,
+    finished: torch.Tensor,
+    history: torch.Tensor,
+    eos: torch.Tensor,
+    pad: torch.Tensor,
+) -> None:
+    """In place on the device: the end-of-sequence rule on the ``chosen`` tokens, the position
+    advanced, the tokens kept in the history and fed back as the next step's input."""
+    chosen = stop_finished(chosen, finished, eos, pad)
     position.add_(1)
     history.scatter_(1, position.view(1, 1).expand(token.shape[0], 1), chosen)
     token.copy_(chosen)

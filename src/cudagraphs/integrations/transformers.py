@@ -172,7 +172,6 @@ class Decoder:
         self.params = SamplingParams.make(model.config.vocab_size, self.device)
         self.eos = torch.full((MAX_EOS,), -1, dtype=torch.long, device=self.device)
         self.pad = torch.zeros((), dtype=torch.long, device=self.device)
-        self.stops = (self.eos, self.pad)
         # Left-padded prompts: which cache positions each row attends to, and how many padding
         # tokens it has (its position ids run that much behind the cache position).
         # (One spare position, as in the cache: every length rung's mask is a prefix view.)
