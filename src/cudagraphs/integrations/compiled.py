@@ -24,7 +24,7 @@ import torch
 
 from ..core import compat
 
-__all__ = ["compiled_forward", "mark_rung_dims"]
+__all__ = ["compiled_forward", "compiled_tail", "mark_rung_dims"]
 
 
 def compiled_forward(
@@ -82,3 +82,10 @@ def mark_rung_dims(
             compat.mark_dynamic(tensor, batch)
         if length is not None:
             compat.mark_dynamic(tensor, length)
+
+
+def compiled_tail(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, the small in-place step after the logits, through ``torch.compile`` with its
+    default mode (nothing there to autotune). Its batch becomes dynamic on the second batch size
+    it sees (Dynamo's default), so it compiles once for batch 1 and once for larger batches."""
+    return torch.compile(fn, dynamic=None)

@@ -16,9 +16,9 @@ import torch
 
 from ..api import graph
 from ..control.flow import while_loop
-from .sampling import stop_finished
+from .sampling import greedy, stop_finished
 
-__all__ = ["capture_steps", "compile_forward"]
+__all__ = ["capture_steps", "compile_forward", "greedy_tail"]
 
 
 def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
@@ -28,15 +28,16 @@ def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
     history, eos, pad, steps = decoder.history[:n], decoder.eos, decoder.pad, decoder.steps
     attends, padded = decoder.attends[:n, :, :, :length], mode.endswith("+padded")
     until_eos, limit = decoder.until_eos, decoder.max_length
+    tail = decoder.greedy_tail if mode.startswith("greedy") else None
 
     def one_step(token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor) -> None:
         if padded:  # this position joins every row's view
             attends.index_fill_(3, position, True)
         logits = logits_of(token, position)
-        chosen = stop_finished(choose(logits), finished, eos, pad)
-        position.add_(1)
-        history.scatter_(1, position.view(1, 1).expand(n, 1), chosen)
-        token.copy_(chosen)
+        if tail is not None:
+            tail(logits, token, position, finished, history, eos, pad)
+        else:
+            feed_back(choose(logits), token, position, finished, history, eos, pad)
 
     def decode_steps(
         token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor, left: torch.Tensor
@@ -94,8 +95,46 @@ def compile_forward(decoder: Any, mode: str) -> None:
         token = torch.zeros(n, 1, dtype=torch.long, device=device)
         position = torch.zeros(1, dtype=torch.long, device=device)
         with torch.no_grad():
-            _rung_forward(decoder, n, length, mode)(token, position)
+            logits = _rung_forward(decoder, n, length, mode)(token, position)
+            if decoder.greedy_tail is not None and mode.startswith("greedy"):
+                finished = torch.zeros(n, dtype=torch.bool, device=device)
+                history = torch.zeros_like(decoder.history[:n])
+                decoder.greedy_tail(
+                    logits, token, position, finished, history, decoder.eos, decoder.pad
+                )
         decoder.caches[n, length].reset()
+
+
+def greedy_tail(
+    logits: torch.Tensor,
+    token: torch.Tensor,
+    position: torch.Tensor,
+    finished: torch.Tensor,
+    history: torch.Tensor,
+    eos: torch.Tensor,
+    pad: torch.Tensor,
+) -> None:
+    """A greedy step after its logits: the choice, then :func:`feed_back`. Under
+    ``compile=True`` this is compiled too, so its nine small eager kernels become a few fused
+    ones inside the graph."""
+    feed_back(greedy(logits), token, position, finished, history, eos, pad)
+
+
+def feed_back(
+    chosen: torch.Tensor,
+    token: torch.Tensor,
+    position: torch.Tensor,
+    finished: torch.Tensor,
+    history: torch.Tensor,
+    eos: torch.Tensor,
+    pad: torch.Tensor,
+) -> None:
+    """In place on the device: the end-of-sequence rule on the ``chosen`` tokens, the position
+    advanced, the tokens kept in the history and fed back as the next step's input."""
+    chosen = stop_finished(chosen, finished, eos, pad)
+    position.add_(1)
+    history.scatter_(1, position.view(1, 1).expand(token.shape[0], 1), chosen)
+    token.copy_(chosen)
 
 
 def _rung_forward(

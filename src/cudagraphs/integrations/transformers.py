@@ -37,7 +37,7 @@ from ..core.pool import Pool
 from ..errors import ConfigError, explain
 from ..options import check_positive_int, refuse_unknown_keywords
 from ..shapes.ladders import powers_of_two
-from .compiled import compiled_forward, mark_rung_dims
+from .compiled import compiled_forward, compiled_tail, mark_rung_dims
 from .decode_requests import (
     MAX_EOS,
     check_attention,
@@ -48,7 +48,7 @@ from .decode_requests import (
     stop_ids,
     trim_finished,
 )
-from .decode_steps import capture_steps, compile_forward
+from .decode_steps import capture_steps, compile_forward, greedy_tail
 from .kv_cache import RungCaches, cache_keyword, length_rungs
 from .sampling import SamplingParams, greedy, sample, stop_finished
 
@@ -159,6 +159,7 @@ class Decoder:
         # One compile for all rungs: batch and cache length are dynamic dimensions, unless
         # there is only one (batch, length) shape.
         dynamic = len(self.rungs) * len(self.lengths) > 1
+        self.greedy_tail = None
         self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
         if compile:
             cut = dynamic and self.caches.cuttable()
@@ -171,6 +172,7 @@ class Decoder:
             self.forward_padded = compiled_forward(
                 self._forward_padded, compile, dynamic=dynamic, caches=caches
             )
+            self.greedy_tail = compiled_tail(greedy_tail)
         self.stats.cache_bytes = self.caches.bytes
         self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
         self.params = SamplingParams.make(model.config.vocab_size, self.device)
