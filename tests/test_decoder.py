@@ -370,20 +370,28 @@ def test_a_cut_rung_writes_what_the_layers_own_update_writes(llama) -> None:
         assert torch.equal(a.cumulative_length, b.cumulative_length)
 
 
-def test_compiled_forward_compiles_per_shape_class_not_per_rung(llama) -> None:
+@pytest.mark.parametrize("cut", [True, False], ids=["cut in the step", "views marked"])
+def test_compiled_forward_compiles_per_shape_class_not_per_rung(
+    llama, cut: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Batch and cache length are dynamic dimensions: two traces of the forward (batch 1,
     larger batches) serve every (batch rung, length rung), and two of the greedy step after it;
-    the tokens equal generate across rung changes."""
+    the tokens equal generate across rung changes; so too where the cache cannot be cut in the
+    step and its rung views are marked instead."""
     from torch._dynamo.utils import counters
 
+    from cudagraphs.integrations.kv_cache import RungCaches
+
     model, _ = llama
+    if not cut:
+        monkeypatch.setattr(RungCaches, "cuttable", lambda self: False)
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     decoder = Decoder(model, max_batch=4, max_length=48, compile=True, cache_lengths=[8, 16])
     assert decoder.stats.compile_s > 0
-    # The step cuts the rungs itself: every rung's layers write through the one cache.
+    # Cut: every rung's layers write through the one cache; marked: each its own view.
     layers = [layer for cache in decoder.caches.caches.values() for layer in cache.layers]
-    assert decoder.caches.cuttable() and all(layer.full is not None for layer in layers)
+    assert all((getattr(layer, "full", None) is not None) is cut for layer in layers)
     torch.manual_seed(5)
     for batch in (3, 1, 2):
         prompt = torch.randint(0, 512, (batch, 5))
