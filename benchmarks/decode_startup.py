@@ -13,7 +13,8 @@ Each measurement runs in a fresh process of its own:
                         largest (batch, length) rung's graph by itself
   batch rungs from 2    cold again, with ``batch_sizes`` the powers of two from 2 up to --batch:
                         no batch-1 rung, so one compile serves every rung (Dynamo specialises a
-                        size of 1), and a single request runs on the batch-2 graph
+                        size of 1), and a single request runs on the batch-2 graph; then
+                        the same in a second process, on the cache that one left
 
 Graph memory is the growth of ``torch.cuda.memory_reserved()`` over the captures, as
 ``DecodeStats.graph_bytes`` reports it; the KV cache is allocated once, before them.
@@ -110,6 +111,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
     from_two = rows.get("from two")
     if from_two:
         labelled.append((f"cudagraphs, cold, batch rungs {from_two['batch_rungs']}", from_two))
+    if from_two_warm := rows.get("from two warm"):
+        labelled.append(("the same, warm (second process)", from_two_warm))
     for label, r in labelled:
         lines.append(
             f"| {label} | {r['setup_s']:.1f} | {r['compile_s']:.1f} | {r['capture_s']:.1f} | "
@@ -163,6 +166,7 @@ def main() -> None:
         runs["largest"] = run(args, "largest", cg_cache)
     with tempfile.TemporaryDirectory() as from_two_cache:
         runs["from two"] = run(args, "from-two", from_two_cache)
+        runs["from two warm"] = run(args, "from-two", from_two_cache)
     results = {**head, "runs": runs}
     text = "\n".join(markdown(results))
     print(text, flush=True)

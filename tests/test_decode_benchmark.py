@@ -155,9 +155,11 @@ def test_the_startup_table_has_a_row_per_run_and_the_ratios() -> None:
                    "cudagraphs cold": row(60.0, [1, 2, 4], 6, 50),
                    "cudagraphs warm": row(10.0, [1, 2, 4], 6, 50),
                    "largest": row(8.0, [4], 1, 40),
-                   "from two": row(30.0, [2, 4], 4, 45)}}  # fmt: skip
+                   "from two": row(30.0, [2, 4], 4, 45),
+                   "from two warm": row(9.0, [2, 4], 4, 45)}}  # fmt: skip
     text = "\n".join(decode_startup.markdown(results))
     assert "| cudagraphs, cold | 60.0 | 58.0 | 1.0 | 6 | 50 |" in text
     assert "| cudagraphs, cold, batch rungs [2, 4] | 30.0 | 28.0 | 1.0 | 4 | 45 |" in text
+    assert "| the same, warm (second process) | 9.0 | 7.0 | 1.0 | 4 | 45 |" in text
     assert "compile: 3.00x" in text and "alone: 1.25x" in text
     assert "Without a batch-1 rung, cold set-up against one reduce-overhead compile: 1.50x" in text
