@@ -17,6 +17,7 @@ the construction (compile and captures) and every request; ``default`` leaves Py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 import warnings
 from pathlib import Path
@@ -105,8 +106,6 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
 
 def attention_kernel(name: str) -> Any:
     """``sdpa_kernel`` for one backend, or a context that changes nothing for ``default``."""
-    import contextlib
-
     if name == "default":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
