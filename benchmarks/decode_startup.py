@@ -84,12 +84,15 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, which: str, cache_dir: str) -> dict[str, Any]:
-    return fresh_process(
+    # Each row is printed as it ends, so a run cut off by a time limit keeps what it measured.
+    row = fresh_process(
         [__file__, "--model", args.model, "--dtype", args.dtype, "--batch", str(args.batch),
          "--max-length", str(args.max_length), "--prompt", str(args.prompt), "--new",
          str(args.new), "--_child", which],
         cache_dir, which,
     )  # fmt: skip
+    print(json.dumps({which: row}), flush=True)
+    return row
 
 
 def markdown(results: dict[str, Any]) -> list[str]:
