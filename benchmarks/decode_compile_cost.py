@@ -71,6 +71,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     def cut_inside(
         token: torch.Tensor, position: torch.Tensor, cache: Any, span: torch.Tensor
     ) -> torch.Tensor:
+        if args.which == "unbacked":
+            # An unbacked size has no range; the cut's slices need its bounds to simplify.
+            torch._check(token.shape[0] >= 1)
+            torch._check(token.shape[0] <= args.batch)
         caches.cut(cache, token.shape[0], span.shape[0])  # as Decoder(compile=True) does
         return forward(token, position, cache)
 

@@ -21,7 +21,6 @@ from ..errors import CudaGraphsError, explain
 __all__ = [
     "OPS_DISPATCH_MODE",
     "allocating_in_pool",
-    "assume",
     "begin_allocate_to_pool",
     "clear_cublas_workspaces",
     "declare_amp_scaling",
@@ -297,12 +296,6 @@ def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Tell ``torch.compile`` that dimension ``dim`` of ``tensor`` varies between calls, so one
     trace with a symbolic size serves them all (a size of 1 is still traced apart)."""
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
-
-
-def assume(condition: Any) -> None:
-    """Tell a compiled trace a fact about its sizes (``rows <= 16``): a symbolic size then
-    simplifies instead of staying ``min(16, rows)``; checked at run time (``torch._check``)."""
-    torch._check(condition)
 
 
 def sleep_cycles(cycles: int) -> None:

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from ..core import compat
 from ..errors import ConfigError, explain
 
 __all__ = ["RungCaches", "cache_keyword", "full_length_layers", "length_rungs"]
@@ -110,9 +109,6 @@ class RungCaches:
         (``reports/decode-compile-cost.md``, ``sliced``), and a write goes to the full-size
         tensor, a graph input, which the compiler updates in place (a write through a view cut
         inside the step would be compiled as a copy of the layer's whole prefix)."""
-        compat.assume(rows >= 1)
-        compat.assume(rows <= self.largest)
-        compat.assume(length <= self.max_length)
         for layer, full in zip(cache.layers, self.base.layers):
             layer.keys = full.keys[:rows, :, :length]
             layer.values = full.values[:rows, :, :length]
