@@ -107,7 +107,9 @@ def main() -> None:
                "max_length": args.max_length, "runs": runs}  # fmt: skip
     text = "\n".join(markdown(results))
     print(text, flush=True)
-    args.json = args.json or RESULTS / f"decode-cache-{args.model}-torch{torch.__version__[:4]}.json"
+    args.json = (
+        args.json or RESULTS / f"decode-cache-{args.model}-torch{torch.__version__[:4]}.json"
+    )
     write(results, text + "\n", args, Console())
 
 

@@ -55,7 +55,7 @@ PHASES = {
 def child(args: argparse.Namespace) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
-    from cudagraphs.integrations.compiled import mark_rung_dims
+    from cudagraphs.integrations.compiled import mark_cut_sizes, mark_rung_dims
     from cudagraphs.integrations.kv_cache import RungCaches
     from cudagraphs.tools.workloads import random_llama
 
@@ -71,11 +71,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     def cut_inside(
         token: torch.Tensor, position: torch.Tensor, cache: Any, span: torch.Tensor
     ) -> torch.Tensor:
+        rows = span.shape[0]
         if args.which == "unbacked":
-            # An unbacked size has no range; the cut's slices need its bounds to simplify.
-            torch._check(token.shape[0] >= 1)
-            torch._check(token.shape[0] <= args.batch)
-        caches.cut(cache, token.shape[0], span.shape[0])  # as Decoder(compile=True) does
+            # The token's batch, one unknown size for the whole step; with no range of its
+            # own, the cut's slices need its bounds to simplify.
+            rows = token.shape[0]
+            torch._check(rows >= 1)
+            torch._check(rows <= args.batch)
+        caches.cut(cache, rows, span.shape[1])  # as Decoder(compile=True) does
         return forward(token, position, cache)
 
     cut = args.which in CUT_INSIDE
@@ -88,16 +91,20 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     def call(batch: int, position: int) -> None:
         token = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        if args.which == "unbacked":
-            torch._dynamo.decorators.mark_unbacked(token, 0)
-        elif "batch" in marks:
-            mark_rung_dims([token], batch=0)
         where = torch.tensor([position], device=device)
         if cut:
             span = caches.span(caches[batch, 256])
-            mark_rung_dims([span], batch=0)  # its one dimension: the length
+            if args.which == "unbacked":
+                torch._dynamo.decorators.mark_unbacked(token, 0)
+                torch._dynamo.decorators.mark_unbacked(span, 0)
+                mark_rung_dims([span], length=1)
+            else:
+                mark_cut_sizes(span, caches)  # as Decoder(compile=True) does
+                mark_rung_dims([token], batch=0)
             compiled(token, where, caches[batch, 256], span)
         else:
+            if "batch" in marks:
+                mark_rung_dims([token], batch=0)
             compiled(token, where, caches[batch, 256])
 
     start = time.perf_counter()

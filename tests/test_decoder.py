@@ -358,7 +358,7 @@ def test_a_cut_rung_writes_what_the_layers_own_update_writes(llama) -> None:
     for rows, length, positions in ((4, 48, 5), (2, 16, 1), (2, 16, 1), (1, 8, 3)):
         mine, theirs = own[rows, length], cut[rows, length]
         cut.cut(theirs, rows, length)
-        assert cut.span(theirs).shape == (length,)
+        assert cut.span(theirs).shape == (rows, length)
         for layer in range(len(mine.layers)):
             keys, values = torch.randn(2, rows, 2, positions, 16)  # heads 2, head_dim 16
             expected = mine.layers[layer].update(keys, values)

@@ -292,10 +292,16 @@ def declare_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
 # --- torch.compile and timing (integrations, tools) -------------------------------------------
 
 
-def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+def mark_dynamic(tensor: torch.Tensor, dim: int, high: int | None = None) -> None:
     """Tell ``torch.compile`` that dimension ``dim`` of ``tensor`` varies between calls, so one
-    trace with a symbolic size serves them all (a size of 1 is still traced apart)."""
-    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    trace with a symbolic size serves them all (a size of 1 is still traced apart).
+
+    ``high``: the size is at most that (and at least 2), which the trace then knows without a
+    check of its own in the graph. A size below 2 is marked without the bound."""
+    if high is None or tensor.shape[dim] < 2:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    else:
+        torch._dynamo.mark_dynamic(tensor, dim, min=2, max=max(2, high))
 
 
 def sleep_cycles(cycles: int) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from ..core import compat
 
-__all__ = ["compiled_forward", "compiled_tail", "mark_rung_dims"]
+__all__ = ["compiled_forward", "compiled_tail", "mark_cut_sizes", "mark_rung_dims"]
 
 
 def compiled_forward(
@@ -53,18 +53,30 @@ def compiled_forward(
     def cut_step(
         token: torch.Tensor, position: torch.Tensor, cache: Any, span: torch.Tensor, *rows: Any
     ) -> Any:
-        caches.cut(cache, token.shape[0], span.shape[0])
+        caches.cut(cache, span.shape[0], span.shape[1])
         return fn(token, position, cache, *rows)
 
     cut_compiled = torch.compile(cut_step, mode=mode)
 
     def cut_forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
         span = caches.span(cache)
+        mark_cut_sizes(span, caches)
         _mark_call(token, rows)
-        mark_rung_dims([span], batch=0)  # its one dimension: the length rung
         return cut_compiled(token, position, cache, span, *rows)
 
     return cut_forward
+
+
+def mark_cut_sizes(span: torch.Tensor, caches: Any) -> None:
+    """Mark the two sizes a cut step reads off ``span`` (``RungCaches.span``: the rung's batch
+    and length) with their bounds, the largest batch rung and the cache's length: each slice
+    of the full-size cache to them is then known to fit, as ``torch._check`` in the step would
+    tell the trace, but with no call in the graph, which AOTAutograd under torch 2.11 would
+    refuse to save for a second process (``reports/decode-cache.md``). The bounds go on the
+    span, not the token, since the token is also handed to the greedy tail's compile, which
+    specialises its batch at first."""
+    compat.mark_dynamic(span, 0, high=caches.largest)
+    compat.mark_dynamic(span, 1, high=caches.max_length)
 
 
 def _mark_call(token: torch.Tensor, rows: tuple[Any, ...]) -> None:

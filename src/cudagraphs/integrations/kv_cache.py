@@ -55,9 +55,11 @@ class RungCaches:
                 self.caches[n, length] = _length_view(rows, length)
         for cache in self.caches.values():
             cache.reset()
-        # A 1-D tensor whose prefix of ``length`` stands for a length rung in a compiled step
-        # (see ``cut``): the one dynamic dimension that carries the length.
-        self.spans = torch.empty(max_length + 1, device=self.base.layers[0].keys.device)
+        # A tensor whose corner of ``rows`` by ``length`` stands for a rung in a compiled step
+        # (see ``cut``): the two dynamic dimensions that carry its batch and length. Only its
+        # shape is read.
+        device = self.base.layers[0].keys.device
+        self.spans = torch.empty(largest, max_length + 1, dtype=torch.uint8, device=device)
 
     def __getitem__(self, key: int | tuple[int, int]) -> Any:
         return self.caches[key if isinstance(key, tuple) else (key, self.max_length)]
@@ -97,8 +99,9 @@ class RungCaches:
                 layer.full = (full.keys, full.values)
 
     def span(self, cache: Any) -> torch.Tensor:
-        """The 1-D tensor as long as ``cache``'s length rung (a view of one buffer)."""
-        return self.spans[: cache.layers[0].keys.shape[2]]
+        """A tensor of ``cache``'s rung's shape, batch by length (a view of one buffer)."""
+        keys = cache.layers[0].keys
+        return self.spans[: keys.shape[0], : keys.shape[2]]
 
     def cut(self, cache: Any, rows: int, length: int) -> None:
         """Make ``cache``'s layers hold the first ``rows`` rows and ``length`` positions of
