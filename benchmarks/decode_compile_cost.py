@@ -13,9 +13,10 @@ variant runs in a fresh process with an empty on-disk compile cache:
 Two more, measured to decide (DESIGN.md):
 
   sliced   batch and length dynamic, and the step cuts each layer's keys and values out of
-           the one full-size cache itself, to the token's batch and the length of a 1-D
-           tensor (``RungCaches.cut``, what ``Decoder(compile=True)`` does where it can):
-           two symbols instead of two per cache tensor
+           the one full-size cache itself, to the batch and length of a tensor of the
+           rung's shape whose sizes are marked with their bounds (``RungCaches.cut``, what
+           ``Decoder(compile=True)`` does where it can): two symbols instead of two per
+           cache tensor
   unbacked as ``sliced``, with the batch marked unbacked (no size-1 specialisation)
 
 Reported per variant: Dynamo's bytecode tracing, AOTAutograd, and the whole compile, from

@@ -3,9 +3,9 @@ rung, cache-length rung).
 
 The batch and the cache length are dynamic dimensions, so Dynamo traces with symbolic sizes
 instead of once per shape, and every rung's graph is captured over the same compiled code. The
-step is handed the rung's cache and a 1-D tensor as long as its length rung, and cuts the
-layers' keys and values out of the one full-size cache itself (``RungCaches.cut``): two
-symbols (the token's batch, the length) instead of two per cache tensor, about a third less
+step is handed the rung's cache and a tensor of the rung's shape (batch by length, only its
+sizes read), and cuts the layers' keys and values out of the one full-size cache itself
+(``RungCaches.cut``): two symbols instead of two per cache tensor, about a third less
 to trace (``reports/decode-compile-cost.md``, ``sliced`` against ``both``). Where
 the cache's layers cannot be cut (no tensor write position), the rung views are marked instead.
 
