@@ -9,6 +9,8 @@ import os
 import platform
 import subprocess
 import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,3 +102,22 @@ def fresh_process(argv: list[str], cache_dir: str, what: str) -> dict[str, Any]:
     if proc.returncode:
         raise SystemExit(f"{what} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def parent_or_child(
+    p: argparse.ArgumentParser, child: Callable[[argparse.Namespace], dict[str, Any]]
+) -> argparse.Namespace | None:
+    """Parse a fresh-process benchmark's command line (``--json``, ``--markdown`` and the hidden
+    ``--_child`` are added here). In a child (``--_child WHICH``, as :func:`fresh_process`
+    starts it) print ``child(args)`` as its JSON result line and return ``None``; in the parent
+    return the arguments."""
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--_child", dest="which", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    if not args.which:
+        return args
+    with torch.no_grad():
+        print(json.dumps(child(args)))
+    return None

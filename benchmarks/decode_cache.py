@@ -19,12 +19,10 @@ import argparse
 import json
 import tempfile
 import time
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, fresh_process, write
+from common import RESULTS, fresh_process, parent_or_child, write
 from rich.console import Console
 
 WAYS = ("cut", "marked")
@@ -86,14 +84,8 @@ def main() -> None:
     )
     p.add_argument("--model", default="llama-tiny")
     p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--markdown", type=Path, default=None)
-    p.add_argument("--_child", dest="which", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    warnings.filterwarnings("ignore")
-    if args.which:
-        with torch.no_grad():
-            print(json.dumps(child(args)))
+    args = parent_or_child(p, child)
+    if args is None:
         return
     hardware = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (Inductor)"
     runs: dict[str, list[dict[str, Any]]] = {}

@@ -29,16 +29,13 @@ after one more call at batch 1 (batch 1 as a class of its own: 2), and the graph
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, fresh_process, write
+from common import RESULTS, fresh_process, parent_or_child, write
 from rich.console import Console
 
 VARIANTS = {
@@ -137,14 +134,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--repeats", type=int, default=1, help="fresh processes per variant (median)")
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--markdown", type=Path, default=None)
-    p.add_argument("--_child", dest="which", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    warnings.filterwarnings("ignore")
-    if args.which:
-        with torch.no_grad():
-            print(json.dumps(child(args)))
+    args = parent_or_child(p, child)
+    if args is None:
         return
     repeats: dict[str, list[dict[str, Any]]] = {which: [] for which in VARIANTS}
     for _ in range(args.repeats):  # interleaved: a drift in the machine's speed hits every variant

@@ -28,12 +28,10 @@ import argparse
 import json
 import tempfile
 import time
-import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, fresh_process, write
+from common import RESULTS, fresh_process, parent_or_child, write
 from rich.console import Console
 
 
@@ -149,14 +147,8 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=128)
-    p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--markdown", type=Path, default=None)
-    p.add_argument("--_child", dest="which", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    warnings.filterwarnings("ignore")
-    if args.which:
-        with torch.no_grad():
-            print(json.dumps(child(args)))
+    args = parent_or_child(p, child)
+    if args is None:
         return
     head = {"hardware": torch.cuda.get_device_name(), "torch": torch.__version__,
             **{k: getattr(args, k) for k in ("model", "dtype", "batch", "max_length", "prompt",
