@@ -10,7 +10,8 @@ Each measurement runs in a fresh process of its own:
                         (compile, every capture) plus the first request
   cudagraphs warm       the same again in a second process, on the cache the cold one left
   largest rung alone    ``batch_sizes=[--batch]``, ``cache_lengths=[]``: the graph memory of the
-                        largest (batch, length) rung's graph by itself
+                        largest (batch, length) rung's graph by itself; run last, and left
+                        out with --without-largest
   batch rungs from 2    cold again, with ``batch_sizes`` the powers of two from 2 up to --batch:
                         no batch-1 rung, so one compile serves every rung (Dynamo specialises a
                         size of 1), and a single request runs on the batch-2 graph; then
@@ -95,9 +96,10 @@ def run(args: argparse.Namespace, which: str, cache_dir: str) -> dict[str, Any]:
 
 def markdown(results: dict[str, Any]) -> list[str]:
     rows, mib = results["runs"], 1 << 20
-    ro, cold, warm, alone = (
-        rows[k] for k in ("reduce-overhead cold", "cudagraphs cold", "cudagraphs warm", "largest")
+    ro, cold, warm = (
+        rows[k] for k in ("reduce-overhead cold", "cudagraphs cold", "cudagraphs warm")
     )
+    alone = rows.get("largest")
     lines = [
         f"Hardware: {results['hardware']}, torch {results['torch']}; {results['model']} "
         f"({results['dtype']}), batch {results['batch']}, cache length {results['max_length']}, "
@@ -107,8 +109,9 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|",
         f"| reduce-overhead loop, cold | {ro['setup_s']:.1f} | - | - | - | - |",
     ]
-    labelled = [("cudagraphs, cold", cold), ("cudagraphs, warm (second process)", warm),
-                ("cudagraphs, largest rung alone", alone)]  # fmt: skip
+    labelled = [("cudagraphs, cold", cold), ("cudagraphs, warm (second process)", warm)]
+    if alone:
+        labelled.append(("cudagraphs, largest rung alone", alone))
     from_two = rows.get("from two")
     if from_two:
         labelled.append((f"cudagraphs, cold, batch rungs {from_two['batch_rungs']}", from_two))
@@ -123,8 +126,13 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "",
         f"Batch rungs {cold['batch_rungs']}, cache-length rungs {cold['length_rungs']}. Cold "
         f"set-up against one reduce-overhead compile: {cold['setup_s'] / ro['setup_s']:.2f}x; "
-        f"graph memory of all rungs against the largest alone: "
-        f"{warm['graph_bytes'] / alone['graph_bytes']:.2f}x; the KV cache "
+        + (
+            f"graph memory of all rungs against the largest alone: "
+            f"{warm['graph_bytes'] / alone['graph_bytes']:.2f}x; "
+            if alone
+            else ""
+        )
+        + f"the KV cache "
         f"({cold['cache_bytes'] / mib:.0f} MiB) is allocated once, before the captures.",
         "",
     ]
@@ -147,6 +155,11 @@ def main() -> None:
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--new", type=int, default=128)
+    p.add_argument(
+        "--without-largest",
+        action="store_true",
+        help="leave out the largest rung alone (only its graph memory is read from it)",
+    )
     args = parent_or_child(p, child)
     if args is None:
         return
@@ -158,10 +171,11 @@ def main() -> None:
         runs["reduce-overhead cold"] = run(args, "reduce-overhead", ro_cache)
         runs["cudagraphs cold"] = run(args, "cudagraphs", cg_cache)
         runs["cudagraphs warm"] = run(args, "cudagraphs", cg_cache)
-        runs["largest"] = run(args, "largest", cg_cache)
-    with tempfile.TemporaryDirectory() as from_two_cache:
-        runs["from two"] = run(args, "from-two", from_two_cache)
-        runs["from two warm"] = run(args, "from-two", from_two_cache)
+        with tempfile.TemporaryDirectory() as from_two_cache:
+            runs["from two"] = run(args, "from-two", from_two_cache)
+            runs["from two warm"] = run(args, "from-two", from_two_cache)
+        if not args.without_largest:  # last: a run stopped at a time limit loses it first
+            runs["largest"] = run(args, "largest", cg_cache)
     results = {**head, "runs": runs}
     text = "\n".join(markdown(results))
     print(text, flush=True)

@@ -163,3 +163,8 @@ def test_the_startup_table_has_a_row_per_run_and_the_ratios() -> None:
     assert "| the same, warm (second process) | 9.0 | 7.0 | 1.0 | 4 | 45 |" in text
     assert "compile: 3.00x" in text and "alone: 1.25x" in text
     assert "Without a batch-1 rung, cold set-up against one reduce-overhead compile: 1.50x" in text
+    # --without-largest: no row for it, and no memory ratio read off a row that is not there.
+    del results["runs"]["largest"]
+    text = "\n".join(decode_startup.markdown(results))
+    assert "largest rung alone" not in text and "alone:" not in text
+    assert "compile: 3.00x; the KV cache (100 MiB)" in text
