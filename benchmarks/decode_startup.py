@@ -122,18 +122,18 @@ def markdown(results: dict[str, Any]) -> list[str]:
             f"| {label} | {r['setup_s']:.1f} | {r['compile_s']:.1f} | {r['capture_s']:.1f} | "
             f"{r['graphs']} | {r['graph_bytes'] / mib:.0f} |"
         )
+    memory = (
+        f"graph memory of all rungs against the largest alone: "
+        f"{warm['graph_bytes'] / alone['graph_bytes']:.2f}x; "
+        if alone
+        else ""
+    )
     lines += [
         "",
         f"Batch rungs {cold['batch_rungs']}, cache-length rungs {cold['length_rungs']}. Cold "
         f"set-up against one reduce-overhead compile: {cold['setup_s'] / ro['setup_s']:.2f}x; "
-        + (
-            f"graph memory of all rungs against the largest alone: "
-            f"{warm['graph_bytes'] / alone['graph_bytes']:.2f}x; "
-            if alone
-            else ""
-        )
-        + f"the KV cache "
-        f"({cold['cache_bytes'] / mib:.0f} MiB) is allocated once, before the captures.",
+        f"{memory}the KV cache ({cold['cache_bytes'] / mib:.0f} MiB) is allocated once, before "
+        "the captures.",
         "",
     ]
     if from_two:
