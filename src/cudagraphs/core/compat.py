@@ -301,7 +301,7 @@ def mark_dynamic(tensor: torch.Tensor, dim: int, high: int | None = None) -> Non
     if high is None or tensor.shape[dim] < 2:
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
     else:
-        torch._dynamo.mark_dynamic(tensor, dim, min=2, max=max(2, high))
+        torch._dynamo.mark_dynamic(tensor, dim, min=2, max=high)
 
 
 def sleep_cycles(cycles: int) -> None:

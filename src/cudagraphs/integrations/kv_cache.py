@@ -107,8 +107,8 @@ class RungCaches:
         """Make ``cache``'s layers hold the first ``rows`` rows and ``length`` positions of
         the one full-size cache (after :meth:`write_through`).
 
-        Called inside a compiled step, with ``rows`` and ``length`` the sizes of the token and
-        of :meth:`span`: the step then reads two dynamic sizes instead of two per cache tensor
+        Called inside a compiled step, with ``rows`` and ``length`` the two sizes of
+        :meth:`span`: the step then reads two dynamic sizes instead of two per cache tensor
         (``reports/decode-compile-cost.md``, ``sliced``), and a write goes to the full-size
         tensor, a graph input, which the compiler updates in place (a write through a view cut
         inside the step would be compiled as a copy of the layer's whole prefix)."""
