@@ -15,12 +15,13 @@ Workloads:
 - ``moe``: a Mixtral-style causal LM (2 layers, fp32, random weights, the default experts
   implementation, whose grouped matmul reads its offsets on the host), batch 4 x 16. Modes:
   eager; ``cg.graph(..., eager=[MixtralSparseMoeBlock])`` (the MoE blocks run eagerly between
-  three graphs); and for reference the whole model in one graph with
+  three graphs); ``eager=[MixtralExperts]`` (only the experts eager: the router is recorded);
+  and for reference the whole model in one graph with
   ``experts_implementation="batched_mm"``, which has no host read.
 
 - ``moe-decode``: greedy decoding on that model, whole requests of 32 + 64 tokens at batch 4:
   ``model.generate`` (eager and with ``cache_implementation="static"``) against
-  ``Decoder(model, eager=[MixtralSparseMoeBlock])``.
+  ``Decoder(model, eager=[MixtralSparseMoeBlock])`` and ``Decoder(model, eager=[MixtralExperts])``.
 
     python benchmarks/segments.py [--workloads mlp,moe] [--json PATH] [--markdown PATH]
 """
@@ -140,6 +141,11 @@ def mlp(calls: int, windows: int) -> dict[str, Any]:
     return _timed(modes, inputs, calls, windows, [8, 256], g.segments, errors, note)
 
 
+def _experts_class(model: Any) -> Any:
+    """The class of the model's experts module (inside the MoE block), or None."""
+    return next((type(m) for m in model.modules() if type(m).__name__.endswith("Experts")), None)
+
+
 def _mixtral(implementation: str | None) -> Any:
     import transformers
 
@@ -165,6 +171,14 @@ def moe(calls: int, windows: int) -> dict[str, Any]:
     block = next(type(m) for m in model.modules() if "SparseMoe" in type(m).__name__)
     g = cg.graph(forward, inputs[0], eager=[block], modules=[model])
     modes: dict[str, Any] = {"eager": forward, f"cudagraphs segments (eager=[{block.__name__}])": g}
+    experts = _experts_class(model)
+    if experts is not None:  # a narrower gap: the router recorded, only the experts eager
+        try:
+            modes[f"cudagraphs segments (eager=[{experts.__name__}])"] = cg.graph(
+                forward, inputs[0], eager=[experts], modules=[model]
+            )
+        except cg.CudaGraphsError as error:
+            print(f"eager=[{experts.__name__}] could not be recorded: {str(error).splitlines()[0]}")
     errors = {name: max((call(x).clone() - forward(x)).abs().max().item() for x in inputs)
               for name, call in modes.items()}  # fmt: skip
     whole = _mixtral("batched_mm")
@@ -255,6 +269,18 @@ def moe_decode(calls: int, windows: int) -> dict[str, Any]:
             prompt, max_new_tokens=new
         )[:, 32:],
     }
+    experts = _experts_class(model)
+    if experts is not None:  # the router recorded, only the experts eager
+        try:
+            narrow = Decoder(
+                model, max_batch=4, max_length=32 + new, batch_sizes=[4], eager=[experts]
+            )
+            narrow.generate(prompt, max_new_tokens=new)
+            runs[f"cudagraphs Decoder(eager=[{experts.__name__}])"] = lambda: narrow.generate(
+                prompt, max_new_tokens=new
+            )[:, 32:]
+        except cg.CudaGraphsError as error:
+            print(f"Decoder(eager=[{experts.__name__}]): {str(error).splitlines()[0]}")
     reference = hf()
     timings: dict[str, Any] = {}
     errors: dict[str, float] = {}
