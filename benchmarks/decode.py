@@ -13,6 +13,11 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   cg compile K=4/K=16   the same, 4 or 16 steps per launch
   cg compile autotune   Decoder(compile="max-autotune-no-cudagraphs"): kernels chosen by timing
                         candidates while compiling (fewer, fused kernels per token)
+  cg compile from 2     Decoder(compile=True) whose batch rungs start at 2 (batch_sizes=[2, 4]
+                        at batch 1): a single request runs on the batch-2 graph with one
+                        padding row, in the one compile every rung from 2 shares, instead of
+                        a batch-1 compile of its own (Dynamo specialises a size of 1); other
+                        batches as cg compile. "cg from 2" likewise over eager kernels
   cg until-eos          Decoder(until_eos=True): one launch per request, a loop on the device
   cg compile until-eos  the same over torch.compile'd kernels
   cg eos-check          per-step graphs that stop at end-of-sequence as a plain loop would: a
@@ -60,7 +65,7 @@ HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 ALL_MODES = (
     "hf eager", "hf static", "eager loop", "reduce-overhead loop",
     "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg compile autotune",
-    "cg until-eos", "cg compile until-eos", "cg eos-check", "cg compile eos-check",
+    "cg from 2", "cg compile from 2", "cg until-eos", "cg compile until-eos", "cg eos-check", "cg compile eos-check",
 )  # fmt: skip
 
 
@@ -198,15 +203,21 @@ def make_mode(
     # eos-check: the host reads the finished flags after every token, which waits for the GPU
     # each time; the id past the vocabulary is never emitted, so no request ends early.
     eos_check = "eos-check" in name
+    sizes = [2, 4] if name.endswith("from 2") and batch == 1 else [batch]
     decoder = Decoder(
-        model, max_batch=batch, max_length=length, batch_sizes=[batch], steps_per_graph=steps,
+        model, max_batch=max(sizes), max_length=length, batch_sizes=sizes, steps_per_graph=steps,
         compile=_compile_of(name), check_every=1 if eos_check else 1 << 30,
         until_eos="until-eos" in name,
     )  # fmt: skip
     for key, graphed in list(decoder.graphs.items()):
         decoder.graphs[key] = Ticking(graphed, clock, steps)
     eos = model.config.vocab_size if eos_check else None
-    return lambda prompt, new: decoder.generate(prompt, max_new_tokens=new, eos_token_id=eos)
+
+    def run(prompt: torch.Tensor, new: int) -> Any:
+        return decoder.generate(prompt, max_new_tokens=new, eos_token_id=eos)
+
+    run.decoder = decoder  # type: ignore[attr-defined]  # its replays per rung, for the row
+    return run
 
 
 CUDA = torch.cuda.is_available()
@@ -319,10 +330,17 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
             "token_agreement": float((row["tokens"] == reference).float().mean()),
             "tokens_equal": bool(torch.equal(row["tokens"], reference)),
             "token_ids": row["tokens"].tolist() if args.isolate_child else None,
+            "replays": _replays(calls[name][0]),
         }
     del calls
     torch.compiler.reset()
     return out
+
+
+def _replays(call: Any) -> dict[str, int] | None:
+    """The Decoder's launches per graph (``"greedy batch 2"``: 40), or None for other modes."""
+    decoder = getattr(call, "decoder", None)
+    return dict(decoder.stats.replays) if decoder is not None else None
 
 
 def run_isolated(modes: list[str], batches: list[int], args: argparse.Namespace) -> dict[str, Any]:

@@ -51,6 +51,24 @@ def test_the_decode_benchmark_reports_every_mode(tmp_path: Path) -> None:
     assert "one launch" in markdown.read_text()
 
 
+def test_a_single_request_on_the_batch_2_graph_decodes_the_same_tokens(tmp_path: Path) -> None:
+    out = tmp_path / "decode.json"
+    modes = "eager loop,cg,cg from 2"
+    subprocess.run(
+        [sys.executable, "benchmarks/decode.py", "--model", "llama-tiny", "--batches", "1",
+         "--new", "9", "--reps", "1", "--modes", modes, "--no-isolate", "--dtype", "float32",
+         "--json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    rows = json.loads(out.read_text())["batches"]["1"]
+    assert list(rows) == modes.split(",")
+    assert rows["cg from 2"]["tokens_equal"], "the padded batch-2 graph decoded other tokens"
+    assert rows["cg from 2"]["tokens_per_s"] > 0
+    launched = rows["cg from 2"]["replays"]
+    assert launched and all("batch 2" in key for key in launched), launched
+    assert all("batch 1" in key for key in rows["cg"]["replays"]), rows["cg"]["replays"]
+
+
 def test_the_rung_memory_table_gives_the_ratio_and_the_request_mix() -> None:
     decode = _benchmark("decode")
     mib = 1 << 20
