@@ -19,6 +19,9 @@ Two more, measured to decide (DESIGN.md):
            cache tensor
   unbacked as ``sliced``, with the batch marked unbacked (no size-1 specialisation)
 
+Every variant compiles under ``torch.no_grad()``, as the Decoder does (with grad mode on,
+AOTAutograd would also trace for a backward, since the weights require grad).
+
 Reported per variant: Dynamo's bytecode tracing, AOTAutograd, and the whole compile, from
 ``torch._dynamo.utils.compile_times()``; then, for the variants with a dynamic batch, the traces
 after one more call at batch 1 (batch 1 as a class of its own: 2), and the graph breaks.
@@ -105,6 +108,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
                 mark_rung_dims([token], batch=0)
             compiled(token, where, caches[batch, 256])
 
+    # Under no_grad, as the Decoder compiles and captures: with grad mode on, AOTAutograd would
+    # trace the forward for a backward too (the weights require grad), a different compile.
+    torch.set_grad_enabled(False)
     start = time.perf_counter()
     call(args.batch, 5)
     first = time.perf_counter() - start
