@@ -8,7 +8,9 @@ Workloads:
   ``piecewise-cuda-graphs`` (installed from its wheel; the decision marked ``@no_graph``, static
   input and output buffers written by hand, as its README shows); ``cg.graph`` with the decision
   marked ``@cg.eager``; and the decision left unmarked under
-  ``torch.compile(model, backend=cg.backend)``, where Dynamo splits at the ``.item()``. Checked against eager for both outcomes of the decision, then timed at
+  ``torch.compile(model, backend=cg.backend)``, where Dynamo splits at the ``.item()``. Two
+  more rows take one check each out (``guard="capture"``, ``outputs="alias"``), to show what
+  each costs in latency against the peer; they are measurements, not settings to use. Checked against eager for both outcomes of the decision, then timed at
   threshold 0.
 - ``resnet18``: torchvision's resnet18 (eval, fp32, batch 4 x 3 x 64 x 64), no graph break:
   eager, reduce-overhead, ``torch.compile(backend=cg.backend)`` and ``cg.graph``.
@@ -112,6 +114,14 @@ def mlp(calls: int, windows: int) -> dict[str, Any]:
         return static_out
 
     modes["the same segments, unchecked replay"] = unchecked
+    # Where the checks' cost goes (not settings to use): the address guard checked only at
+    # capture, and outputs handed out as the buffers themselves (no guarded hand-out).
+    modes["segments, guard='capture' (cost of the address guard)"] = cg.graph(
+        model, inputs[0], guard="capture"
+    )
+    modes["segments, outputs='alias' (cost of guarded outputs)"] = cg.graph(
+        model, inputs[0], outputs="alias"
+    )
     # The decision left unmarked: torch.compile splits at the .item(), each piece a cg.graph.
     plain = DecisionMLP().cuda().eval()
     plain.load_state_dict(model.state_dict())
