@@ -65,7 +65,8 @@ HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 ALL_MODES = (
     "hf eager", "hf static", "eager loop", "reduce-overhead loop",
     "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg compile autotune",
-    "cg from 2", "cg compile from 2", "cg until-eos", "cg compile until-eos", "cg eos-check", "cg compile eos-check",
+    "cg from 2", "cg compile from 2",
+    "cg until-eos", "cg compile until-eos", "cg eos-check", "cg compile eos-check",
 )  # fmt: skip
 
 

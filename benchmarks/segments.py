@@ -10,8 +10,8 @@ Workloads:
   marked ``@cg.eager``; and the decision left unmarked under
   ``torch.compile(model, backend=cg.backend)``, where Dynamo splits at the ``.item()``. Two
   more rows take one check each out (``guard="capture"``, ``outputs="alias"``), to show what
-  each costs in latency against the peer; they are measurements, not settings to use. Checked against eager for both outcomes of the decision, then timed at
-  threshold 0.
+  each costs in latency against the peer; they are measurements, not settings to use. Checked
+  against eager for both outcomes of the decision, then timed at threshold 0.
 - ``resnet18``: torchvision's resnet18 (eval, fp32, batch 4 x 3 x 64 x 64), no graph break:
   eager, reduce-overhead, ``torch.compile(backend=cg.backend)`` and ``cg.graph``.
 - ``moe``: a Mixtral-style causal LM (2 layers, fp32, random weights, the default experts
