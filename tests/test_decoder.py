@@ -238,6 +238,40 @@ def test_prompts_of_different_lengths_decode_as_generate_does(llama, steps: int)
     assert any("greedy+padded" in k for k in decoder.stats.replays)
 
 
+def test_prompts_are_prefilled_on_their_rung_as_generate_does(llama) -> None:
+    """A prompt runs on the prefill of the shortest prompt-length rung that holds it,
+    right-padded to it: at a rung's length, below it, past the longest rung (eager), and
+    left-padded (eager), each gives generate's tokens."""
+    model, _ = llama
+    decoder = Decoder(model, max_batch=4, max_length=80)
+    assert decoder.prefills.lengths == [16, 32, 64, 80]
+    torch.manual_seed(11)
+    for batch, length in ((1, 5), (3, 16), (2, 17), (1, 70)):
+        prompt = torch.randint(0, 512, (batch, length))
+        new = min(20, 80 - length)
+        expected = generate(model, prompt, new, min_new_tokens=new)
+        assert torch.equal(
+            decoder.generate(prompt, max_new_tokens=new, eos_token_id=None), expected
+        )
+    assert decoder.stats.prefill_replays == {
+        "prefill batch 1 length 16": 1, "prefill batch 4 length 16": 1,
+        "prefill batch 2 length 32": 1, "prefill batch 1 length 80": 1,
+    }  # fmt: skip
+    assert decoder.stats.eager_prefills == 0
+    ids, mask = left_padded([6, 2], total=6)
+    padded = generate(model, ids, 12, mask, min_new_tokens=12, pad_token_id=0)
+    got = decoder.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(got, padded)
+    assert decoder.stats.eager_prefills == 1
+    short = Decoder(model, max_batch=1, max_length=40, prefill_lengths=[8])
+    prompt = torch.randint(0, 512, (1, 12))  # longer than the one rung: eager
+    expected = generate(model, prompt, 20, min_new_tokens=20)
+    assert torch.equal(short.generate(prompt, max_new_tokens=20, eos_token_id=None), expected)
+    assert short.stats.eager_prefills == 1 and short.stats.prefill_replays == {}
+    with pytest.raises(cg.ConfigError, match="prefill_lengths must be positive ints"):
+        Decoder(model, max_batch=1, max_length=40, prefill_lengths=[0, 8])
+
+
 def test_padding_that_is_not_on_the_left_is_refused(llama) -> None:
     model, _ = llama
     decoder = Decoder(model, max_batch=2, max_length=16)
@@ -263,6 +297,8 @@ def test_the_captured_path_gives_generate_tokens(stand_in: None, steps: int) -> 
     prompt = torch.randint(0, 512, (3, 7))
     expected = generate(model, prompt, 17, min_new_tokens=17)
     assert torch.equal(decoder.generate(prompt, max_new_tokens=17, eos_token_id=None), expected)
+    assert [g.state for g in decoder.prefills.graphs.values()] == [cg.State.CAPTURED]
+    assert decoder.stats.prefill_replays == {"prefill batch 4 length 16": 1}
     ids, mask = left_padded([7, 2, 5], total=7)
     padded = generate(model, ids, 17, mask, min_new_tokens=17, pad_token_id=0)
     got = decoder.generate(ids, attention_mask=mask, max_new_tokens=17, eos_token_id=None)

@@ -221,3 +221,30 @@ def test_float32_greedy_equals_generate_across_length_rungs(compile: bool) -> No
     used = {key for key, n in decoder.stats.replays.items() if n}
     assert {"greedy batch 1 length 24", "greedy batch 4 length 40", "greedy batch 4"} <= used
     assert decoder.stats.recaptures == 0
+
+
+def test_recorded_prefills_give_generate_tokens_and_eager_logits() -> None:
+    """Prompts below, at and past a prompt-length rung run on recorded prefills (right-padded
+    to the rung): float32 tokens equal generate's; in bfloat16 the last position's logits are
+    within rounding of an eager forward."""
+    model = random_llama("llama-512", "cuda")
+    decoder = Decoder(model, max_batch=4, max_length=160)
+    torch.manual_seed(7)
+    for batch, length in ((1, 5), (4, 16), (3, 17), (2, 100)):
+        prompt = torch.randint(0, 32000, (batch, length), device="cuda")
+        expected = generate_with_scores(model, prompt, NEW)
+        got = decoder.generate(prompt, max_new_tokens=NEW, eos_token_id=None)
+        assert_same_tokens(got, *expected)
+    assert sorted(decoder.stats.prefill_replays) == [
+        "prefill batch 1 length 16", "prefill batch 2 length 128",
+        "prefill batch 4 length 16", "prefill batch 4 length 32",
+    ]  # fmt: skip
+    assert all(g.state is cg.State.CAPTURED for g in decoder.prefills.graphs.values())
+    assert decoder.stats.eager_prefills == 0
+    half = random_llama("llama-512", "cuda", torch.bfloat16)
+    recorded = Decoder(half, max_batch=2, max_length=64)
+    prompt = torch.randint(0, 32000, (2, 11), device="cuda")
+    with torch.no_grad():
+        eager = half(input_ids=prompt).logits[:, -1, :].float()
+        got = recorded.prefills.logits(prompt).float()
+    torch.testing.assert_close(got, eager, rtol=2e-2, atol=2e-2 * float(eager.abs().max()))

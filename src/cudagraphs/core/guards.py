@@ -144,16 +144,16 @@ class AddressGuard:
         # Which object each parameter, buffer and child slot of the modules holds.
         self.entries = [e for m in self.modules for e in compat.module_entries(m)]
         self.simple = not self.closure_ids and not self.watches  # addresses and modes only
-        # ``check()``: True when nothing watched changed, in one call (C where compiled); a
-        # guard that also watches rebound names or other objects always takes stale().
-        self.check: Callable[[], bool] = (
-            self.addresses.with_modes(
-                [m for m, _ in self.training], [t for _, t in self.training],
-                _by_mapping(self.entries),
-            )
-            if self.simple
-            else _never
+        # ``check()``: True when nothing watched changed. Addresses, modes and module slots are
+        # one call (C where compiled); rebound names and watched objects, where there are any,
+        # are checked after it one by one (a few per guard), never the module tree in Python.
+        fast = self.addresses.with_modes(
+            [m for m, _ in self.training], [t for _, t in self.training],
+            _by_mapping(self.entries),
         )  # fmt: skip
+        self.check: Callable[[], bool] = (
+            fast if self.simple else _then_each(fast, self.closure_ids, self.watches)
+        )
 
     @property
     def count(self) -> int:
@@ -194,5 +194,21 @@ def _by_mapping(entries: list[tuple[str, Any, str, Any]]) -> list[tuple[Any, tup
     return list(seen.values())
 
 
-def _never() -> bool:
-    return False
+def _then_each(
+    fast: Callable[[], bool],
+    closures: list[tuple[str, Callable[[], Any], Any]],
+    watches: list[Any],
+) -> Callable[[], bool]:
+    """``fast()``, then that each closure or global name still holds its object and that no
+    watched object reports a change: the per-replay check of a guard with those."""
+    held = tuple((get, value) for _, get, value in closures)
+    watched = tuple(watches)
+
+    def check() -> bool:
+        return (
+            fast()
+            and all(get() is value for get, value in held)
+            and all(watch.stale() is None for watch in watched)
+        )
+
+    return check

@@ -50,7 +50,9 @@ from .decode_requests import (
 )
 from .decode_steps import capture_steps, compile_forward, greedy_tail
 from .kv_cache import RungCaches, cache_keyword, length_rungs
-from .sampling import SamplingParams, greedy, sample, stop_finished
+from .prefill import Prefills, run_prefill
+from .prefill import prefill_lengths as prefill_lengths_of
+from .sampling import SamplingParams, greedy, sample
 
 __all__ = ["DecodeStats", "Decoder"]
 
@@ -67,6 +69,9 @@ class DecodeStats:
     graph_bytes: int = 0  # growth of torch.cuda.memory_reserved() over all captures
     cache_bytes: int = 0
     checks: int = 0  # host looks at the device (one sync each)
+    prefill_capture_s: dict[str, float] = field(default_factory=dict)
+    prefill_replays: dict[str, int] = field(default_factory=dict)
+    eager_prefills: int = 0  # prompts prefilled eagerly (prefill.py says when)
 
 
 class Decoder:
@@ -97,6 +102,10 @@ class Decoder:
             prefix of the cache that holds its positions, so short requests in a long cache
             do not read all of it. One graph per (batch rung, length rung); ``until_eos``
             uses the full length only.
+        prefill_lengths: the prompt-length rungs whose prefill is recorded, one graph per
+            (batch rung, prompt-length rung) captured on first use (default: powers of two from
+            16 to 256); a prompt is right-padded to the next rung. Longer or left-padded prompts
+            prefill eagerly, as all do with ``[]`` (``integrations/prefill.py``).
     """
 
     def __init__(
@@ -114,6 +123,7 @@ class Decoder:
         until_eos: bool = False,
         eager: Sequence[Any] = (),
         cache_lengths: Sequence[int] | None = None,
+        prefill_lengths: Sequence[int] | None = None,
         **unknown: Any,
     ):
         refuse_unknown_keywords("Decoder", unknown, Decoder.__init__)
@@ -187,6 +197,7 @@ class Decoder:
         self.padding = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
         self.pool = Pool()
         self.graphs: dict[tuple[int, int, str], Any] = {}
+        self.prefills = Prefills(self, prefill_lengths_of(cache_len, prefill_lengths))
         self.prepare("sample" if do_sample else "greedy")
         self.stats.setup_s = time.perf_counter() - start
 
@@ -312,7 +323,7 @@ class Decoder:
             # position before length + k * steps: the shortest length rung that holds them.
             at = self._length_rung(length + self.steps)
             token, position, finished, left = graphs[at].inputs
-            self._prefill(input_ids, padding, n, mode, eos, pad, token, position, finished)
+            run_prefill(self, input_ids, padding, n, mode, eos, pad, token, position, finished)
             left.fill_(max_new_tokens - 1)  # until_eos: one launch decodes them all
             launches = 1 if self.until_eos else math.ceil((max_new_tokens - 1) / self.steps)
             first, launched = at, [0] * len(self.lengths)  # launches per length rung
@@ -337,52 +348,6 @@ class Decoder:
             self.stats.recaptures = sum(g.stats.recaptures for g in self.graphs.values())
             out = self.history[:batch, : length + max_new_tokens].clone()
         return trim_finished(out, length, eos) if eos else out
-
-    def _prefill(
-        self,
-        input_ids: torch.Tensor,
-        mask: torch.Tensor | None,
-        n: int,
-        mode: str,
-        eos: list[int],
-        pad: int,
-        token: torch.Tensor,
-        position: torch.Tensor,
-        finished: torch.Tensor,
-    ) -> None:
-        batch, length = input_ids.shape
-        cache = self.caches[n]
-        cache.reset()
-        # Rows past the batch repeat the first prompt: a valid input whose results are dropped.
-        prompt = torch.cat([input_ids, input_ids[:1].expand(n - batch, length)])
-        positions = torch.arange(length, device=self.device)
-        extra: dict[str, Any] = {}
-        if mask is not None:  # as generate does: position ids count real tokens only
-            mask = torch.cat([mask, mask[:1].expand(n - batch, length)])
-            ids = mask.long().cumsum(-1) - 1
-            extra = {"attention_mask": mask.long(), "position_ids": ids.masked_fill(~mask, 1)}
-            self.attends[:n].zero_()
-            self.attends[:n, 0, 0, :length] = mask
-            self.padding[:n, 0] = length - mask.sum(-1)
-        out = self.model(
-            input_ids=prompt,
-            cache_position=positions,
-            use_cache=True,
-            **{self.cache_arg: cache},
-            **extra,
-        )
-        self.eos.fill_(-1)
-        self.eos[: len(eos)] = torch.tensor(eos, dtype=torch.long)
-        self.pad.fill_(pad)
-        finished.zero_()
-        finished[batch:] = True
-        first = stop_finished(
-            self.chooser(mode)(out.logits[:, -1, :]), finished, self.eos, self.pad
-        )
-        token.copy_(first)
-        position.fill_(length)
-        self.history[:n, :length] = prompt
-        self.history[:n, length] = first[:, 0]
 
     def __repr__(self) -> str:
         return (
