@@ -1,8 +1,9 @@
 """LLM decoding with captured decode steps: a transformers Llama through the Decoder.
 
-The Decoder prepares one static KV cache for the largest batch, prefills eagerly, and decodes
-with CUDA graphs, one per batch rung, here 4 decode steps per graph launch with the next token
-chosen and fed back on the GPU. Its greedy output is checked token for token against
+The Decoder prepares one static KV cache for the largest batch, prefills each prompt through a
+recorded graph of its prompt-length rung (captured on the first request that needs it), and
+decodes with CUDA graphs, one per batch rung, here 4 decode steps per graph launch with the
+next token chosen and fed back on the GPU. Its greedy output is checked token for token against
 ``model.generate`` and timed against a plain decode loop. Then the same requests through a
 Decoder whose cache is as long as chat models configure it (4096 positions): its cache-length
 rungs keep these short requests on a prefix of the cache. Random weights from a config (no
@@ -96,6 +97,11 @@ print(
     f"Decoder {torch.equal(graph_tokens, expected)}"
 )
 assert torch.equal(graph_tokens, expected), "the Decoder must give generate's tokens"
+print(
+    f"prefills: recorded {decoder.stats.prefill_replays} (a {PROMPT}-token prompt, padded to the "
+    f"shortest of the prompt-length rungs {decoder.prefills.lengths}), "
+    f"eager {decoder.stats.eager_prefills}"
+)
 
 # A cache as long as users configure it: the default cache-length rungs are powers of two from
 # 256 up to it, and a launch attends only to the shortest prefix that holds its positions.
