@@ -2,10 +2,11 @@
 rung), or eager.
 
 Run eagerly, a prefill launches every operator of every layer from Python: for a short prompt
-it is bound by the host, not the GPU, and on a small model it can cost as much as dozens of
-decode steps (``reports/gpu.md``, "decode"). So the :class:`~.transformers.Decoder` records it
-too: one graph per batch rung and prompt-length rung (powers of two from 16 to 256 by default),
-captured on the first request that needs it, in the decoder's memory pool. A prompt of ``p``
+it is bound by the host, not the GPU (``reports/gpu.md``, "decode": whole requests with the
+prefill recorded, against the tree before, which prefilled eagerly). So the
+:class:`~.transformers.Decoder` records it too: one graph per batch rung and prompt-length rung
+(powers of two from 16 to 256 by default), captured on the first request that needs it, in the
+decoder's memory pool. A prompt of ``p``
 tokens runs on the graph of the shortest rung ``P >= p``, right-padded to ``P``:
 
 - the padding comes after every real token, so under the causal mask no real token attends to
