@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -65,11 +66,19 @@ def test_a_module_state_write_is_reported_at_the_users_line() -> None:
 
 @no_cuda
 def test_no_example_calls_an_eager_cpu_run_a_graph() -> None:
+    """Every example runs without a GPU (two at a time) and says so where it would graph."""
     graph_words = re.compile(r"graphed|one launch|capture of", re.IGNORECASE)
-    for example in sorted((ROOT / "examples").glob("*.py")):
-        proc = subprocess.run(
+
+    def run(example: Path) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
             [sys.executable, str(example)], capture_output=True, text=True, timeout=300, cwd=ROOT
         )
+
+    examples = sorted((ROOT / "examples").glob("*.py"))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = list(pool.map(run, examples))
+    assert examples
+    for example, proc in zip(examples, runs):
         assert proc.returncode == 0, (example.name, proc.stderr[-2000:])
         for line in proc.stdout.splitlines():
             if graph_words.search(line) and "no cuda" not in line.lower():
