@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ConfigError, explain
 
-__all__ = ["RungCaches", "cache_keyword", "full_length_layers", "length_rungs"]
+__all__ = ["RungCaches", "cache_keyword", "checked_rungs", "full_length_layers", "length_rungs"]
 
 _ROWS = ("keys", "values")  # per-layer tensors with a batch dimension first
 
@@ -123,22 +123,33 @@ def length_rungs(cache_len: int, given: Sequence[int] | None, floor: int = 256) 
     least doubles the last: a power of two just under the cache's length (4096 for a cache of
     4099) would be one more graph per batch rung for a few positions."""
     if given is not None:
-        bad = [g for g in given if not isinstance(g, int) or g < 1 or g > cache_len]
-        if bad:
-            raise ConfigError(
-                explain(
-                    f"cache_lengths must be positive ints of at most the cache's length "
-                    f"({cache_len}), got {list(given)}",
-                    "each is a prefix of the one cache that a step attends to",
-                    "pass e.g. cache_lengths=[256, 512, 1024], or leave it out",
-                )
-            )
-        return sorted({*given, cache_len})
+        checked = checked_rungs(
+            "cache_lengths", given, cache_len,
+            "each is a prefix of the one cache that a step attends to",
+            "pass e.g. cache_lengths=[256, 512, 1024], or leave it out",
+        )  # fmt: skip
+        return sorted({*checked, cache_len})
     rungs, length = [], floor
     while 2 * length <= cache_len:
         rungs.append(length)
         length *= 2
     return [*rungs, cache_len]
+
+
+def checked_rungs(name: str, given: Sequence[int], cache_len: int, why: str, fix: str) -> list[int]:
+    """``given`` (the argument ``name``) sorted, once each, after checking that every rung is
+    a positive int of at most the cache's length; ``why`` and ``fix`` go into the error."""
+    bad = [g for g in given if not isinstance(g, int) or g < 1 or g > cache_len]
+    if bad:
+        raise ConfigError(
+            explain(
+                f"{name} must be positive ints of at most the cache's length ({cache_len}), "
+                f"got {list(given)}",
+                why,
+                fix,
+            )
+        )
+    return sorted(set(given))
 
 
 def full_length_layers(cache: Any, max_length: int) -> None:

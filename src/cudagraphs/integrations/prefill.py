@@ -36,7 +36,8 @@ import torch
 
 from ..api import graph
 from ..core import compat
-from ..errors import ConfigError, CudaGraphsError, CudaGraphsWarning, explain
+from ..errors import CudaGraphsError, CudaGraphsWarning
+from .kv_cache import checked_rungs
 from .sampling import stop_finished
 
 __all__ = ["Prefills", "prefill_lengths", "run_prefill"]
@@ -48,17 +49,11 @@ def prefill_lengths(cache_len: int, given: Sequence[int] | None) -> list[int]:
     """The prompt-length rungs: ``given``, else powers of two from 16 up to 256 below the
     cache's length, and the length itself where it is at most 256."""
     if given is not None:
-        bad = [g for g in given if not isinstance(g, int) or g < 1 or g > cache_len]
-        if bad:
-            raise ConfigError(
-                explain(
-                    f"prefill_lengths must be positive ints of at most the cache's length "
-                    f"({cache_len}), got {list(given)}",
-                    "a prompt of up to that many tokens is prefilled by one recorded graph",
-                    "pass e.g. prefill_lengths=[32, 128], [] to prefill eagerly, or leave it out",
-                )
-            )
-        return sorted(set(given))
+        return checked_rungs(
+            "prefill_lengths", given, cache_len,
+            "a prompt of up to that many tokens is prefilled by one recorded graph",
+            "pass e.g. prefill_lengths=[32, 128], [] to prefill eagerly, or leave it out",
+        )  # fmt: skip
     rungs = [1 << k for k in range(4, 9) if 1 << k < cache_len]
     return rungs + ([cache_len] if cache_len <= _LONGEST_DEFAULT else [])
 
@@ -104,9 +99,8 @@ class Prefills:
         ids[:, p:].zero_()  # any valid token: no real token attends to the padding
         last.fill_(p - 1)
         real.fill_(p)
-        stats = self.decoder.stats
-        key = f"prefill batch {n} length {rung}"
-        stats.prefill_replays[key] = stats.prefill_replays.get(key, 0) + 1
+        replays, key = self.decoder.stats.prefill_replays, _key(n, rung)
+        replays[key] = replays.get(key, 0) + 1
         return recorded(*recorded.inputs)
 
     def _capture(self, n: int, rung: int) -> Any:
@@ -125,13 +119,16 @@ class Prefills:
             )
             self.lengths = []
             return None
-        decoder.stats.prefill_capture_s[f"prefill batch {n} length {rung}"] = (
-            time.perf_counter() - start
-        )
+        decoder.stats.prefill_capture_s[_key(n, rung)] = time.perf_counter() - start
         if cuda:
             decoder.stats.graph_bytes += torch.cuda.memory_reserved(device) - before
         self.graphs[n, rung] = recorded
         return recorded
+
+
+def _key(n: int, rung: int) -> str:
+    """The name of a prefill graph in the decoder's statistics."""
+    return f"prefill batch {n} length {rung}"
 
 
 def _record(decoder: Any, n: int, rung: int) -> Any:
