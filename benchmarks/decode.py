@@ -13,6 +13,10 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   cg compile K=4/K=16   the same, 4 or 16 steps per launch
   cg compile autotune   Decoder(compile="max-autotune-no-cudagraphs"): kernels chosen by timing
                         candidates while compiling (fewer, fused kernels per token)
+  cg compile coordinate-descent
+                        Decoder(compile={"coordinate_descent_tuning": True}): Inductor's
+                        option that turns a batch-1 projection into a reduction it tunes
+                        (instead of cuBLAS's matrix-vector kernel)
   cg compile from 2     Decoder(compile=True) whose batch rungs start at 2 (batch_sizes=[2, 4]
                         at batch 1): a single request runs on the batch-2 graph with one
                         padding row, in the one compile every rung from 2 shares, instead of
@@ -65,7 +69,7 @@ HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 ALL_MODES = (
     "hf eager", "hf static", "eager loop", "reduce-overhead loop",
     "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg compile autotune",
-    "cg from 2", "cg compile from 2",
+    "cg compile coordinate-descent", "cg from 2", "cg compile from 2",
     "cg until-eos", "cg compile until-eos", "cg eos-check", "cg compile eos-check",
 )  # fmt: skip
 
@@ -157,8 +161,10 @@ class Loop:
         return torch.cat(tokens, dim=1)
 
 
-def _compile_of(mode: str) -> bool | str:
+def _compile_of(mode: str) -> bool | str | dict[str, bool]:
     """The Decoder's ``compile=`` argument for a ``cg ...`` mode name."""
+    if "coordinate-descent" in mode:
+        return {"coordinate_descent_tuning": True}
     if "autotune" in mode:
         return "max-autotune-no-cudagraphs"
     return "compile" in mode

@@ -8,6 +8,7 @@ kernels that cost the most per token.
 
     python benchmarks/decode_profile.py --model llama-2048 --max-length 168
     python benchmarks/decode_profile.py --model llama-2048 --compile max-autotune-no-cudagraphs
+    python benchmarks/decode_profile.py --model llama-2048 --compile coordinate-descent
     python benchmarks/decode_profile.py --model llama-2048 --sdpa flash
 
 ``--sdpa`` picks scaled-dot-product attention's kernel (``torch.nn.attention.sdpa_kernel``) for
@@ -40,9 +41,13 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     model = random_llama(args.model, device, getattr(torch, args.dtype))
-    compile_mode: bool | str = True if args.compile == "default" else args.compile
+    compile_mode: bool | str | dict[str, bool] = (
+        True if args.compile == "default" else args.compile
+    )
     if args.compile == "none":
         compile_mode = False
+    if args.compile == "coordinate-descent":
+        compile_mode = {"coordinate_descent_tuning": True}
     start = time.perf_counter()
     decoder = Decoder(
         model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode
@@ -153,7 +158,8 @@ def main() -> None:
     p.add_argument(
         "--compile",
         default="default",
-        help="'default' (compile=True), a torch.compile mode, or 'none' (eager kernels)",
+        help="'default' (compile=True), a torch.compile mode, 'coordinate-descent' "
+        "(compile={'coordinate_descent_tuning': True}), or 'none' (eager kernels)",
     )
     p.add_argument(
         "--sdpa",

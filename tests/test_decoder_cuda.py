@@ -5,6 +5,8 @@ transformers' filters."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -90,19 +92,26 @@ def test_compiled_decode_steps_give_generate_tokens() -> None:
         assert torch.equal(got, greedy_generate(model, prompt, NEW))
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_bfloat16_logits_match_eager_under_teacher_forcing(compile: bool) -> None:
+@pytest.mark.parametrize(
+    ("compile", "batch"),
+    [(False, 4), (True, 4), ({"coordinate_descent_tuning": True}, 1)],
+    ids=["eager-kernels", "compiled", "coordinate-descent-batch-1"],
+)
+def test_bfloat16_logits_match_eager_under_teacher_forcing(compile: Any, batch: int) -> None:
     """The same tokens fed to the captured step (the decoder's own forward and cache view) and
     to the same forward run without a graph: every step's logits agree within bfloat16
     rounding, and within bfloat16 tolerance of plain eager (compiled kernels round
-    differently). Weights of the usual scale (0.02): with livelier ones the network is chaotic
+    differently; with coordinate-descent tuning a batch-1 projection is a Triton reduction,
+    not cuBLAS). Weights of the usual scale (0.02): with livelier ones the network is chaotic
     and any rounding difference grows along the cache."""
     model = random_llama("llama-512", "cuda", torch.bfloat16, init=0.02)
-    decoder = Decoder(model, max_batch=4, max_length=64, batch_sizes=[4], compile=compile)
+    decoder = Decoder(
+        model, max_batch=batch, max_length=64, batch_sizes=[batch], compile=compile
+    )
     torch.manual_seed(2)
-    prompt = torch.randint(0, 32000, (4, PROMPT), device="cuda")
+    prompt = torch.randint(0, 32000, (batch, PROMPT), device="cuda")
     tokens = greedy_generate(model, prompt, NEW)[:, PROMPT:]
-    cache = decoder.caches[4]
+    cache = decoder.caches[batch]
     reference = transformers.StaticCache(config=model.config, max_cache_len=64)
     plain = transformers.StaticCache(config=model.config, max_cache_len=64)
     with torch.no_grad():

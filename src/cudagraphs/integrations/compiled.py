@@ -18,32 +18,53 @@ the attention's fake implementation asks whether the batch is 1, and the graph b
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from ..core import compat
 
-__all__ = ["compiled_forward", "compiled_tail", "mark_cut_sizes", "mark_rung_dims"]
+__all__ = [
+    "compile_settings",
+    "compiled_forward",
+    "compiled_tail",
+    "mark_cut_sizes",
+    "mark_rung_dims",
+]
+
+
+def compile_settings(compile: bool | str | Mapping[str, Any]) -> dict[str, Any]:
+    """``torch.compile``'s ``mode`` and ``options`` for a ``Decoder``'s ``compile=``: ``True``
+    (the default mode), a mode name, or a mapping of Inductor options (e.g.
+    ``{"coordinate_descent_tuning": True}``, with which Inductor turns a batch-1 projection
+    into a tuned reduction instead of a cuBLAS matrix-vector kernel). ``torch.compile`` takes
+    one or the other, never both."""
+    if isinstance(compile, Mapping):
+        return {"mode": None, "options": dict(compile)}
+    return {"mode": None if compile is True else compile, "options": None}
 
 
 def compiled_forward(
-    fn: Callable[..., Any], compile: bool | str, *, dynamic: bool, caches: Any = None
+    fn: Callable[..., Any],
+    compile: bool | str | Mapping[str, Any],
+    *,
+    dynamic: bool,
+    caches: Any = None,
 ) -> Callable[..., Any]:
-    """``fn(token, position, cache, *rows)`` through ``torch.compile`` (``compile`` is
-    ``True`` or a mode name). ``dynamic``: the batch dimension of the token and of each of
+    """``fn(token, position, cache, *rows)`` through ``torch.compile`` (``compile`` as
+    :func:`compile_settings` takes it). ``dynamic``: the batch dimension of the token and of each of
     ``rows`` (``[batch, ...]``; a 4-D mask also ``[..., length]``) is marked at each call: they
     are made per graph at capture (the token is the graph's own input buffer), so they cannot
     be marked ahead. With ``caches`` (a ``RungCaches`` after ``write_through()``) the step cuts
     the rung's cache itself; without, the caller marks the cache views. Not ``dynamic``: every
     size is a constant, for a decoder of one (batch, length) shape, whose static trace is
     faster and whose kernels are specialised."""
-    mode = None if compile is True else compile
+    settings = compile_settings(compile)
     if not dynamic:
-        return torch.compile(fn, mode=mode, dynamic=False)
+        return torch.compile(fn, dynamic=False, **settings)
     if caches is None:
-        compiled = torch.compile(fn, mode=mode)
+        compiled = torch.compile(fn, **settings)
 
         def forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
             _mark_call(token, rows)
@@ -57,7 +78,7 @@ def compiled_forward(
         caches.cut(cache, span.shape[0], span.shape[1])
         return fn(token, position, cache, *rows)
 
-    cut_compiled = torch.compile(cut_step, mode=mode)
+    cut_compiled = torch.compile(cut_step, **settings)
 
     def cut_forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
         span = caches.span(cache)

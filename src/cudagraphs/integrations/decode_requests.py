@@ -3,6 +3,7 @@ with errors that say what, why and the fix; and ``generate``'s end-of-sequence r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from ..options import check_positive_int
 __all__ = [
     "MAX_EOS",
     "check_attention",
+    "check_compile",
     "check_eager",
     "check_left_padding",
     "check_model",
@@ -24,6 +26,25 @@ __all__ = [
 ]
 
 MAX_EOS = 8  # end-of-sequence ids one graph can test against (unused slots hold -1)
+
+
+def check_compile(compile: Any) -> bool:
+    """``Decoder(compile=...)``: ``False``, ``True``, a ``torch.compile`` mode name, or a
+    mapping of Inductor options. Returns whether the decoder compiles."""
+    if isinstance(compile, Mapping):
+        if all(isinstance(key, str) for key in compile):
+            return True
+    elif isinstance(compile, (bool, str)):
+        return bool(compile)
+    raise ConfigError(
+        explain(
+            f"compile must be a bool, a torch.compile mode name or a mapping of Inductor "
+            f"options, got {compile!r}",
+            "it is handed to torch.compile as its mode= or its options=",
+            "pass compile=True, compile='max-autotune-no-cudagraphs' or "
+            "compile={'coordinate_descent_tuning': True}",
+        )
+    )
 
 
 def check_eager(eager: tuple[Any, ...], compile: Any, until_eos: bool) -> None:

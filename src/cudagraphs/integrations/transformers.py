@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ from .compiled import compiled_forward, compiled_tail, mark_rung_dims
 from .decode_requests import (
     MAX_EOS,
     check_attention,
+    check_compile,
     check_eager,
     check_model,
     check_request,
@@ -86,7 +87,8 @@ class Decoder:
         steps_per_graph: decode steps per graph launch (1, 4, 16, ...): fewer launches and no
             Python between the steps of one launch.
         compile: ``True`` (or a ``torch.compile`` mode such as
-            ``"max-autotune-no-cudagraphs"``) to graph over ``torch.compile``'d kernels.
+            ``"max-autotune-no-cudagraphs"``, or a mapping of Inductor options such as
+            ``{"coordinate_descent_tuning": True}``) to graph over ``torch.compile``'d kernels.
         check_every: look at the device for finished sequences every this many tokens (one
             sync each); ``generate`` stops at the first check after every sequence ended.
         do_sample: also capture the sampling graphs now (else on the first sampled request).
@@ -116,7 +118,7 @@ class Decoder:
         max_length: int,
         batch_sizes: Sequence[int] | None = None,
         steps_per_graph: int = 1,
-        compile: bool | str = False,
+        compile: bool | str | Mapping[str, Any] = False,
         check_every: int = 16,
         do_sample: bool = False,
         warmup: int = 2,
@@ -153,8 +155,9 @@ class Decoder:
         self.steps = steps_per_graph
         self.until_eos = until_eos
         check_until_eos(until_eos, do_sample, steps_per_graph)
+        self.compiles = check_compile(compile)
         self.eager = tuple(eager)
-        check_eager(self.eager, compile, until_eos)
+        check_eager(self.eager, self.compiles, until_eos)
         self.check_every = max(1, check_every // steps_per_graph)  # in graph launches
         self.warmup = warmup
         self.lock = threading.RLock()  # one request at a time: the rungs share cache and pool
@@ -164,14 +167,13 @@ class Decoder:
         cache_len = max_length + steps_per_graph - 1
         self.lengths = [cache_len] if until_eos else length_rungs(cache_len, cache_lengths)
         self.forward, self.forward_padded = self._forward, self._forward_padded
-        self.compiles = bool(compile)
         self.compiled: set[bool] = set()  # the forwards compiled so far: padded or not
         # One compile for all rungs: batch and cache length are dynamic dimensions, unless
         # there is only one (batch, length) shape.
         dynamic = len(self.rungs) * len(self.lengths) > 1
         self.greedy_tail = None
         self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
-        if compile:
+        if self.compiles:
             cut = dynamic and self.caches.cuttable()
             if cut:  # the compiled step cuts each rung out of the one cache (compiled.py)
                 self.caches.write_through()
