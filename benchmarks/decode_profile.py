@@ -41,9 +41,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     model = random_llama(args.model, device, getattr(torch, args.dtype))
-    compile_mode: bool | str | dict[str, bool] = (
-        True if args.compile == "default" else args.compile
-    )
+    compile_mode: bool | str | dict[str, bool] = True if args.compile == "default" else args.compile
     if args.compile == "none":
         compile_mode = False
     if args.compile == "coordinate-descent":

@@ -105,9 +105,7 @@ def test_bfloat16_logits_match_eager_under_teacher_forcing(compile: Any, batch: 
     not cuBLAS). Weights of the usual scale (0.02): with livelier ones the network is chaotic
     and any rounding difference grows along the cache."""
     model = random_llama("llama-512", "cuda", torch.bfloat16, init=0.02)
-    decoder = Decoder(
-        model, max_batch=batch, max_length=64, batch_sizes=[batch], compile=compile
-    )
+    decoder = Decoder(model, max_batch=batch, max_length=64, batch_sizes=[batch], compile=compile)
     torch.manual_seed(2)
     prompt = torch.randint(0, 32000, (batch, PROMPT), device="cuda")
     tokens = greedy_generate(model, prompt, NEW)[:, PROMPT:]
