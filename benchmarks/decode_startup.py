@@ -96,10 +96,8 @@ def run(args: argparse.Namespace, which: str, cache_dir: str) -> dict[str, Any]:
 
 def markdown(results: dict[str, Any]) -> list[str]:
     rows, mib = results["runs"], 1 << 20
-    ro, cold, warm = (
-        rows[k] for k in ("reduce-overhead cold", "cudagraphs cold", "cudagraphs warm")
-    )
-    alone = rows.get("largest")
+    ro = rows["reduce-overhead cold"]
+    cold, alone = rows.get("cudagraphs cold"), rows.get("largest")
     lines = [
         f"Hardware: {results['hardware']}, torch {results['torch']}; {results['model']} "
         f"({results['dtype']}), batch {results['batch']}, cache length {results['max_length']}, "
@@ -109,7 +107,11 @@ def markdown(results: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|",
         f"| reduce-overhead loop, cold | {ro['setup_s']:.1f} | - | - | - | - |",
     ]
-    labelled = [("cudagraphs, cold", cold), ("cudagraphs, warm (second process)", warm)]
+    labelled = []
+    if cold:
+        labelled.append((f"cudagraphs, cold, batch rungs {cold['batch_rungs']}", cold))
+    if warm := rows.get("cudagraphs warm"):
+        labelled.append(("the same, warm (second process)", warm))
     if alone:
         labelled.append(("cudagraphs, largest rung alone", alone))
     from_two = rows.get("from two")
@@ -122,26 +124,23 @@ def markdown(results: dict[str, Any]) -> list[str]:
             f"| {label} | {r['setup_s']:.1f} | {r['compile_s']:.1f} | {r['capture_s']:.1f} | "
             f"{r['graphs']} | {r['graph_bytes'] / mib:.0f} |"
         )
-    memory = (
-        f"graph memory of all rungs against the largest alone: "
-        f"{warm['graph_bytes'] / alone['graph_bytes']:.2f}x; "
-        if alone
-        else ""
-    )
-    lines += [
-        "",
-        f"Batch rungs {cold['batch_rungs']}, cache-length rungs {cold['length_rungs']}. Cold "
-        f"set-up against one reduce-overhead compile: {cold['setup_s'] / ro['setup_s']:.2f}x; "
-        f"{memory}the KV cache ({cold['cache_bytes'] / mib:.0f} MiB) is allocated once, before "
-        "the captures.",
-        "",
-    ]
-    if from_two:
-        lines[-1:] = [
-            f"Without a batch-1 rung, cold set-up against one reduce-overhead compile: "
-            f"{from_two['setup_s'] / ro['setup_s']:.2f}x.",
-            "",
-        ]
+    lines.append("")
+    for r in (cold, from_two):
+        if r is None:
+            continue
+        memory = (
+            f" Graph memory of all rungs against the largest alone: "
+            f"{r['graph_bytes'] / alone['graph_bytes']:.2f}x."
+            if alone and r is cold
+            else ""
+        )
+        lines.append(
+            f"Batch rungs {r['batch_rungs']}, cache-length rungs {r['length_rungs']}: cold "
+            f"set-up against one reduce-overhead compile {r['setup_s'] / ro['setup_s']:.2f}x; "
+            f"the KV cache ({r['cache_bytes'] / mib:.0f} MiB) is allocated once, before the "
+            f"captures.{memory}"
+        )
+    lines.append("")
     return lines
 
 
@@ -160,6 +159,12 @@ def main() -> None:
         action="store_true",
         help="leave out the largest rung alone (only its graph memory is read from it)",
     )
+    p.add_argument(
+        "--rows",
+        default="cudagraphs,from-two,largest",
+        help="which Decoder rows besides the reduce-overhead one: cudagraphs (default rungs, "
+        "cold and warm), from-two (batch rungs from 2, cold and warm), largest",
+    )
     args = parent_or_child(p, child)
     if args is None:
         return
@@ -168,13 +173,17 @@ def main() -> None:
                                              "new")}}  # fmt: skip
     runs = {}
     with tempfile.TemporaryDirectory() as ro_cache, tempfile.TemporaryDirectory() as cg_cache:
+        wanted = {row.strip() for row in args.rows.split(",")}
         runs["reduce-overhead cold"] = run(args, "reduce-overhead", ro_cache)
-        runs["cudagraphs cold"] = run(args, "cudagraphs", cg_cache)
-        runs["cudagraphs warm"] = run(args, "cudagraphs", cg_cache)
-        with tempfile.TemporaryDirectory() as from_two_cache:
-            runs["from two"] = run(args, "from-two", from_two_cache)
-            runs["from two warm"] = run(args, "from-two", from_two_cache)
-        if not args.without_largest:  # last: a run stopped at a time limit loses it first
+        if "cudagraphs" in wanted:
+            runs["cudagraphs cold"] = run(args, "cudagraphs", cg_cache)
+            runs["cudagraphs warm"] = run(args, "cudagraphs", cg_cache)
+        if "from-two" in wanted:
+            with tempfile.TemporaryDirectory() as from_two_cache:
+                runs["from two"] = run(args, "from-two", from_two_cache)
+                runs["from two warm"] = run(args, "from-two", from_two_cache)
+        # last: a run stopped at a time limit loses it first
+        if "largest" in wanted and not args.without_largest:
             runs["largest"] = run(args, "largest", cg_cache)
     results = {**head, "runs": runs}
     text = "\n".join(markdown(results))
