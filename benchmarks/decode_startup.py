@@ -5,16 +5,16 @@ Each measurement runs in a fresh process of its own:
                         as a user compiles it), with an empty on-disk compile cache: the time
                         from building the loop to the end of its first request
   cudagraphs cold       ``Decoder(compile=True, max_batch=--batch)`` with its default batch rungs
-                        (powers of two up to --batch) and cache-length rungs (powers of two from
-                        256 up to --max-length), an empty on-disk compile cache: construction
-                        (compile, every capture) plus the first request
+                        (under compile, powers of two from 2 up to --batch: one compile serves
+                        every rung) and cache-length rungs (powers of two from 256 up to
+                        --max-length), an empty on-disk compile cache: construction (compile,
+                        every capture) plus the first request
   cudagraphs warm       the same again in a second process, on the cache the cold one left
   largest rung alone    ``batch_sizes=[--batch]``, ``cache_lengths=[]``: the graph memory of the
                         largest (batch, length) rung's graph by itself; run last, and left
                         out with --without-largest
-  batch rungs from 2    cold again, with ``batch_sizes`` the powers of two from 2 up to --batch:
-                        no batch-1 rung, so one compile serves every rung (Dynamo specialises a
-                        size of 1), and a single request runs on the batch-2 graph; then
+  with a batch-1 rung   cold again, with ``batch_sizes`` the powers of two from 1 up to --batch:
+                        Dynamo specialises a size of 1, so batch 1 is a second compile; then
                         the same in a second process, on the cache that one left
 
 Graph memory is the growth of ``torch.cuda.memory_reserved()`` over the captures, as
@@ -56,8 +56,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     alone = args.which == "largest"
     batch_sizes = [args.batch] if alone else None
-    if args.which == "from-two":
-        batch_sizes = powers_of_two(args.batch, minimum=2)
+    if args.which == "batch-one":
+        batch_sizes = powers_of_two(args.batch)
     decoder = Decoder(
         model,
         max_batch=args.batch,
@@ -114,18 +114,18 @@ def markdown(results: dict[str, Any]) -> list[str]:
         labelled.append(("the same, warm (second process)", warm))
     if alone:
         labelled.append(("cudagraphs, largest rung alone", alone))
-    from_two = rows.get("from two")
-    if from_two:
-        labelled.append((f"cudagraphs, cold, batch rungs {from_two['batch_rungs']}", from_two))
-    if from_two_warm := rows.get("from two warm"):
-        labelled.append(("the same, warm (second process)", from_two_warm))
+    batch_one = rows.get("batch one")
+    if batch_one:
+        labelled.append((f"cudagraphs, cold, batch rungs {batch_one['batch_rungs']}", batch_one))
+    if batch_one_warm := rows.get("batch one warm"):
+        labelled.append(("the same, warm (second process)", batch_one_warm))
     for label, r in labelled:
         lines.append(
             f"| {label} | {r['setup_s']:.1f} | {r['compile_s']:.1f} | {r['capture_s']:.1f} | "
             f"{r['graphs']} | {r['graph_bytes'] / mib:.0f} |"
         )
     lines.append("")
-    for r in (cold, from_two):
+    for r in (cold, batch_one):
         if r is None:
             continue
         memory = (
@@ -161,9 +161,9 @@ def main() -> None:
     )
     p.add_argument(
         "--rows",
-        default="cudagraphs,from-two,largest",
+        default="cudagraphs,batch-one,largest",
         help="which Decoder rows besides the reduce-overhead one: cudagraphs (default rungs, "
-        "cold and warm), from-two (batch rungs from 2, cold and warm), largest",
+        "cold and warm), batch-one (batch rungs from 1, cold and warm), largest",
     )
     args = parent_or_child(p, child)
     if args is None:
@@ -178,10 +178,10 @@ def main() -> None:
         if "cudagraphs" in wanted:
             runs["cudagraphs cold"] = run(args, "cudagraphs", cg_cache)
             runs["cudagraphs warm"] = run(args, "cudagraphs", cg_cache)
-        if "from-two" in wanted:
-            with tempfile.TemporaryDirectory() as from_two_cache:
-                runs["from two"] = run(args, "from-two", from_two_cache)
-                runs["from two warm"] = run(args, "from-two", from_two_cache)
+        if "batch-one" in wanted:
+            with tempfile.TemporaryDirectory() as batch_one_cache:
+                runs["batch one"] = run(args, "batch-one", batch_one_cache)
+                runs["batch one warm"] = run(args, "batch-one", batch_one_cache)
         # last: a run stopped at a time limit loses it first
         if "largest" in wanted and not args.without_largest:
             runs["largest"] = run(args, "largest", cg_cache)

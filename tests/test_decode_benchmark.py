@@ -170,25 +170,26 @@ def test_the_startup_table_has_a_row_per_run_and_the_ratios() -> None:
     results = {"hardware": "H", "torch": "t", "model": "llama-2048", "dtype": "bfloat16",
                "batch": 16, "max_length": 512, "prompt": 32, "new": 128, "runs": {
                    "reduce-overhead cold": {"setup_s": 20.0},
-                   "cudagraphs cold": row(60.0, [1, 2, 4], 6, 50),
-                   "cudagraphs warm": row(10.0, [1, 2, 4], 6, 50),
-                   "largest": row(8.0, [4], 1, 40),
-                   "from two": row(30.0, [2, 4], 4, 45),
-                   "from two warm": row(9.0, [2, 4], 4, 45)}}  # fmt: skip
+                   "cudagraphs cold": row(30.0, [2, 4], 4, 45),
+                   "cudagraphs warm": row(9.0, [2, 4], 4, 45),
+                   "largest": row(8.0, [4], 1, 36),
+                   "batch one": row(60.0, [1, 2, 4], 6, 50),
+                   "batch one warm": row(10.0, [1, 2, 4], 6, 50)}}  # fmt: skip
     text = "\n".join(decode_startup.markdown(results))
     assert "| cudagraphs, cold, batch rungs [1, 2, 4] | 60.0 | 58.0 | 1.0 | 6 | 50 |" in text
     assert "| cudagraphs, cold, batch rungs [2, 4] | 30.0 | 28.0 | 1.0 | 4 | 45 |" in text
     assert "| the same, warm (second process) | 9.0 | 7.0 | 1.0 | 4 | 45 |" in text
     assert "reduce-overhead compile 3.00x" in text and "alone: 1.25x" in text
+    assert "| the same, warm (second process) | 10.0 | 8.0 | 1.0 | 6 | 50 |" in text
     assert "Batch rungs [2, 4], cache-length rungs [256, 512]: cold set-up against one " in text
     assert "reduce-overhead compile 1.50x" in text
     # --without-largest: no row for it, and no memory ratio read off a row that is not there.
     del results["runs"]["largest"]
     text = "\n".join(decode_startup.markdown(results))
     assert "largest rung alone" not in text and "alone:" not in text
-    assert "compile 3.00x; the KV cache (100 MiB) is allocated once" in text
-    # --rows from-two: the reduce-overhead row and the two rows from 2 only.
-    for key in ("cudagraphs cold", "cudagraphs warm"):
+    assert "compile 1.50x; the KV cache (100 MiB) is allocated once" in text
+    # --rows cudagraphs: the reduce-overhead row and the default rungs' two rows only.
+    for key in ("batch one", "batch one warm"):
         del results["runs"][key]
     text = "\n".join(decode_startup.markdown(results))
     assert "batch rungs [1, 2, 4]" not in text and "compile 1.50x" in text

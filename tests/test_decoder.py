@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from llama_decode import tiny_llama  # noqa: E402
 
 from cudagraphs.integrations.sampling import SamplingParams, sample  # noqa: E402
-from cudagraphs.integrations.transformers import Decoder  # noqa: E402
+from cudagraphs.integrations.transformers import Decoder, default_batch_rungs  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::cudagraphs.CudaGraphsWarning")
 
@@ -428,7 +428,10 @@ def test_compiled_forward_compiles_per_shape_class_not_per_rung(
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
     bypassed = counters["aot_autograd"]["autograd_cache_bypass"]
-    decoder = Decoder(model, max_batch=4, max_length=48, compile=True, cache_lengths=[8, 16])
+    decoder = Decoder(
+        model, max_batch=4, max_length=48, compile=True, batch_sizes=[1, 2, 4],
+        cache_lengths=[8, 16],
+    )  # fmt: skip
     assert decoder.stats.compile_s > 0
     # Every compiled graph can be saved for a second process: under torch 2.11 a torch._check
     # in the step made AOTAutograd bypass its cache, so a second start traced it again.
@@ -452,17 +455,20 @@ def test_compiled_forward_compiles_per_shape_class_not_per_rung(
 
 
 def test_batch_rungs_from_two_compile_one_class_and_serve_batch_one(llama) -> None:
-    """Without a batch-1 rung, Dynamo has no size 1 to specialise: one trace serves every
-    (batch, length) rung, and a single request runs on the batch-2 graph with generate's
-    tokens (the trade for half the compile: one padding row at batch 1)."""
+    """Without a batch-1 rung (the default under compile), Dynamo has no size 1 to
+    specialise: one trace serves every (batch, length) rung, and a single request runs on the
+    batch-2 graph with generate's tokens (the trade for half the compile: one padding row at
+    batch 1)."""
     from torch._dynamo.utils import counters
 
     model, _ = llama
     torch._dynamo.reset()
     before = counters["stats"]["unique_graphs"]
-    decoder = Decoder(
-        model, max_batch=4, max_length=48, compile=True, batch_sizes=[2, 4], cache_lengths=[8]
-    )
+    decoder = Decoder(model, max_batch=4, max_length=48, compile=True, cache_lengths=[8])
+    assert decoder.rungs == [2, 4]
+    # Eager kernels, or a decoder of batch 1 only: batch 1 stays a rung.
+    assert default_batch_rungs(4, False) == [1, 2, 4] and default_batch_rungs(1, True) == [1]
+    assert default_batch_rungs(12, True) == [2, 4, 8, 12]
     torch.manual_seed(7)
     for batch in (1, 3):
         prompt = torch.randint(0, 512, (batch, 5))

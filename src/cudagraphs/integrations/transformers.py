@@ -55,7 +55,18 @@ from .prefill import Prefills, run_prefill
 from .prefill import prefill_lengths as prefill_lengths_of
 from .sampling import SamplingParams, greedy, sample
 
-__all__ = ["DecodeStats", "Decoder"]
+__all__ = ["DecodeStats", "Decoder", "default_batch_rungs"]
+
+
+def default_batch_rungs(max_batch: int, compiles: bool) -> list[int]:
+    """The batch rungs a ``Decoder`` captures unless given: powers of two up to ``max_batch``,
+    and ``max_batch``. Under ``compile`` they start at 2 where ``max_batch`` is 2 or more:
+    Dynamo specialises a batch of 1, so a batch-1 rung would be a second compile of the whole
+    model (about half the cold set-up); a single request then runs on the batch-2 graph with
+    one padding row, 3% slower at a 4096 cache (``reports/gpu.md``). Pass
+    ``batch_sizes=[1, 2, ...]`` to keep a batch-1 rung."""
+    rungs = sorted({*powers_of_two(max_batch), max_batch})
+    return [n for n in rungs if n >= 2] if compiles and max_batch >= 2 else rungs
 
 
 @dataclass
@@ -63,7 +74,7 @@ class DecodeStats:
     """What the decoder has done: set-up cost, graphs, replays, recaptures, memory."""
 
     setup_s: float = 0.0
-    compile_s: float = 0.0  # torch.compile: batch 1 and larger batches, every length at once
+    compile_s: float = 0.0  # torch.compile: a batch-1 rung and larger batches, every length
     capture_s: dict[str, float] = field(default_factory=dict)
     replays: dict[str, int] = field(default_factory=dict)
     recaptures: int = 0
@@ -83,7 +94,8 @@ class Decoder:
         max_batch: the largest batch ``generate`` will take.
         max_length: the longest prompt plus new tokens.
         batch_sizes: the batch rungs to capture (default: powers of two up to ``max_batch``,
-            and ``max_batch``); a batch is padded up to the next rung.
+            and ``max_batch``; under ``compile`` from 2 where ``max_batch`` is 2 or more, see
+            :func:`default_batch_rungs`); a batch is padded up to the next rung.
         steps_per_graph: decode steps per graph launch (1, 4, 16, ...): fewer launches and no
             Python between the steps of one launch.
         compile: ``True`` (or a ``torch.compile`` mode such as
@@ -141,7 +153,8 @@ class Decoder:
         self.model = model
         self.cache_arg = cache_keyword(model)
         self.device = next(model.parameters()).device
-        self.rungs = sorted(set(batch_sizes or [*powers_of_two(max_batch), max_batch]))
+        self.compiles = check_compile(compile)
+        self.rungs = sorted(set(batch_sizes or default_batch_rungs(max_batch, self.compiles)))
         if self.rungs[0] < 1 or self.rungs[-1] != max_batch:
             raise ConfigError(
                 explain(
@@ -155,7 +168,6 @@ class Decoder:
         self.steps = steps_per_graph
         self.until_eos = until_eos
         check_until_eos(until_eos, do_sample, steps_per_graph)
-        self.compiles = check_compile(compile)
         self.eager = tuple(eager)
         check_eager(self.eager, self.compiles, until_eos)
         self.check_every = max(1, check_every // steps_per_graph)  # in graph launches
