@@ -85,6 +85,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "dtype": args.dtype,
         "compile": args.compile,
+        "compile_argument": repr(compile_mode),
         "sdpa": args.sdpa,
         "setup_s": setup_s,
         "cache_length": args.max_length,
@@ -121,7 +122,7 @@ def attention_kernel(name: str) -> Any:
 def markdown(r: dict[str, Any]) -> list[str]:
     lines = [
         f"Hardware: {r['hardware']}, torch {r['torch']}; {r['model']} ({r['dtype']}), batch 1, "
-        f"`Decoder(compile={r['compile']!r})`, attention kernel {r.get('sdpa', 'default')}, "
+        f"`Decoder(compile={r.get('compile_argument', repr(r['compile']))})`, attention kernel {r.get('sdpa', 'default')}, "
         f"cache length {r['cache_length']}, a request of {r['prompt']} + {r['new']} tokens (the "
         "profiled one; the timed one before it unprofiled).",
         "",
