@@ -10,7 +10,9 @@ Workloads:
   marked ``@cg.eager``; and the decision left unmarked under
   ``torch.compile(model, backend=cg.backend)``, where Dynamo splits at the ``.item()``. Two
   more rows take one check each out (``guard="capture"``, ``outputs="alias"``), to show what
-  each costs in latency against the peer; they are measurements, not settings to use. Checked
+  each costs in latency against the peer; they are measurements, not settings to use. Two rows
+  replay the recording by hand: through its ``Segments`` (``copy_`` then ``replay()``), and
+  graph by graph with the gap's function called directly, as the peer's sequence does. Checked
   against eager for both outcomes of the decision, then timed at threshold 0.
 - ``resnet18``: torchvision's resnet18 (eval, fp32, batch 4 x 3 x 64 x 64), no graph break:
   eager, reduce-overhead, ``torch.compile(backend=cg.backend)`` and ``cg.graph``.
@@ -114,6 +116,24 @@ def mlp(calls: int, windows: int) -> dict[str, Any]:
         return static_out
 
     modes["the same segments, unchecked replay"] = unchecked
+    # Its graphs replayed one by one with the gap's function called directly, as the peer's
+    # sequence does: what the Segments object and its gap's bookkeeping cost on top.
+    pieces = [
+        (lambda p=p: p.fn(*p.args, **p.kwargs)) if hasattr(p, "fn") else p.replay
+        for p in g.replayer.recording.pieces
+    ]
+
+    copies = g.replayer.copies  # the first graph's copy-in node: off, the input is copy_'d
+
+    def by_hand(x: torch.Tensor) -> torch.Tensor:
+        if copies is not None:
+            copies.all_off()
+        static_x.copy_(x)
+        for piece in pieces:
+            piece()
+        return static_out
+
+    modes["its graphs by hand, the gap called directly"] = by_hand
     # Where the checks' cost goes (not settings to use): the address guard checked only at
     # capture, and outputs handed out as the buffers themselves (no guarded hand-out).
     modes["segments, guard='capture' (cost of the address guard)"] = cg.graph(
