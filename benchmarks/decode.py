@@ -66,6 +66,8 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
+# The Decoder's compile= for the coordinate-descent modes (here and in decode_profile.py).
+COORDINATE_DESCENT = {"coordinate_descent_tuning": True}
 ALL_MODES = (
     "hf eager", "hf static", "eager loop", "reduce-overhead loop",
     "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg compile autotune",
@@ -164,7 +166,7 @@ class Loop:
 def _compile_of(mode: str) -> bool | str | dict[str, bool]:
     """The Decoder's ``compile=`` argument for a ``cg ...`` mode name."""
     if "coordinate-descent" in mode:
-        return {"coordinate_descent_tuning": True}
+        return dict(COORDINATE_DESCENT)
     if "autotune" in mode:
         return "max-autotune-no-cudagraphs"
     return "compile" in mode

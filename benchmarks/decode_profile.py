@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from common import RESULTS, write
-from decode import HBM_BYTES_PER_S, weight_bytes
+from decode import COORDINATE_DESCENT, HBM_BYTES_PER_S, weight_bytes
 from rich.console import Console
 
 
@@ -41,11 +41,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     model = random_llama(args.model, device, getattr(torch, args.dtype))
-    compile_mode: bool | str | dict[str, bool] = True if args.compile == "default" else args.compile
-    if args.compile == "none":
-        compile_mode = False
-    if args.compile == "coordinate-descent":
-        compile_mode = {"coordinate_descent_tuning": True}
+    named = {"default": True, "none": False, "coordinate-descent": dict(COORDINATE_DESCENT)}
+    compile_mode: bool | str | dict[str, bool] = named.get(args.compile, args.compile)
     start = time.perf_counter()
     decoder = Decoder(
         model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode
@@ -122,7 +119,8 @@ def attention_kernel(name: str) -> Any:
 def markdown(r: dict[str, Any]) -> list[str]:
     lines = [
         f"Hardware: {r['hardware']}, torch {r['torch']}; {r['model']} ({r['dtype']}), batch 1, "
-        f"`Decoder(compile={r.get('compile_argument', repr(r['compile']))})`, attention kernel {r.get('sdpa', 'default')}, "
+        f"`Decoder(compile={r.get('compile_argument', repr(r['compile']))})`, "
+        f"attention kernel {r.get('sdpa', 'default')}, "
         f"cache length {r['cache_length']}, a request of {r['prompt']} + {r['new']} tokens (the "
         "profiled one; the timed one before it unprofiled).",
         "",
