@@ -118,8 +118,30 @@ def mark_rung_dims(
             compat.mark_dynamic(tensor, length)
 
 
-def compiled_tail(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, the small in-place step after the logits, through ``torch.compile`` with its
-    default mode (nothing there to autotune). Its batch becomes dynamic on the second batch size
-    it sees (Dynamo's default), so it compiles once for batch 1 and once for larger batches."""
-    return torch.compile(fn, dynamic=None)
+def compiled_tail(fn: Callable[..., Any], *, dynamic: bool) -> Callable[..., Any]:
+    """``fn``, the small in-place greedy step after the logits (``decode_steps.greedy_tail``),
+    through ``torch.compile`` with its default mode (nothing there to autotune).
+
+    ``dynamic`` (more than one batch rung): each call of a batch above 1 marks the batch
+    dimension of the logits, the token, the finished flags and the history, as the forward's
+    calls are marked, so one compile serves every batch above 1 (batch 1, which Dynamo
+    specialises, is a compile of its own). Left to Dynamo, the first batch would be compiled
+    statically and the second again with a dynamic batch: one compile more at every start.
+    Not ``dynamic``: the one batch is a constant."""
+    compiled = torch.compile(fn, dynamic=None if dynamic else False)
+    if not dynamic:
+        return compiled
+
+    def tail(
+        logits: torch.Tensor,
+        token: torch.Tensor,
+        position: torch.Tensor,
+        finished: torch.Tensor,
+        history: torch.Tensor,
+        *rest: Any,
+    ) -> Any:
+        if token.shape[0] > 1:
+            mark_rung_dims([logits, token, finished, history], batch=0)
+        return compiled(logits, token, position, finished, history, *rest)
+
+    return tail

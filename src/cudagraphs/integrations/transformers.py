@@ -196,7 +196,7 @@ class Decoder:
             self.forward_padded = compiled_forward(
                 self._forward_padded, compile, dynamic=dynamic, caches=caches
             )
-            self.greedy_tail = compiled_tail(greedy_tail)
+            self.greedy_tail = compiled_tail(greedy_tail, dynamic=len(self.rungs) > 1)
         self.stats.cache_bytes = self.caches.bytes
         self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
         self.params = SamplingParams.make(model.config.vocab_size, self.device)
