@@ -17,6 +17,12 @@ Each measurement runs in a fresh process of its own:
                         Dynamo specialises a size of 1, so batch 1 is a second compile; then
                         the same in a second process, on the cache that one left
 
+Set-up times include whatever Python compiles to bytecode in each process. Where the
+environment keeps no bytecode cache (``PYTHONDONTWRITEBYTECODE=1`` over a read-only
+site-packages, as on the measurement machine), fill one first so every row starts as in an
+installed environment: ``unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=DIR;
+python -m compileall -q -j 16 <site-packages>/torch <site-packages>/transformers ...``.
+
 Graph memory is the growth of ``torch.cuda.memory_reserved()`` over the captures, as
 ``DecodeStats.graph_bytes`` reports it; the KV cache is allocated once, before them.
 
