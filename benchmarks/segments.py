@@ -60,7 +60,7 @@ def _timed(
     }
 
 
-def _peer(model: DecisionMLP, x: torch.Tensor) -> Any:
+def piecewise_peer(model: DecisionMLP, x: torch.Tensor) -> Any:
     """piecewise-cuda-graphs through its documented API: mark the decision ``@no_graph``,
     allocate static buffers, warm up on a side stream, capture into a sequence, replay."""
     try:
@@ -101,7 +101,7 @@ def mlp(calls: int, windows: int) -> dict[str, Any]:
     peer_model.load_state_dict(model.state_dict())
     modes: dict[str, Any] = {"eager": model}
     modes["reduce-overhead"] = torch.compile(model, mode="reduce-overhead")
-    peer = _peer(peer_model, inputs[0])
+    peer = piecewise_peer(peer_model, inputs[0])
     if peer is not None:
         modes["piecewise-cuda-graphs"] = peer
     g = cg.graph(model, inputs[0])
