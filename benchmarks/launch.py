@@ -127,7 +127,7 @@ def _host_per_launch() -> dict[str, float]:
                 fn()
             samples[name].append((time.perf_counter() - start) / 500 * 1e6)
             torch.cuda.synchronize()
-    assert x.item() == 1 + 2 + 5 * 2 * 500  # every launch ran
+    assert x[0].item() == 1 + 2 + 5 * 2 * 500  # every launch ran
     return {name: statistics.median(v) for name, v in samples.items()}
 
 

@@ -177,7 +177,8 @@ static PyObject* set_node_enabled(PyObject*, PyObject* const* args, Py_ssize_t n
 // (aoti_torch_get_current_cuda_stream), the device switched for the launch where another is
 // current, the GIL released while the runtime may block on a full launch queue.
 //   launch_graph(launch, current_stream, get_device, set_device, exec, device, last) -> int
-// `last`: None, or an 8-byte bytearray holding the stream of the previous launch (0: none). With
+// `last`: None, or a 16-byte bytearray: whether a launch was made, then its stream (the legacy
+// default stream is 0, so the flag is needed). With
 // several instantiations of one graph (launch.py), CUDA orders launches of one instantiation
 // across streams but not of two; so a launch on a stream other than the last one is not made
 // and -2 returned, for the caller to order it. Else the cudaError_t, or -1 where the current
@@ -195,8 +196,8 @@ static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs
     return nullptr;
   }
   PyObject* last = args[6];
-  if (last != Py_None && (!PyByteArray_Check(last) || PyByteArray_GET_SIZE(last) != 8)) {
-    PyErr_SetString(PyExc_TypeError, "last: None or a bytearray of 8 bytes expected");
+  if (last != Py_None && (!PyByteArray_Check(last) || PyByteArray_GET_SIZE(last) != 16)) {
+    PyErr_SetString(PyExc_TypeError, "last: None or a bytearray of 16 bytes expected");
     return nullptr;
   }
   unsigned long long v[6];
@@ -209,11 +210,14 @@ static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs
   void* stream = nullptr;
   if (stream_of(static_cast<int32_t>(device), &stream) != 0) return PyLong_FromLong(-1);
   if (last != Py_None) {
-    uint64_t previous, now = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(stream));
+    uint64_t made, previous, now = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(stream));
     char* bytes = PyByteArray_AS_STRING(last);
-    std::memcpy(&previous, bytes, sizeof(previous));
-    if (previous != 0 && previous != now) return PyLong_FromLong(-2);
-    std::memcpy(bytes, &now, sizeof(now));
+    std::memcpy(&made, bytes, sizeof(made));
+    std::memcpy(&previous, bytes + 8, sizeof(previous));
+    if (made != 0 && previous != now) return PyLong_FromLong(-2);
+    made = 1;
+    std::memcpy(bytes, &made, sizeof(made));
+    std::memcpy(bytes + 8, &now, sizeof(now));
   }
   int result, current = device;
   Py_BEGIN_ALLOW_THREADS

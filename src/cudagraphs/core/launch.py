@@ -117,9 +117,11 @@ class Launcher:
         return functools.partial(launch, *functions, graph_exec, self.device, self.last)
 
     def track(self) -> None:
-        """From now on several instantiations are launched: check each launch's stream."""
+        """From now on several instantiations are launched: check each launch's stream. The
+        launches made so far (of the one instantiation, on any stream) are waited for once."""
         if self.last is None:
-            self.last = bytearray(8)
+            torch.cuda.synchronize(self.device)
+            self.last = bytearray(16)  # launched yet, and on which stream
             self.base_go = self.go_for(compat.graph_exec(self.graph))
             self.go = self.base_go
 
