@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -297,7 +298,9 @@ class CopyNodes:
         self._spare_execs = {}
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # at shutdown the runtime may be gone already
+        if sys.is_finalizing():  # the process frees them; the runtime may be torn down already
+            return
+        with contextlib.suppress(Exception):
             self._drop_spares()
 
 
