@@ -42,7 +42,15 @@ import torch
 
 from . import compat
 from .collectives import distributed_active
-from .graph_edits import Edits, check_edit, cuda_runtime, edit_failed, native_edits
+from .graph_edits import (
+    Edits,
+    check_edit,
+    cuda_runtime,
+    destroy,
+    edit_failed,
+    instantiate,
+    native_edits,
+)
 from .launch import Launcher
 
 __all__ = [
@@ -261,13 +269,12 @@ class CopyNodes:
         launcher = self._launcher
         assert launcher is not None and self._spares is not None
         if len(self._spare_execs) < _SPARES:
-            runtime = cuda_runtime()
-            err, made = runtime.cudaGraphInstantiate(self._raw, 0)
-            if err != runtime.cudaError_t.cudaSuccess:
-                log.info("cudagraphs: no spare instantiation of the graph (%s)", err)
+            made = instantiate(self._raw)
+            if made is None:
+                log.info("cudagraphs: no spare instantiation of the graph could be made")
                 self._spares = None
                 return None
-            exe, state = int(made), [-1] * len(self.nodes)  # as recorded: pointed at nothing
+            exe, state = made, [-1] * len(self.nodes)  # as recorded: pointed at nothing
             launcher.track()
         else:
             oldest = next(iter(self._spare_execs))
@@ -291,10 +298,8 @@ class CopyNodes:
         self._apply_base(self._pointed)
 
     def _drop_spares(self) -> None:
-        runtime = cuda_runtime()
         for exe, _ in self._spare_execs.values():
-            if runtime is not None:
-                runtime.cudaGraphExecDestroy(exe)  # freed once its launches finish
+            destroy(exe)
         self._spare_execs = {}
 
     def __del__(self) -> None:
