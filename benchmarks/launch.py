@@ -7,13 +7,10 @@ Modes, each checked against eager for both outcomes of the decision:
 
 - ``piecewise-cuda-graphs``: installed from its wheel, the decision marked ``@no_graph``,
   static buffers by hand (``copy_`` in, ``CUDAGraphSequence.replay()``), as its README shows;
-- ``cudagraphs``: ``cg.graph(model, x)`` as shipped (graphs launched with one C call, spare
-  instantiations pointed at recent inputs);
-- ``cudagraphs, no spares``: the same with one instantiation, its copy node edited per call;
-- ``cudagraphs, through replay()``: the same with every launch through ``CUDAGraph.replay()``.
-
-The last two switch parts off through the library's internals: measurements of what each part
-gives, not settings. Two regimes: 8 inputs in turn (a new source address at every call) and one
+- ``cudagraphs``: ``cg.graph(model, x)`` as shipped (its graphs launched with one C call);
+- ``cudagraphs, through replay()``: the same with every launch through ``CUDAGraph.replay()``,
+  switched through the library's internals: a measurement of what the C launch gives, not a
+  setting. Two regimes: 8 inputs in turn (a new source address at every call) and one
 input. Each of ``--windows`` windows times every mode (``--calls`` calls, a synchronize after
 each: latency; then ``--calls`` calls and one synchronize: throughput), in an order shuffled
 per window; the ratio of the peer's latency to each mode's is taken per window (above 1: faster
@@ -43,17 +40,10 @@ from cudagraphs.tools.segment_workloads import DecisionMLP
 
 
 def _through_replay(g: Any) -> Any:
-    """``g`` with every graph launched through ``CUDAGraph.replay()``, no spares."""
+    """``g`` with every graph launched through ``CUDAGraph.replay()``."""
     recording = g.replayer.recording
     for graph in recording.graphs:
         recording.launcher(graph)._watched = 3  # as if it drew random numbers
-    return g
-
-
-def _no_spares(g: Any) -> Any:
-    """``g`` launched with one C call, but its one instantiation edited per call."""
-    recording = g.replayer.recording
-    recording.launcher(recording.graphs[0]).on_direct = None
     return g
 
 
@@ -144,7 +134,6 @@ def run(calls: int, windows: int) -> dict[str, Any]:
     modes: dict[str, Any] = {
         "piecewise-cuda-graphs": peer,
         "cudagraphs": cg.graph(model, inputs[0]),
-        "cudagraphs, no spares": _no_spares(cg.graph(model, inputs[0])),
         "cudagraphs, through replay()": _through_replay(cg.graph(model, inputs[0])),
     }
     errors: dict[str, float] = {}

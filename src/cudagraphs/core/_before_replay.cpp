@@ -2,11 +2,10 @@
 // guard runs (see addresses.py), one C call over a tuple of tensors against a packed array of
 // addresses (in `unchanged`, also the modules' train/eval modes and the identity of their
 // parameter, buffer and child entries); the edits of the inputs' copy nodes; and the graph's
-// launch itself. Built at
-// install time (setup.py, an optional extension: without a compiler the pure fallbacks are
-// used). It includes Python.h only: each address is read through the function pointer PyTorch
-// exports for Inductor's C++ wrapper, bound once at import, and the runtime's functions are
-// reached through pointers handed in from Python.
+// launch itself. Built at install time (setup.py, an optional extension: without a compiler
+// the pure fallbacks are used). It includes Python.h only: each address is read through the
+// function pointer PyTorch exports for Inductor's C++ wrapper, bound once at import, and the
+// runtime's and PyTorch's C functions are reached through pointers handed in from Python.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <cstdint>
@@ -176,32 +175,19 @@ static PyObject* set_node_enabled(PyObject*, PyObject* const* args, Py_ssize_t n
 // one C call: the stream through the function PyTorch exports for Inductor's AOT C wrapper
 // (aoti_torch_get_current_cuda_stream), the device switched for the launch where another is
 // current, the GIL released while the runtime may block on a full launch queue.
-//   launch_graph(launch, current_stream, get_device, set_device, exec, device, last) -> int
-// `last`: None, or a 16-byte bytearray: whether a launch was made, then its stream (the legacy
-// default stream is 0, so the flag is needed). With
-// several instantiations of one graph (launch.py), CUDA orders launches of one instantiation
-// across streams but not of two; so a launch on a stream other than the last one is not made
-// and -2 returned, for the caller to order it. Else the cudaError_t, or -1 where the current
-// stream could not be read.
+//   launch_graph(launch, current_stream, get_device, set_device, exec, device) -> int
+// The cudaError_t, or -1 where the current stream could not be read.
 typedef int (*launch_fn)(void*, void*);              // cudaGraphLaunch(exec, stream)
 typedef int (*current_stream_fn)(int32_t, void**);   // aoti_torch_get_current_cuda_stream
 typedef int (*get_device_fn)(int*);                  // cudaGetDevice
 typedef int (*set_device_fn)(int);                   // cudaSetDevice
 
 static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  static const char* usage =
-      "launch_graph(launch, current_stream, get_device, set_device, exec, device, last)";
-  if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError, usage);
-    return nullptr;
-  }
-  PyObject* last = args[6];
-  if (last != Py_None && (!PyByteArray_Check(last) || PyByteArray_GET_SIZE(last) != 16)) {
-    PyErr_SetString(PyExc_TypeError, "last: None or a bytearray of 16 bytes expected");
-    return nullptr;
-  }
   unsigned long long v[6];
-  if (!as_words(args, 6, 6, v, usage)) return nullptr;
+  if (!as_words(args, nargs, 6, v,
+                "launch_graph(launch, current_stream, get_device, set_device, exec, device)")) {
+    return nullptr;
+  }
   launch_fn launch = reinterpret_cast<launch_fn>(static_cast<uintptr_t>(v[0]));
   current_stream_fn stream_of = reinterpret_cast<current_stream_fn>(static_cast<uintptr_t>(v[1]));
   get_device_fn get_device = reinterpret_cast<get_device_fn>(static_cast<uintptr_t>(v[2]));
@@ -209,16 +195,6 @@ static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs
   int device = static_cast<int>(v[5]);
   void* stream = nullptr;
   if (stream_of(static_cast<int32_t>(device), &stream) != 0) return PyLong_FromLong(-1);
-  if (last != Py_None) {
-    uint64_t made, previous, now = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(stream));
-    char* bytes = PyByteArray_AS_STRING(last);
-    std::memcpy(&made, bytes, sizeof(made));
-    std::memcpy(&previous, bytes + 8, sizeof(previous));
-    if (made != 0 && previous != now) return PyLong_FromLong(-2);
-    made = 1;
-    std::memcpy(bytes, &made, sizeof(made));
-    std::memcpy(bytes + 8, &now, sizeof(now));
-  }
   int result, current = device;
   Py_BEGIN_ALLOW_THREADS
   if (get_device(&current) != 0) current = device;

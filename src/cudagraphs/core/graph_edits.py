@@ -2,13 +2,12 @@
 
 Each edit is one C call through the compiled module (``_before_replay.cpp``) and the CUDA
 runtime PyTorch loaded, where both are found, else a call through ``cuda-bindings``, which is
-needed in any case (the nodes are found and spare instantiations made through it). Without it,
-or with ``CUDAGRAPHS_NO_COPY_NODES=1``, no copy nodes are recorded.
+needed in any case (the nodes are found through it). Without it, or with
+``CUDAGRAPHS_NO_COPY_NODES=1``, no copy nodes are recorded.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -18,15 +17,7 @@ from ..errors import CudaGraphsError, explain
 from .addresses import compiled_module
 from .launch import runtime_functions
 
-__all__ = [
-    "Edits",
-    "check_edit",
-    "cuda_runtime",
-    "destroy",
-    "edit_failed",
-    "instantiate",
-    "native_edits",
-]
+__all__ = ["Edits", "check_edit", "cuda_runtime", "edit_failed", "native_edits"]
 
 log = logging.getLogger("cudagraphs")
 _runtime: Any = None
@@ -116,38 +107,3 @@ def edit_failed(what: str) -> None:
             "CUDAGRAPHS_NO_COPY_NODES=1 to copy inputs with copy_ instead",
         )
     )
-
-
-_AUTO_FREE_ON_LAUNCH = 1  # cudaGraphInstantiateFlagAutoFreeOnLaunch, as PyTorch instantiates
-
-
-@functools.cache
-def _instantiation() -> tuple[Any, Any] | None:
-    pointers = runtime_functions("cudaGraphInstantiateWithFlags", "cudaGraphExecDestroy")
-    if pointers is None:
-        return None
-    make = ctypes.CFUNCTYPE(
-        ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_ulonglong
-    )(pointers[0])
-    destroy = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(pointers[1])
-    return make, destroy
-
-
-def instantiate(graph: int) -> int | None:
-    """Another instantiation of the recorded graph ``graph`` (a ``cudaGraph_t``), made by the
-    CUDA runtime PyTorch loaded, as PyTorch makes its own: the one runtime makes, edits,
-    launches and destroys every instantiation. ``None`` where that cannot be done."""
-    found = _instantiation()
-    if found is None:
-        return None
-    made = ctypes.c_void_p()
-    if found[0](ctypes.byref(made), ctypes.c_void_p(graph), _AUTO_FREE_ON_LAUNCH) != 0:
-        return None
-    return made.value or None
-
-
-def destroy(graph_exec: int) -> None:
-    """Destroy an instantiation made by :func:`instantiate` (freed once its launches finish)."""
-    found = _instantiation()
-    if found is not None:
-        found[1](ctypes.c_void_p(graph_exec))

@@ -3,17 +3,13 @@
 ``CUDAGraph.replay()`` is a pybind11 call that releases the GIL, advances the offsets of the
 random generators the graph draws from, and calls ``cudaGraphLaunch`` on the current stream of
 the graph's device. For a graph that draws no random numbers, the compiled module
-(``_before_replay.cpp``) makes the same ``cudaGraphLaunch`` in one C call, about 0.8 µs less
-per launch on the H200 (``reports/gpu.md``, "launch"), which a small graph's latency pays one
-for one. Whether a graph draws is seen, not assumed: its first two launches go through
-``replay()``, and only if neither moved the default generator's seed or offset (a graph that
-draws advances the offset at every replay) do later launches take the C call.
-
-A :class:`Launcher` may also launch other instantiations of its graph (``copy_nodes``: one per
-recent input address, so that no node is edited at a call). CUDA orders the launches of one
-instantiation across streams, but not of two; so while several are in use each launch checks
-that it is on the stream of the previous one, and a launch from another stream first waits for
-the GPU (once) and goes back to the one instantiation (``on_new_stream``).
+(``_before_replay.cpp``) makes the same ``cudaGraphLaunch`` of the same instantiation in one C
+call: 1.3 to 1.4 µs less per launch on the H200 (``reports/gpu.md``, "launch"), which a small
+graph's latency pays one for one. Whether a graph draws is seen, not assumed: its first two
+launches go through ``replay()``, and only if neither moved the default generator's seed or
+offset (a graph that draws advances the offset at every replay) do later launches take the C
+call. Being the one instantiation PyTorch made, its launches stay ordered across streams as
+CUDA orders them, and its copy nodes (``copy_nodes``) are edited as before.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from .addresses import compiled_module
 __all__ = ["Launcher", "direct_launches", "loaded_libraries", "runtime_functions"]
 
 log = logging.getLogger("cudagraphs")
-_STREAM_CHANGED = -2
 
 
 def loaded_libraries() -> list[str]:
@@ -82,23 +77,13 @@ def direct_launches() -> bool:
 
 
 class Launcher:
-    """Launches one recorded graph; ``launcher()`` is ``graph.replay()``, see the module doc.
-
-    ``go``: the C launch of the instantiation to launch next (``None``: ``replay()``);
-    ``base_go``: that of PyTorch's own. ``on_direct`` is called once launches are direct;
-    ``on_new_stream`` when a launch came from another stream while several instantiations were
-    in use (after the GPU was waited for; it must set ``go`` to one of the one instantiation).
-    """
+    """Launches one recorded graph; ``launcher()`` is ``graph.replay()``, see the module doc."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, device: int | None = None):
         self.graph = graph
         self.device = device
-        self.go: Callable[[], int] | None = None
-        self.base_go: Callable[[], int] | None = None
+        self.go: Callable[[], int] | None = None  # the C launch, once the graph is seen not to draw
         self.direct = False
-        self.last: bytearray | None = None  # the previous launch's stream, while tracked
-        self.on_direct: Callable[[], None] | None = None
-        self.on_new_stream: Callable[[], None] | None = None
         self._watched = 0  # launches through replay() that left the generator as it was
 
     def __call__(self) -> None:
@@ -106,33 +91,11 @@ class Launcher:
         if go is None:
             self._replay()
         elif code := go():
-            self._refused(code)
-
-    def go_for(self, graph_exec: int) -> Callable[[], int]:
-        """The C launch of ``graph_exec`` (an instantiation of this graph) on the current
-        stream, checking the stream while launches are tracked (:meth:`track`)."""
-        native = _native()
-        assert native is not None and self.direct
-        launch, *functions = native
-        return functools.partial(launch, *functions, graph_exec, self.device, self.last)
-
-    def track(self) -> None:
-        """From now on several instantiations are launched: check each launch's stream. The
-        launches made so far (of the one instantiation, on any stream) are waited for once."""
-        if self.last is None:
-            torch.cuda.synchronize(self.device)
-            self.last = bytearray(16)  # launched yet, and on which stream
-            self.base_go = self.go_for(compat.graph_exec(self.graph))
-            self.go = self.base_go
-
-    def untrack(self) -> None:
-        """Back to the one instantiation: CUDA orders its launches across streams itself."""
-        self.last = None
-        self.base_go = self.go_for(compat.graph_exec(self.graph))
-        self.go = self.base_go
+            self._failed(code)
 
     def _replay(self) -> None:
-        if self._watched >= 2 or _native() is None:
+        native = _native()
+        if self._watched >= 2 or native is None:
             self.graph.replay()
             return
         if self.device is None:
@@ -149,20 +112,12 @@ class Launcher:
             return
         self._watched += 1
         if self._watched == 2:
+            launch, *functions = native
+            graph_exec = compat.graph_exec(self.graph)
+            self.go = functools.partial(launch, *functions, graph_exec, self.device)
             self.direct = True
-            self.base_go = self.go_for(compat.graph_exec(self.graph))
-            self.go = self.base_go
-            if self.on_direct is not None:
-                self.on_direct()
 
-    def _refused(self, code: int) -> None:
-        if code == _STREAM_CHANGED and self.on_new_stream is not None:
-            torch.cuda.synchronize(self.device)  # every launch so far done, on any stream
-            self.on_new_stream()
-            assert self.go is not None and self.last is None
-            code = self.go()
-            if code == 0:
-                return
+    def _failed(self, code: int) -> None:
         raise CudaGraphsError(
             explain(
                 f"launching the graph failed (CUDA error {code})",

@@ -93,15 +93,15 @@ class Replayer:
         the current one)."""
         self.recording = graph  # the graph or segments themselves: only this class launches it
         self.copies = copies
+        # Each graph is launched through a Launcher (launch.py); segments hold one per graph.
         if isinstance(graph, Segments):
+            self.launchers = [graph.launcher(g) for g in graph.graphs]
             self._launch: Callable[[], None] = graph.replay
-            first = graph.launcher(graph.graphs[0])
         else:
-            first = Launcher(graph, device)
-            self._launch = first
+            self.launchers = [Launcher(graph, device)]
+            self._launch = self.launchers[0]
         # What everyone else replays: on the static buffers as they are (copy nodes off).
         if copies is not None:
-            copies.attach(first)
             self.graph = InputCopying(graph, copies, self._launch)
             self._launch_static = self.graph.replay
         else:

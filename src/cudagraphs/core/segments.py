@@ -151,7 +151,7 @@ class Segments:
         return self.graphs[0].pool()
 
     def launcher(self, graph: torch.cuda.CUDAGraph) -> Launcher:
-        """The launch of one of the graphs (``copy_nodes`` points the first one's)."""
+        """The launch of one of the graphs (``launch.Launcher``)."""
         return self.launchers[id(graph)]
 
     def cut_rows(self, rows: int | None, real: int | None) -> None:
