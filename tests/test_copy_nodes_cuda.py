@@ -104,7 +104,7 @@ def test_segments_copy_their_inputs_in_the_first_graph() -> None:
 def test_without_cuda_bindings_inputs_are_copied_before_the_replay(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(copy_nodes, "_cuda_runtime", lambda: None)
+    monkeypatch.setattr(copy_nodes, "cuda_runtime", lambda: None)
     net = model()
     g = cg.graph(net, rand(4, 8))
     assert g.replayer.copies is None

@@ -1,11 +1,11 @@
 // The host-side work in front of every replay that is worth a C call: the address check the
 // guard runs (see addresses.py), one C call over a tuple of tensors against a packed array of
 // addresses (in `unchanged`, also the modules' train/eval modes and the identity of their
-// parameter, buffer and child entries); and the edits of the inputs' copy nodes. Built at
-// install time (setup.py, an optional extension: without a compiler the pure fallbacks are
-// used). It includes Python.h only: each address is read through the function pointer PyTorch
-// exports for Inductor's C++ wrapper, bound once at import, and the runtime's functions are
-// reached through pointers handed in from Python.
+// parameter, buffer and child entries); the edits of the inputs' copy nodes; and the graph's
+// launch itself. Built at install time (setup.py, an optional extension: without a compiler
+// the pure fallbacks are used). It includes Python.h only: each address is read through the
+// function pointer PyTorch exports for Inductor's C++ wrapper, bound once at import, and the
+// runtime's and PyTorch's C functions are reached through pointers handed in from Python.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <cstdint>
@@ -170,7 +170,44 @@ static PyObject* set_node_enabled(PyObject*, PyObject* const* args, Py_ssize_t n
   return PyLong_FromLong(result);
 }
 
+// A graph's launch on the current stream of its device, as CUDAGraph.replay() makes it for a
+// graph that draws no random numbers (that replay first advances the generators' offsets), in
+// one C call: the stream through the function PyTorch exports for Inductor's AOT C wrapper
+// (aoti_torch_get_current_cuda_stream), the device switched for the launch where another is
+// current, the GIL released while the runtime may block on a full launch queue.
+//   launch_graph(launch, current_stream, get_device, set_device, exec, device) -> int
+// The cudaError_t, or -1 where the current stream could not be read.
+typedef int (*launch_fn)(void*, void*);              // cudaGraphLaunch(exec, stream)
+typedef int (*current_stream_fn)(int32_t, void**);   // aoti_torch_get_current_cuda_stream
+typedef int (*get_device_fn)(int*);                  // cudaGetDevice
+typedef int (*set_device_fn)(int);                   // cudaSetDevice
+
+static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  unsigned long long v[6];
+  if (!as_words(args, nargs, 6, v,
+                "launch_graph(launch, current_stream, get_device, set_device, exec, device)")) {
+    return nullptr;
+  }
+  launch_fn launch = reinterpret_cast<launch_fn>(static_cast<uintptr_t>(v[0]));
+  current_stream_fn stream_of = reinterpret_cast<current_stream_fn>(static_cast<uintptr_t>(v[1]));
+  get_device_fn get_device = reinterpret_cast<get_device_fn>(static_cast<uintptr_t>(v[2]));
+  set_device_fn set_device = reinterpret_cast<set_device_fn>(static_cast<uintptr_t>(v[3]));
+  int device = static_cast<int>(v[5]);
+  void* stream = nullptr;
+  if (stream_of(static_cast<int32_t>(device), &stream) != 0) return PyLong_FromLong(-1);
+  int result, current = device;
+  Py_BEGIN_ALLOW_THREADS
+  if (get_device(&current) != 0) current = device;
+  if (current != device) set_device(device);
+  result = launch(word(v[4]), stream);
+  if (current != device) set_device(current);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(result);
+}
+
 static PyMethodDef methods[] = {
+  {"launch_graph", (PyCFunction)(void (*)(void))launch_graph, METH_FASTCALL,
+   "Launch an instantiated graph on the current stream of its device; return the cudaError_t."},
   {"bind", bind, METH_O, "Set the address reader."},
   {"same", (PyCFunction)(void (*)(void))same, METH_FASTCALL, "All tensors at the addresses?"},
   {"unchanged", (PyCFunction)(void (*)(void))unchanged, METH_FASTCALL,

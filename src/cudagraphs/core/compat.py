@@ -23,6 +23,7 @@ __all__ = [
     "allocating_in_pool",
     "begin_allocate_to_pool",
     "clear_cublas_workspaces",
+    "current_stream_reader",
     "declare_amp_scaling",
     "end_allocate_to_pool",
     "foreach_copy",
@@ -218,6 +219,23 @@ def tensor_address_reader() -> int | None:
     guards = getattr(getattr(_C, "_dynamo", None), "guards", None)
     reader = getattr(guards, "_torchinductor_pyobject_tensor_data_ptr", None)
     return reader if isinstance(reader, int) else None
+
+
+def current_stream_reader() -> int | None:
+    """The address of PyTorch's exported C function ``aoti_torch_get_current_cuda_stream(int32
+    device, void** stream)`` (made for Inductor's AOT C wrapper; returns 0 on success), for the
+    graph launch in one C call (launch.py); ``None`` where the library or the name is missing."""
+    import ctypes
+    import os
+
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cuda.so")
+    if not os.path.exists(path):
+        return None
+    try:
+        library = ctypes.CDLL(path)  # already loaded by torch: the same library
+        return ctypes.cast(library.aoti_torch_get_current_cuda_stream, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
 
 
 def tensors_at_addresses(

@@ -27,18 +27,20 @@ then made again without them), the copy-in stays ``copy_`` before the replay.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import logging
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ..errors import CudaGraphsError, explain
 from . import compat
-from .addresses import compiled_module
+from .graph_edits import (
+    Edits,
+    check_edit,
+    cuda_runtime,
+    edit_failed,
+    native_edits,
+)
 
 __all__ = [
     "CopyNodes",
@@ -51,98 +53,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("cudagraphs")
-_runtime: Any = None
-_looked = False
 _Plain = torch.Tensor
-
-
-def _cuda_runtime() -> Any:
-    """``cuda.bindings.runtime`` or ``None`` (not installed, or switched off)."""
-    global _runtime, _looked
-    if not _looked:
-        _looked = True
-        try:
-            if os.environ.get("CUDAGRAPHS_NO_COPY_NODES"):
-                raise ImportError("CUDAGRAPHS_NO_COPY_NODES is set")
-            from cuda.bindings import runtime
-
-            _runtime = runtime
-        except ImportError as error:
-            log.info("cudagraphs: inputs are copied with copy_ before each replay (%s)", error)
-    return _runtime
-
-
-class _Edits:
-    """The two edits of an instantiated graph the call path makes, each returning whether it
-    succeeded: through the compiled module and the runtime PyTorch loaded where both are found
-    (a C call), else through cuda-bindings (a few µs of argument conversion per call)."""
-
-    def __init__(self, runtime: Any):
-        self.runtime = runtime
-        self.native = _native_edits()
-
-    def set_source(self, exe: int, node: Any, dst: int, src: int, nbytes: int) -> bool:
-        if self.native is not None:
-            module, set_params, _ = self.native
-            if module.set_copy_source(set_params, exe, int(node), dst, src, nbytes) == 0:
-                return True
-            self._give_up_native()  # then the same edit through cuda-bindings decides
-        rt = self.runtime
-        kind = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
-        (err,) = rt.cudaGraphExecMemcpyNodeSetParams1D(exe, node, dst, src, nbytes, kind)
-        return err == rt.cudaError_t.cudaSuccess
-
-    def set_enabled(self, exe: int, node: Any, on: bool) -> bool:
-        if self.native is not None:
-            module, _, set_enabled = self.native
-            if module.set_node_enabled(set_enabled, exe, int(node), int(on)) == 0:
-                return True
-            self._give_up_native()
-        (err,) = self.runtime.cudaGraphNodeSetEnabled(exe, node, int(on))
-        return err == self.runtime.cudaError_t.cudaSuccess
-
-    def _give_up_native(self) -> None:
-        log.warning("cudagraphs: a native copy-node edit failed; editing through cuda-bindings")
-        self.native = None
-
-
-@functools.cache
-def _native_edits() -> tuple[Any, int, int] | None:
-    """The compiled module and the addresses of the runtime's two graph-edit functions in the
-    CUDA runtime library this process loaded (PyTorch's), or ``None``."""
-    module = compiled_module()
-    if module is None or not hasattr(module, "set_copy_source"):
-        return None
-    path = next((p for p in _loaded_libraries() if "libcudart.so" in p), None)
-    if path is None:
-        return None
-    try:
-        library = ctypes.CDLL(path)  # already loaded: the same library, not a second copy
-        pointers = [
-            ctypes.cast(getattr(library, name), ctypes.c_void_p).value
-            for name in ("cudaGraphExecMemcpyNodeSetParams1D", "cudaGraphNodeSetEnabled")
-        ]
-    except (OSError, AttributeError) as error:
-        log.info("cudagraphs: copy nodes edited through cuda-bindings (%s)", error)
-        return None
-    if not all(pointers):
-        return None
-    return module, pointers[0], pointers[1]  # type: ignore[return-value]
-
-
-def _loaded_libraries() -> list[str]:
-    """Paths of the shared libraries mapped into this process (Linux), else none."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = [line.split()[-1] for line in maps if "/" in line and ".so" in line]
-    except OSError:
-        return []
-    return list(dict.fromkeys(paths))
-
-
-def native_edits() -> bool:
-    """Whether copy nodes are edited with one C call per edit here (for reports and tests)."""
-    return _native_edits() is not None
 
 
 class CopyNodesUnavailable(Exception):
@@ -165,7 +76,7 @@ def sources_for(static: Sequence[Any], slots: Sequence[int]) -> Pending | None:
     """Before a capture: the clones the copies will read, allocated outside the graph's pool
     (``None``: no buffer is copyable, or cuda-bindings is missing)."""
     chosen = [i for i in slots if copyable(static[i])]
-    if not chosen or _cuda_runtime() is None:
+    if not chosen or cuda_runtime() is None:
         return None
     buffers = [static[i] for i in chosen]
     with torch.no_grad():
@@ -177,21 +88,21 @@ def record(pending: Pending, stream: torch.cuda.Stream) -> None:
     """Right after ``capture_begin`` on ``stream``: the copies, as raw device copies. Not
     ``copy_``: they leave the buffers' version counters alone (a bump would read as the
     function writing its inputs) and are memcpy nodes by construction."""
-    runtime = _cuda_runtime()
+    runtime = cuda_runtime()
     kind = runtime.cudaMemcpyKind.cudaMemcpyDeviceToDevice
     for buf, src in zip(pending.buffers, pending.sources):
         (err,) = runtime.cudaMemcpyAsync(
             buf.data_ptr(), src.data_ptr(), buf.nbytes, kind, stream.cuda_stream
         )
-        _ok(runtime, err, "recording a copy-in")
+        check_edit(runtime, err, "recording a copy-in")
 
 
 class CopyNodes:
     """The copy nodes of one recording: found by address, then kept in a known state."""
 
     def __init__(self, graph: torch.cuda.CUDAGraph, pending: Pending):
-        runtime = _cuda_runtime()
-        self._edits = _Edits(runtime)
+        runtime = cuda_runtime()
+        self._edits = Edits(runtime)
         self.slots = pending.slots
         self.buffers = pending.buffers
         self._dst = [b.data_ptr() for b in self.buffers]
@@ -257,16 +168,16 @@ class CopyNodes:
             return
         edits, node = self._edits, self.nodes[k]
         if not edits.set_source(self._exec, node, self._dst[k], address, self._nbytes[k]):
-            _failed("pointing a copy-in at the call's tensor")
+            edit_failed("pointing a copy-in at the call's tensor")
         if state == 0 and not edits.set_enabled(self._exec, node, True):
-            _failed("switching a copy-in on")
+            edit_failed("switching a copy-in on")
         self.state[k] = address
 
     def off(self, k: int) -> None:
         if self.state[k] == 0:
             return
         if not self._edits.set_enabled(self._exec, self.nodes[k], False):
-            _failed("switching a copy-in off")
+            edit_failed("switching a copy-in off")
         self.state[k] = 0
 
     def all_off(self) -> None:
@@ -274,34 +185,19 @@ class CopyNodes:
             self.off(k)
 
 
-def _ok(runtime: Any, err: Any, what: str) -> None:
-    if err != runtime.cudaError_t.cudaSuccess:
-        _failed(f"{what} ({err})")
-
-
-def _failed(what: str) -> None:
-    raise CudaGraphsError(
-        explain(
-            f"{what} failed",
-            "the CUDA runtime refused to edit the instantiated graph; the context may "
-            "have failed earlier (an illegal memory access is reported at a later call)",
-            "run with CUDA_LAUNCH_BLOCKING=1 to find the first failing kernel; set "
-            "CUDAGRAPHS_NO_COPY_NODES=1 to copy inputs with copy_ instead",
-        )
-    )
-
-
 class InputCopying:
     """A recording whose first graph holds copy nodes, as everyone but the call path sees it:
-    ``replay()`` replays on what the static buffers hold (every node off first)."""
+    ``replay()`` replays on what the static buffers hold (every node off first), through
+    ``launch`` (the recording's own launch)."""
 
-    def __init__(self, recording: Any, copies: CopyNodes):
+    def __init__(self, recording: Any, copies: CopyNodes, launch: Any):
         self.recording = recording
         self.copies = copies
+        self._launch = launch
 
     def replay(self) -> None:
         self.copies.all_off()
-        self.recording.replay()
+        self._launch()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.recording, name)

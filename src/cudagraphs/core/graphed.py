@@ -339,6 +339,7 @@ class Graphed(Entry[R]):
         self.replayer = Replayer(
             recording.graph, signature, static, mutated, output, options.outputs, self._counters,
             modes=modes, timeout_s=options.replay_timeout_s, name=name, copies=recording.copies,
+            device=device.index,
             grad_sources=None if self.records_gradients else self.gradient_sources(),
         )  # fmt: skip
         self.mutated_inputs = tuple(mutated)

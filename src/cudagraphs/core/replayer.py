@@ -34,8 +34,10 @@ from ..errors import CudaGraphsError, CudaGraphsWarning, ReplayTimeoutError, exp
 from . import compat
 from .copy_nodes import CopyNodes, InputCopying
 from .frames import user_stacklevel
+from .launch import Launcher
 from .modes import Modes, newly_requiring_grad, refuse_gradients
 from .outputs import make_emitter
+from .segments import Segments
 from .tree import Signature
 
 __all__ = ["Counters", "OutputsInUse", "Replayer"]
@@ -81,17 +83,30 @@ class Replayer:
         timeout_s: float | None = None,
         name: str = "the graph",
         copies: CopyNodes | None = None,
+        device: int | None = None,
     ):
         """``modes``: taken when the capture began (default: now). ``grad_sources``: the
         tensors besides the inputs whose ``requires_grad`` would give eager's outputs a
         gradient path (parameters, closure tensors); ``None`` for a recording that runs its own
         backward (a training step), which checks no gradients. ``copies``: the recording's
-        copy-in nodes, set before each replay (``copy_nodes``)."""
+        copy-in nodes, set before each replay (``copy_nodes``). ``device``: the graph's (default:
+        the current one)."""
         self.recording = graph  # the graph or segments themselves: only this class launches it
         self.copies = copies
+        # Each graph is launched through a Launcher (launch.py); segments hold one per graph.
+        if isinstance(graph, Segments):
+            self.launchers = [graph.launcher(g) for g in graph.graphs]
+            self._launch: Callable[[], None] = graph.replay
+        else:
+            self.launchers = [Launcher(graph, device)]
+            self._launch = self.launchers[0]
         # What everyone else replays: on the static buffers as they are (copy nodes off).
-        self.graph = InputCopying(graph, copies) if copies is not None else graph
-        self._launch = graph.replay
+        if copies is not None:
+            self.graph = InputCopying(graph, copies, self._launch)
+            self._launch_static = self.graph.replay
+        else:
+            self.graph = graph
+            self._launch_static = self._launch
         self.name = name
         # With a timeout, each replay waits for the GPU (at most timeout_s) before returning.
         self.wait: Callable[[], None] | None = (
@@ -269,7 +284,7 @@ class Replayer:
         A launch that fails marks them dead too (it may have overwritten them).
         """
         try:
-            self.graph.replay()
+            self._launch_static()
         finally:
             if self.invalidate is not None:
                 self.invalidate()

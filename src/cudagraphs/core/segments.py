@@ -33,6 +33,7 @@ from ..errors import CudaGraphsWarning, SegmentError, explain
 from . import compat
 from .failures import library_setting
 from .frames import callable_name, user_stacklevel
+from .launch import Launcher
 from .tree import NAMESPACE
 
 __all__ = ["Gap", "Segments", "announce", "describe", "print_segments"]
@@ -134,11 +135,13 @@ class Segments:
     replay path (``replay()``, ``pool()``)."""
 
     pieces: list[Any] = field(default_factory=list)  # torch.cuda.CUDAGraph | Gap
+    device: int = 0
 
     def __post_init__(self) -> None:
-        self._steps = [p.run if isinstance(p, Gap) else p.replay for p in self.pieces]
         self.graphs: list[torch.cuda.CUDAGraph] = [p for p in self.pieces if not isinstance(p, Gap)]
         self.gaps: list[Gap] = [p for p in self.pieces if isinstance(p, Gap)]
+        self.launchers = {id(g): Launcher(g, self.device) for g in self.graphs}
+        self._steps = [p.run if isinstance(p, Gap) else self.launchers[id(p)] for p in self.pieces]
 
     def replay(self) -> None:
         for step in self._steps:
@@ -146,6 +149,10 @@ class Segments:
 
     def pool(self) -> Any:
         return self.graphs[0].pool()
+
+    def launcher(self, graph: torch.cuda.CUDAGraph) -> Launcher:
+        """The launch of one of the graphs (``launch.Launcher``)."""
+        return self.launchers[id(graph)]
 
     def cut_rows(self, rows: int | None, real: int | None) -> None:
         """In a bucketed graph: the rung's rows and this call's real rows (``None``: none)."""

@@ -220,7 +220,8 @@ class Splitter:
         self._end_segment(run=False)
         if self.in_gap:
             raise SegmentError("the capture ended inside an eager step")
-        return Segments(self.pieces)
+        index = self.device.index
+        return Segments(self.pieces, device=torch.cuda.current_device() if index is None else index)
 
     def abandon(self) -> None:
         """After a failure: end whatever is still being recorded."""
