@@ -88,7 +88,11 @@ class Gap:
                 continue
             if self.rows is not None and value.shape[:1] != buf.shape[:1]:
                 buf = buf[: value.shape[0]]
-            if value.shape != buf.shape or value.dtype != buf.dtype or value.device != buf.device:
+            if (
+                value.shape != buf.shape
+                or value.dtype is not buf.dtype
+                or value.get_device() != buf.get_device()
+            ):
                 raise SegmentError(
                     explain(
                         f"the eager step {callable_name(self.fn)} at {self.location} returned a "
@@ -103,8 +107,10 @@ class Gap:
             if value.data_ptr() != buf.data_ptr():
                 dst.append(buf)
                 src.append(value)
-        if dst:
+        if len(dst) > 1:
             compat.foreach_copy(dst, src)
+        elif dst:  # one copy_: less host work than a multi-tensor kernel for one tensor
+            dst[0].copy_(src[0])
 
 
 _NOTHING = optree.tree_structure(None, namespace=NAMESPACE, none_is_leaf=True)
