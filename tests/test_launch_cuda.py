@@ -109,14 +109,19 @@ def test_threads_with_streams_of_their_own_get_eagers_answer() -> None:
     wants = [net(x) for x in inputs]
     torch.cuda.synchronize()
     wrong: list[int] = []
+    done: list[int] = []  # calls each thread finished: a thread that raised counts none
 
     def worker(k: int) -> None:
+        torch.set_grad_enabled(False)  # grad mode is per thread
         stream = torch.cuda.Stream()
+        calls = 0
         with torch.cuda.stream(stream):
             for _ in range(25):
                 for i in range(k, len(inputs), 4):
                     if not torch.allclose(g(inputs[i]).clone(), wants[i], **TOL):
                         wrong.append(i)
+                    calls += 1
+        done.append(calls)
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
     for t in threads:
@@ -125,6 +130,7 @@ def test_threads_with_streams_of_their_own_get_eagers_answer() -> None:
         t.join()
     torch.cuda.synchronize()
     assert wrong == []
+    assert done == [100] * 4
 
 
 @torch.no_grad()

@@ -119,12 +119,16 @@ def test_threads_modes_and_verify_across_segments() -> None:
     inputs = [torch.randn(8, 64, device="cuda") for _ in range(200)]
     expected = [model(i) for i in inputs]
     wrong = []
+    done: list[int] = []  # calls each thread finished: a thread that raised counts none
 
     def worker(k: int) -> None:
         torch.set_grad_enabled(False)  # grad mode is per thread
+        calls = 0
         for j in range(k, len(inputs), 4):
             if not torch.allclose(g(inputs[j]).clone(), expected[j], rtol=1e-5, atol=1e-5):
                 wrong.append(j)
+            calls += 1
+        done.append(calls)
 
     with pytest.warns(cg.CudaGraphsWarning, match="second thread"):
         threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
@@ -133,6 +137,7 @@ def test_threads_modes_and_verify_across_segments() -> None:
         for t in threads:
             t.join()
     assert wrong == []
+    assert done == [50] * 4
 
 
 @torch.no_grad()
