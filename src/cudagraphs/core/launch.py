@@ -84,7 +84,9 @@ class Launcher:
         self.device = device
         self.go: Callable[[], int] | None = None  # the C launch, once the graph is seen not to draw
         self.direct = False
-        self._watched = 0  # launches through replay() that left the generator as it was
+        # Launches through replay() that left the generator as it was; an object that does not
+        # expose its instantiation (not a torch CUDAGraph) is only ever launched by replay().
+        self._watched = 0 if hasattr(graph, "raw_cuda_graph_exec") else 2
 
     def __call__(self) -> None:
         go = self.go
