@@ -107,9 +107,10 @@ def block_hint(module: Any) -> str:
 
 #: The known library setting that removes a host read (transformers' MoE experts).
 LIBRARY_SETTING = (
-    "remove the host read: transformers' experts_implementation='batched_mm' "
-    "(config._experts_implementation), or bf16 weights (native grouped matmul), record the "
-    "whole model in one graph"
+    "remove the host read so the whole model is one graph: bf16 weights (native grouped "
+    "matmul), or transformers' experts_implementation='batched_mm' "
+    "(config._experts_implementation), which copies an expert's weights for every token and "
+    "choice and so can be slower than eager with many tokens per call: time it"
 )
 
 

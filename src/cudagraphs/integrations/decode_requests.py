@@ -59,7 +59,8 @@ def check_eager(eager: tuple[Any, ...], compile: Any, until_eos: bool) -> None:
                 "nor a loop on the device can stop for",
                 "pass compile=False and until_eos=False with eager=[...], or remove the host read "
                 "from the model (for transformers MoE: bf16, or "
-                "experts_implementation='batched_mm') and drop eager",
+                "experts_implementation='batched_mm', timed first: it copies an expert's weights "
+                "per token) and drop eager",
             )
         )
 
