@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..core.failures import LIBRARY_SETTING
 from ..errors import ConfigError, explain
 from ..options import check_positive_int
 
@@ -57,10 +58,8 @@ def check_eager(eager: tuple[Any, ...], compile: Any, until_eos: bool) -> None:
                 + ("compile" if compile else "until_eos=True"),
                 "an eager step runs on the host between graphs, which neither a compiled graph "
                 "nor a loop on the device can stop for",
-                "pass compile=False and until_eos=False with eager=[...], or remove the host read "
-                "from the model (for transformers MoE: bf16, or "
-                "experts_implementation='batched_mm', timed first: it copies an expert's weights "
-                "per token) and drop eager",
+                "pass compile=False and until_eos=False with eager=[...]; or, for a transformers "
+                f"MoE model, {LIBRARY_SETTING}; then drop eager",
             )
         )
 
