@@ -21,8 +21,12 @@ from ..errors import CudaGraphsError, explain
 __all__ = [
     "OPS_DISPATCH_MODE",
     "allocating_in_pool",
+    "aot_compiler",
     "begin_allocate_to_pool",
     "clear_cublas_workspaces",
+    "clear_dynamic_marks",
+    "compile_cache_dir",
+    "compile_config_hash",
     "current_stream_reader",
     "declare_amp_scaling",
     "end_allocate_to_pool",
@@ -320,6 +324,51 @@ def mark_dynamic(tensor: torch.Tensor, dim: int, high: int | None = None) -> Non
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
     else:
         torch._dynamo.mark_dynamic(tensor, dim, min=2, max=high)
+
+
+def aot_compiler(fn: Callable[..., Any], settings: dict[str, Any], dynamic: bool | None) -> Any:
+    """``torch.compile(fn, fullgraph=True)``'s ``aot_compile``, which traces and compiles once
+    into an object that ``save_compiled_function`` writes and ``torch.compiler.
+    load_compiled_function`` loads in another process without tracing; ``None`` where this
+    torch has none. Guards that cannot be written (on globals, object identities, closures)
+    are left out of the file: the caller keys it on what they checked."""
+    mode, options = settings["mode"], settings["options"]
+    opts = {**(torch._inductor.list_mode_options(mode) if mode else {}), **(options or {})}
+    opts["guard_filter_fn"] = _portable_guards
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=opts)
+    return getattr(compiled, "aot_compile", None)
+
+
+def _portable_guards(entries: Sequence[Any]) -> list[bool]:
+    unportable = {"DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH",
+                  "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"}  # fmt: skip
+    return [
+        not (e.is_global or e.guard_type in unportable or unportable & set(e.derived_guard_types))
+        for e in entries
+    ]
+
+
+def clear_dynamic_marks(tensors: Sequence[Any]) -> None:
+    """Undo :func:`mark_dynamic` on each tensor of ``tensors`` (what it sets on the tensor)."""
+    names = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_weak_dynamic_indices",
+             "_dynamo_hint_overrides", "_specialize_on")  # fmt: skip
+    for tensor in tensors:
+        for name in names:
+            if isinstance(tensor, torch.Tensor) and hasattr(tensor, name):
+                delattr(tensor, name)
+
+
+def compile_cache_dir() -> str:
+    """Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
+    return torch._inductor.runtime.cache_dir_utils.cache_dir()
+
+
+def compile_config_hash() -> str:
+    """A hash of Inductor's settings, as its own cache keys its entries."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.get_hash().hex()
 
 
 def sleep_cycles(cycles: int) -> None:

@@ -18,19 +18,23 @@ the attention's fake implementation asks whether the batch is 1, and the graph b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from ..core import compat
+from .saved_compile import SavedCompile, compile_key
 
 __all__ = [
     "compile_settings",
     "compiled_forward",
     "compiled_tail",
+    "cut_step",
     "mark_cut_sizes",
     "mark_rung_dims",
+    "step_logits",
 ]
 
 
@@ -45,48 +49,84 @@ def compile_settings(compile: bool | str | Mapping[str, Any]) -> dict[str, Any]:
     return {"mode": None if compile is True else compile, "options": None}
 
 
+def step_logits(
+    model: Any, cache_arg: str, token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any
+) -> torch.Tensor:
+    """The last position's logits of one decode step of ``model`` on ``cache`` (its forward's
+    cache keyword ``cache_arg``); ``rows``: none, or a left-padded batch's ``(attends,
+    position_ids)``, a prepared 4-D mask the model uses as given (nothing built from the
+    padding)."""
+    extra: dict[str, Any] = {cache_arg: cache}
+    if rows:
+        extra.update(attention_mask=rows[0], position_ids=rows[1])
+    out = model(input_ids=token, cache_position=position, use_cache=True, **extra)
+    return out.logits[:, -1, :]
+
+
+def cut_step(
+    model: Any,
+    cache_arg: str,
+    caches: Any,
+    token: torch.Tensor,
+    position: torch.Tensor,
+    cache: Any,
+    span: torch.Tensor,
+    *rows: Any,
+) -> torch.Tensor:
+    """:func:`step_logits` on the rung of ``span``'s shape, cut out of the one full-size
+    cache (``RungCaches.cut``)."""
+    caches.cut(cache, span.shape[0], span.shape[1])
+    return step_logits(model, cache_arg, token, position, cache, *rows)
+
+
 def compiled_forward(
-    fn: Callable[..., Any],
+    model: Any,
+    cache_arg: str,
     compile: bool | str | Mapping[str, Any],
     *,
     dynamic: bool,
+    padded: bool,
     caches: Any = None,
-) -> Callable[..., Any]:
-    """``fn(token, position, cache, *rows)`` through ``torch.compile`` (``compile`` as
-    :func:`compile_settings` takes it). ``dynamic``: the batch dimension of the token and of each of
-    ``rows`` (``[batch, ...]``; a 4-D mask also ``[..., length]``) is marked at each call: they
-    are made per graph at capture (the token is the graph's own input buffer), so they cannot
-    be marked ahead. With ``caches`` (a ``RungCaches`` after ``write_through()``) the step cuts
-    the rung's cache itself; without, the caller marks the cache views. Not ``dynamic``: every
-    size is a constant, for a decoder of one (batch, length) shape, whose static trace is
-    faster and whose kernels are specialised."""
+) -> tuple[Callable[..., Any], SavedCompile | None]:
+    """``forward(token, position, cache, *rows)``: :func:`step_logits` compiled (``compile``
+    as :func:`compile_settings` takes it) and saved for a second process (``SavedCompile``);
+    ``padded``: the forward of left-padded batches (``rows`` given).
+
+    ``dynamic``: the batch dimension of the token and of each of ``rows`` (``[batch, ...]``;
+    a 4-D mask also ``[..., length]``) is marked before each trace: they are made per graph at
+    capture (the token is the graph's own input buffer), so they cannot be marked ahead. With
+    ``caches`` (a ``RungCaches`` after ``write_through()``) the step cuts the rung's cache
+    itself; without, the caller marks the cache views, and the step is not saved (``None``).
+    Not ``dynamic``: every size is a
+    constant, for a decoder of one (batch, length) shape, whose static trace is faster and
+    whose kernels are specialised."""
     settings = compile_settings(compile)
     if not dynamic:
-        return torch.compile(fn, dynamic=False, **settings)
-    if caches is None:
-        compiled = torch.compile(fn, **settings)
+        key = compile_key(model, step_logits, settings, cache_arg, padded)
+        saved = SavedCompile(step_logits, settings, dynamic=False, key=key)
+        return functools.partial(saved, model, cache_arg), saved
+    if caches is None:  # the cache views stay marked, which a saved step's guards refuse
+        compiled = torch.compile(step_logits, **settings)
 
         def forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
             _mark_call(token, rows)
-            return compiled(token, position, cache, *rows)
+            return compiled(model, cache_arg, token, position, cache, *rows)
 
-        return forward
+        return forward, None
 
-    def cut_step(
-        token: torch.Tensor, position: torch.Tensor, cache: Any, span: torch.Tensor, *rows: Any
-    ) -> Any:
-        caches.cut(cache, span.shape[0], span.shape[1])
-        return fn(token, position, cache, *rows)
+    def mark(args: tuple[Any, ...]) -> None:  # cut_step's arguments
+        mark_cut_sizes(args[6], caches)
+        _mark_call(args[3], args[7:])
 
-    cut_compiled = torch.compile(cut_step, **settings)
+    key = compile_key(
+        model, cut_step, settings, cache_arg, padded, caches.largest, caches.max_length
+    )
+    saved = SavedCompile(cut_step, settings, dynamic=None, key=key, mark=mark)
 
     def cut_forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
-        span = caches.span(cache)
-        mark_cut_sizes(span, caches)
-        _mark_call(token, rows)
-        return cut_compiled(token, position, cache, span, *rows)
+        return saved(model, cache_arg, caches, token, position, cache, caches.span(cache), *rows)
 
-    return cut_forward
+    return cut_forward, saved
 
 
 def mark_cut_sizes(span: torch.Tensor, caches: Any) -> None:
@@ -118,9 +158,12 @@ def mark_rung_dims(
             compat.mark_dynamic(tensor, length)
 
 
-def compiled_tail(fn: Callable[..., Any], *, dynamic: bool) -> Callable[..., Any]:
+def compiled_tail(
+    model: Any, fn: Callable[..., Any], *, dynamic: bool
+) -> tuple[Callable[..., Any], SavedCompile]:
     """``fn``, the small in-place greedy step after the logits (``decode_steps.greedy_tail``),
-    through ``torch.compile`` with its default mode (nothing there to autotune).
+    compiled with the default mode (nothing there to autotune) and saved for a second process
+    as the forward is (``model``: only part of the file's key).
 
     ``dynamic`` (more than one batch rung): each call of a batch above 1 marks the batch
     dimension of the logits, the token, the finished flags and the history, as the forward's
@@ -128,20 +171,15 @@ def compiled_tail(fn: Callable[..., Any], *, dynamic: bool) -> Callable[..., Any
     specialises, is a compile of its own). Left to Dynamo, the first batch would be compiled
     statically and the second again with a dynamic batch: one compile more at every start.
     Not ``dynamic``: the one batch is a constant."""
-    compiled = torch.compile(fn, dynamic=None if dynamic else False)
+    settings = compile_settings(True)
+    key = compile_key(model, fn, settings, dynamic)
     if not dynamic:
-        return compiled
+        saved = SavedCompile(fn, settings, dynamic=False, key=key)
+        return saved, saved
 
-    def tail(
-        logits: torch.Tensor,
-        token: torch.Tensor,
-        position: torch.Tensor,
-        finished: torch.Tensor,
-        history: torch.Tensor,
-        *rest: Any,
-    ) -> Any:
-        if token.shape[0] > 1:
-            mark_rung_dims([logits, token, finished, history], batch=0)
-        return compiled(logits, token, position, finished, history, *rest)
+    def mark(args: tuple[Any, ...]) -> None:  # (logits, token, position, finished, history, ...)
+        if args[1].shape[0] > 1:
+            mark_rung_dims([args[0], args[1], args[3], args[4]], batch=0)
 
-    return tail
+    saved = SavedCompile(fn, settings, dynamic=None, key=key, mark=mark)
+    return saved, saved

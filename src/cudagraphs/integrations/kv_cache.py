@@ -269,8 +269,11 @@ def _prefix_class(layer_class: type) -> type:
             return layer_class.update(self, key_states, value_states, *args, **kwargs)
         return _write_through_full(self, key_states, value_states)
 
-    return type(
-        f"Prefix{layer_class.__name__}",
+    name = f"Prefix{layer_class.__name__}"
+    if layer_class.__module__ != "transformers.cache_utils":  # a subclass elsewhere: unique
+        name += "_" + layer_class.__module__.replace(".", "_")
+    prefix = type(
+        name,
         (layer_class,),
         {
             "max_cache_len": property(max_cache_len, ignore),
@@ -278,6 +281,10 @@ def _prefix_class(layer_class: type) -> type:
             "__module__": __name__,
         },
     )
+    # Reachable by module and name, as pickle finds a class: a saved compile's guards name the
+    # class of each layer they check (saved_compile.py).
+    globals()[name] = prefix
+    return prefix
 
 
 def _write_through_full(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> Any:

@@ -24,6 +24,7 @@ transformers is an optional dependency: ``pip install cudagraphs[transformers]``
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -37,7 +38,7 @@ from ..core.pool import Pool
 from ..errors import ConfigError, explain
 from ..options import check_positive_int, refuse_unknown_keywords
 from ..shapes.ladders import powers_of_two
-from .compiled import compiled_forward, compiled_tail, mark_rung_dims
+from .compiled import compiled_forward, compiled_tail, mark_rung_dims, step_logits
 from .decode_requests import (
     MAX_EOS,
     check_attention,
@@ -54,6 +55,7 @@ from .kv_cache import RungCaches, cache_keyword, length_rungs
 from .prefill import Prefills, run_prefill
 from .prefill import prefill_lengths as prefill_lengths_of
 from .sampling import SamplingParams, greedy, sample
+from .saved_compile import SavedCompile
 
 __all__ = ["DecodeStats", "Decoder", "default_batch_rungs"]
 
@@ -75,6 +77,9 @@ class DecodeStats:
 
     setup_s: float = 0.0
     compile_s: float = 0.0  # torch.compile: a batch-1 rung and larger batches, every length
+    compiles_loaded: int = 0  # compiled steps loaded from disk (saved by an earlier process)
+    compiles_saved: int = 0  # compiled steps written to disk for the next process
+    compile_not_saved: str = ""  # why a compiled step was not saved (see saved_compile.py)
     capture_s: dict[str, float] = field(default_factory=dict)
     replays: dict[str, int] = field(default_factory=dict)
     recaptures: int = 0
@@ -178,13 +183,15 @@ class Decoder:
         # run past its last token (those steps are thrown away).
         cache_len = max_length + steps_per_graph - 1
         self.lengths = [cache_len] if until_eos else length_rungs(cache_len, cache_lengths)
-        self.forward, self.forward_padded = self._forward, self._forward_padded
+        # Eager: one function for both (a left-padded batch's mask and position ids as rows).
+        self.forward = self.forward_padded = functools.partial(step_logits, model, self.cache_arg)
         self.compiled: set[bool] = set()  # the forwards compiled so far: padded or not
         # One compile for all rungs: batch and cache length are dynamic dimensions, unless
         # there is only one (batch, length) shape.
         dynamic = len(self.rungs) * len(self.lengths) > 1
         self.greedy_tail = None
         self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
+        self.saved_compiles: list[SavedCompile] = []
         if self.compiles:
             cut = dynamic and self.caches.cuttable()
             if cut:  # the compiled step cuts each rung out of the one cache (compiled.py)
@@ -192,11 +199,14 @@ class Decoder:
             elif dynamic:
                 mark_rung_dims(self.caches.tensors(), batch=0, length=2)
             caches = self.caches if cut else None
-            self.forward = compiled_forward(self._forward, compile, dynamic=dynamic, caches=caches)
-            self.forward_padded = compiled_forward(
-                self._forward_padded, compile, dynamic=dynamic, caches=caches
+            (self.forward, plain), (self.forward_padded, padded) = (
+                compiled_forward(
+                    model, self.cache_arg, compile, dynamic=dynamic, padded=p, caches=caches
+                )
+                for p in (False, True)
             )
-            self.greedy_tail = compiled_tail(greedy_tail, dynamic=len(self.rungs) > 1)
+            self.greedy_tail, tail = compiled_tail(model, greedy_tail, dynamic=len(self.rungs) > 1)
+            self.saved_compiles = [step for step in (plain, padded, tail) if step is not None]
         self.stats.cache_bytes = self.caches.bytes
         self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
         self.params = SamplingParams.make(model.config.vocab_size, self.device)
@@ -243,34 +253,13 @@ class Decoder:
                     start = time.perf_counter()
                     self.graphs[n, length, mode] = capture_steps(self, n, length, mode)
                     self.stats.capture_s[self._key(mode, n, length)] = time.perf_counter() - start
+            saved = self.saved_compiles
+            self.stats.compiles_loaded = sum(step.loaded for step in saved)
+            self.stats.compiles_saved = sum(step.saved for step in saved)
+            self.stats.compile_not_saved = "; ".join(s.not_saved for s in saved if s.not_saved)
             if cuda:
                 torch.cuda.empty_cache()  # warm-up activations: not the graphs' memory
                 self.stats.graph_bytes += torch.cuda.memory_reserved(self.device) - before
-
-    def _forward(self, token: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
-        out = self.model(
-            input_ids=token, cache_position=position, use_cache=True, **{self.cache_arg: cache}
-        )
-        return out.logits[:, -1, :]
-
-    def _forward_padded(
-        self,
-        token: torch.Tensor,
-        position: torch.Tensor,
-        cache: Any,
-        attends: torch.Tensor,
-        position_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        # A prepared 4-D mask is used as given: no mask is built (or checked) from the padding.
-        out = self.model(
-            input_ids=token,
-            cache_position=position,
-            position_ids=position_ids,
-            attention_mask=attends,
-            use_cache=True,
-            **{self.cache_arg: cache},
-        )
-        return out.logits[:, -1, :]
 
     def _length_rung(self, end: int) -> int:
         """The index of the shortest cache-length rung holding positions ``[0, end)``."""

@@ -1,0 +1,193 @@
+"""A compiled decode step written to disk, so that a second process loads it instead of
+tracing the model again.
+
+``torch.compile`` keeps its compiled kernels on disk, but a new process still traces the whole
+model through Dynamo before it finds them: seconds for a 22-layer model (``reports/gpu.md``,
+``decode_startup.py``). A :class:`SavedCompile` compiles with ``aot_compile`` instead and
+writes the result next to Inductor's own cache; a later process loads it and runs it, with no
+trace.
+
+Nothing loaded may give another answer than a fresh compile would, so a file is used only
+when all of these hold, and is compiled again (and rewritten) otherwise:
+
+* its name is a hash of everything a trace depends on that its guards do not check: the
+  versions of Python, torch, transformers and cudagraphs, the GPU, the model's class, config
+  and dtypes, the compile settings, Inductor's settings and the float32 matmul, TF32,
+  determinism and default-dtype settings (:func:`compile_key`);
+* every source file the trace went through (the model's code, transformers', ours) hashes as
+  it did when the file was written;
+* the guards written with it hold for the call: the shape, dtype and layout of every tensor
+  (the model's weights included) and every plain value the trace read off the arguments.
+
+A step that cannot be compiled this way (a graph break, a guard that cannot be written, a
+torch without ``aot_compile``) is compiled by ``torch.compile`` as before; the reason is kept
+in :attr:`SavedCompile.not_saved`. ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns saving off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import os
+import platform
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..core import compat
+
+__all__ = ["SavedCompile", "compile_key"]
+
+
+def compile_key(model: Any, fn: Callable[..., Any], settings: dict[str, Any], *extra: Any) -> str:
+    """The hash that names the saved compile of ``fn`` for ``model`` (see the module doc);
+    ``extra``: whatever else the caller's trace depends on (its dynamic dimensions' bounds)."""
+    import transformers
+
+    from .. import __version__
+
+    device = next(model.parameters()).device
+    gpu = (
+        [torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)]
+        if device.type == "cuda"
+        else device.type
+    )
+    parts = [
+        platform.python_version(), torch.__version__, transformers.__version__, __version__,
+        gpu, f"{type(model).__module__}.{type(model).__qualname__}",
+        model.config.to_json_string(use_diff=False),
+        sorted({str(p.dtype) for p in model.parameters()}),
+        f"{fn.__module__}.{fn.__qualname__}", repr(sorted((settings["options"] or {}).items())),
+        settings["mode"], compat.compile_config_hash(), torch.get_float32_matmul_precision(),
+        torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(),
+        str(torch.get_default_dtype()), [repr(e) for e in extra],
+    ]  # fmt: skip
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
+
+class SavedCompile:
+    """``fn`` compiled once per shape class and saved under ``key`` (:func:`compile_key`); a
+    call runs the first saved or compiled entry whose guards hold for it, loads the saved
+    ones on the first call, and compiles (and saves) a new entry for a call none fits.
+
+    Right: one per compiled step of a decoder, called as ``fn`` would be.
+    Wrong: a key that leaves out something the trace read (a setting, a module's source):
+    a file compiled under the old value would be loaded under the new one.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        settings: dict[str, Any],
+        *,
+        dynamic: bool | None,
+        key: str,
+        mark: Callable[[tuple[Any, ...]], None] | None = None,
+    ):
+        """``settings``: ``torch.compile``'s mode and options (``compiled.compile_settings``);
+        ``dynamic``: its ``dynamic`` (``None``: the dimensions ``mark`` marks on a call's
+        arguments, ``compat.mark_dynamic``, before a trace)."""
+        self.fn, self.settings, self.dynamic, self.mark = fn, settings, dynamic, mark
+        self.folder = Path(compat.compile_cache_dir()) / "cudagraphs" / key
+        self.entries: list[Any] | None = None  # loaded (or compiled) AOT-compiled functions
+        self.fallback: Callable[..., Any] | None = None  # torch.compile, once aot_compile failed
+        self.loaded = self.saved = 0
+        self.not_saved = ""  # why not, where a step could not be saved
+
+    def __call__(self, *args: Any) -> Any:
+        if self.entries is None:
+            self.entries = self._load()
+        for entry in self.entries:
+            if entry.guard_check(*args):
+                return entry(*args)
+        if self.fallback is None:
+            entry = self._compile(args)
+            if entry is not None:
+                self.entries.append(entry)
+                return entry(*args)
+        assert self.fallback is not None
+        if self.mark is not None:
+            self.mark(args)
+        return self.fallback(*args)
+
+    def _compile(self, args: tuple[Any, ...]) -> Any:
+        """A new entry traced on ``args`` and saved; ``None`` (and the fallback set) where
+        that cannot be done. The marks are taken off again after the trace: a loaded
+        entry's guards ask that a tensor carry none (torch 2.11 writes its guard on the marks
+        from an unmarked copy of the example), and the graphs' buffers are called again."""
+        if self.mark is not None:
+            self.mark(args)
+        try:
+            aot_compile = compat.aot_compiler(self.fn, self.settings, self.dynamic)
+            if aot_compile is None:
+                raise RuntimeError("this torch has no aot_compile")
+            entry = aot_compile((args, {}))
+        except Exception as error:  # a graph break, a guard it cannot write: compile as before
+            self._give_up(f"{type(error).__name__}: {str(error)[:300]}")
+            return None
+        finally:
+            compat.clear_dynamic_marks(args)
+        try:
+            self._save(entry)
+        except Exception as error:  # a read-only disk: this process still runs the entry
+            self.not_saved = f"{type(error).__name__}: {str(error)[:300]}"
+        return entry
+
+    def _give_up(self, reason: str) -> None:
+        self.not_saved = reason
+        self.fallback = torch.compile(self.fn, dynamic=self.dynamic, **self.settings)
+
+    def _save(self, entry: Any) -> None:
+        if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1":
+            raise RuntimeError("TORCHINDUCTOR_FORCE_DISABLE_CACHES=1")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        name = f"entry-{len(self.entries or [])}-{os.getpid()}"
+        data = type(entry).serialize(entry).serialized_data
+        sources = _source_hashes({s.module for s in entry.source_info().inlined_sources})
+        _write(self.folder / f"{name}.bin", data)
+        _write(self.folder / f"{name}.json", json.dumps({"sources": sources}).encode())
+        self.saved += 1
+
+    def _load(self) -> list[Any]:
+        """The saved entries whose sources are unchanged; a stale or unreadable one is
+        deleted (it is compiled again when a call needs it)."""
+        entries = []
+        for meta in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []:
+            data = meta.with_suffix(".bin")
+            try:
+                sources = json.loads(meta.read_text())["sources"]
+                if _source_hashes(set(sources)) != sources:
+                    raise ValueError("a source file changed")
+                with data.open("rb") as file:
+                    entries.append(torch.compiler.load_compiled_function(file))
+                self.loaded += 1
+            except Exception:  # stale, torn or from another torch: compile afresh
+                meta.unlink(missing_ok=True)
+                data.unlink(missing_ok=True)
+        return entries
+
+
+def _source_hashes(modules: set[str]) -> dict[str, str]:
+    """sha256 of each module's source file ("" where it has none)."""
+    hashes = {}
+    for name in sorted(modules):
+        try:
+            path = inspect.getsourcefile(sys.modules.get(name) or importlib.import_module(name))
+            hashes[name] = hashlib.sha256(Path(path or "").read_bytes()).hexdigest()
+        except (ImportError, OSError, TypeError):
+            hashes[name] = ""
+    return hashes
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (another process may be reading)."""
+    handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(handle, "wb") as file:
+        file.write(data)
+    os.replace(temporary, path)
