@@ -85,6 +85,10 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         "length_rungs": decoder.lengths,
         "graph_bytes": stats.graph_bytes,
         "cache_bytes": stats.cache_bytes,
+        "compiles_loaded": stats.compiles_loaded,
+        "compiles_saved": stats.compiles_saved,
+        "compile_not_saved": stats.compile_not_saved,
+        "compile_save_s": stats.compile_save_s,
     }
 
 
@@ -109,11 +113,12 @@ def markdown(results: dict[str, Any]) -> list[str]:
         f"({results['dtype']}), batch {results['batch']}, cache length {results['max_length']}, "
         f"a request of {results['prompt']} + {results['new']} tokens; each row a fresh process.",
         "",
-        "| run | set-up + first request s | compile s | captures s | graphs | graph memory MiB |",
-        "|---|---|---|---|---|---|",
-        f"| reduce-overhead loop, cold | {ro['setup_s']:.1f} | - | - | - | - |",
+        "| run | set-up + first request s | compile s | captures s | graphs | graph memory MiB "
+        "| compiled steps loaded / saved |",
+        "|---|---|---|---|---|---|---|",
+        f"| reduce-overhead loop, cold | {ro['setup_s']:.1f} | - | - | - | - | - |",
     ]
-    labelled = []
+    labelled, notes = [], []
     if cold:
         labelled.append((f"cudagraphs, cold, batch rungs {cold['batch_rungs']}", cold))
     if warm := rows.get("cudagraphs warm"):
@@ -128,9 +133,12 @@ def markdown(results: dict[str, Any]) -> list[str]:
     for label, r in labelled:
         lines.append(
             f"| {label} | {r['setup_s']:.1f} | {r['compile_s']:.1f} | {r['capture_s']:.1f} | "
-            f"{r['graphs']} | {r['graph_bytes'] / mib:.0f} |"
+            f"{r['graphs']} | {r['graph_bytes'] / mib:.0f} | "
+            f"{r.get('compiles_loaded', '-')} / {r.get('compiles_saved', '-')} |"
         )
-    lines.append("")
+        if r.get("compile_not_saved"):
+            notes.append(f"{label}: a compiled step was not saved: {r['compile_not_saved']}")
+    lines.extend(["", *notes, ""] if notes else [""])
     for r in (cold, batch_one):
         if r is None:
             continue

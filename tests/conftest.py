@@ -119,3 +119,15 @@ def cuda_left_usable(request: pytest.FixtureRequest) -> Any:
             f"{str(error).splitlines()[0]}); the tests after it could not run",
             returncode=1,
         )
+
+
+@pytest.fixture
+def fresh_compile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """An empty folder for the decode steps a ``Decoder`` saves (``saved_compile.py``), for
+    this test: what it compiles is not loaded from an earlier test or run. Inductor's own
+    cache stays shared (a trace still happens; only its kernels may be found)."""
+    from cudagraphs.core import compat
+
+    real = compat.compile_cache
+    monkeypatch.setattr(compat, "compile_cache", lambda: (str(tmp_path), real()[1]))
+    return tmp_path

@@ -412,7 +412,7 @@ def test_a_cut_rung_writes_what_the_layers_own_update_writes(llama) -> None:
 
 @pytest.mark.parametrize("cut", [True, False], ids=["cut in the step", "views marked"])
 def test_compiled_forward_compiles_per_shape_class_not_per_rung(
-    llama, cut: bool, monkeypatch: pytest.MonkeyPatch
+    llama, cut: bool, monkeypatch: pytest.MonkeyPatch, fresh_compile_cache: object
 ) -> None:
     """Batch and cache length are dynamic dimensions: two traces of the forward (batch 1,
     larger batches) serve every (batch rung, length rung), and two of the greedy step after it;
@@ -454,7 +454,9 @@ def test_compiled_forward_compiles_per_shape_class_not_per_rung(
     assert {"greedy batch 1 length 8", "greedy batch 4 length 16", "greedy batch 2"} <= used
 
 
-def test_batch_rungs_from_two_compile_one_class_and_serve_batch_one(llama) -> None:
+def test_batch_rungs_from_two_compile_one_class_and_serve_batch_one(
+    llama, fresh_compile_cache: object
+) -> None:
     """Without a batch-1 rung (the default under compile), Dynamo has no size 1 to
     specialise: one trace serves every (batch, length) rung, and a single request runs on the
     batch-2 graph with generate's tokens (the trade for half the compile: one padding row at
@@ -480,7 +482,7 @@ def test_batch_rungs_from_two_compile_one_class_and_serve_batch_one(llama) -> No
     assert "greedy batch 2 length 8" in used and not any("batch 1" in key for key in used)
 
 
-def test_a_decoder_of_one_shape_compiles_it_statically(llama) -> None:
+def test_a_decoder_of_one_shape_compiles_it_statically(llama, fresh_compile_cache: object) -> None:
     """One batch rung and one length rung: every size is a constant (a faster trace and
     specialised kernels), and the tokens equal generate."""
     from torch._dynamo.utils import counters

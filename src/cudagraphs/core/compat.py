@@ -3,8 +3,7 @@
 Everything here is a name PyTorch does not promise to keep. Each is used only through this
 module (``tests/test_layers.py`` fails on a private torch name anywhere else), each has a
 fallback or a clear error when a PyTorch release drops it, and each says what it is for.
-Tested on torch 2.11 (the GPU machine) and 2.13 and 2.14.1 (CI, the CPU suite); ``pyproject.toml``
-claims no older one.
+Tested on torch 2.11 (the GPU machine), 2.13 and 2.14.1 (CI); ``pyproject.toml`` claims no older.
 """
 
 from __future__ import annotations
@@ -25,8 +24,7 @@ __all__ = [
     "begin_allocate_to_pool",
     "clear_cublas_workspaces",
     "clear_dynamic_marks",
-    "compile_cache_dir",
-    "compile_config_hash",
+    "compile_cache",
     "current_stream_reader",
     "declare_amp_scaling",
     "end_allocate_to_pool",
@@ -327,48 +325,36 @@ def mark_dynamic(tensor: torch.Tensor, dim: int, high: int | None = None) -> Non
 
 
 def aot_compiler(fn: Callable[..., Any], settings: dict[str, Any], dynamic: bool | None) -> Any:
-    """``torch.compile(fn, fullgraph=True)``'s ``aot_compile``, which traces and compiles once
-    into an object that ``save_compiled_function`` writes and ``torch.compiler.
-    load_compiled_function`` loads in another process without tracing; ``None`` where this
-    torch has none. Guards that cannot be written (on globals, object identities, closures)
-    are left out of the file: the caller keys it on what they checked."""
+    """``torch.compile(fn, fullgraph=True).aot_compile`` (or ``None``): a compile that another
+    process loads with no trace; unwritable guards (globals, identities) left to the caller."""
     mode, options = settings["mode"], settings["options"]
     opts = {**(torch._inductor.list_mode_options(mode) if mode else {}), **(options or {})}
-    opts["guard_filter_fn"] = _portable_guards
     with torch._dynamo.config.patch(enable_aot_compile=True):
-        compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic, options=opts)
+        compiled = torch.compile(
+            fn, fullgraph=True, dynamic=dynamic, options={**opts, "guard_filter_fn": _portable}
+        )
     return getattr(compiled, "aot_compile", None)
 
 
-def _portable_guards(entries: Sequence[Any]) -> list[bool]:
-    unportable = {"DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH",
-                  "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"}  # fmt: skip
-    return [
-        not (e.is_global or e.guard_type in unportable or unportable & set(e.derived_guard_types))
-        for e in entries
-    ]
+def _portable(entries: Sequence[Any]) -> list[bool]:
+    bad = {"DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH",
+           "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"}  # fmt: skip
+    return [not (e.is_global or {e.guard_type, *e.derived_guard_types} & bad) for e in entries]
 
 
 def clear_dynamic_marks(tensors: Sequence[Any]) -> None:
-    """Undo :func:`mark_dynamic` on each tensor of ``tensors`` (what it sets on the tensor)."""
-    names = ("_dynamo_dynamic_indices", "_dynamo_dynamic_range", "_dynamo_weak_dynamic_indices",
-             "_dynamo_hint_overrides", "_specialize_on")  # fmt: skip
-    for tensor in tensors:
-        for name in names:
-            if isinstance(tensor, torch.Tensor) and hasattr(tensor, name):
-                delattr(tensor, name)
+    """Undo :func:`mark_dynamic` on each tensor of ``tensors`` (the attributes it sets)."""
+    for t in (t for t in tensors if isinstance(t, torch.Tensor)):
+        for name in [n for n in vars(t) if n.startswith(("_dynamo_", "_has_dynamo", "_spec"))]:
+            delattr(t, name)
 
 
-def compile_cache_dir() -> str:
-    """Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR`` or its default)."""
-    return torch._inductor.runtime.cache_dir_utils.cache_dir()
-
-
-def compile_config_hash() -> str:
-    """A hash of Inductor's settings, as its own cache keys its entries."""
+def compile_cache() -> tuple[str, str]:
+    """Inductor's on-disk cache folder, and a hash of Inductor's settings (as it keys it)."""
     import torch._inductor.config as inductor_config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    return inductor_config.get_hash().hex()
+    return cache_dir(), inductor_config.get_hash().hex()
 
 
 def sleep_cycles(cycles: int) -> None:

@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import inspect
 import json
 import os
 import platform
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,8 +52,6 @@ def compile_key(model: Any, fn: Callable[..., Any], settings: dict[str, Any], *e
     ``extra``: whatever else the caller's trace depends on (its dynamic dimensions' bounds)."""
     import transformers
 
-    from .. import __version__
-
     device = next(model.parameters()).device
     gpu = (
         [torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)]
@@ -59,12 +59,12 @@ def compile_key(model: Any, fn: Callable[..., Any], settings: dict[str, Any], *e
         else device.type
     )
     parts = [
-        platform.python_version(), torch.__version__, transformers.__version__, __version__,
+        platform.python_version(), torch.__version__, transformers.__version__, _own_version(),
         gpu, f"{type(model).__module__}.{type(model).__qualname__}",
         model.config.to_json_string(use_diff=False),
         sorted({str(p.dtype) for p in model.parameters()}),
         f"{fn.__module__}.{fn.__qualname__}", repr(sorted((settings["options"] or {}).items())),
-        settings["mode"], compat.compile_config_hash(), torch.get_float32_matmul_precision(),
+        settings["mode"], compat.compile_cache()[1], torch.get_float32_matmul_precision(),
         torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(),
         str(torch.get_default_dtype()), [repr(e) for e in extra],
     ]  # fmt: skip
@@ -94,10 +94,11 @@ class SavedCompile:
         ``dynamic``: its ``dynamic`` (``None``: the dimensions ``mark`` marks on a call's
         arguments, ``compat.mark_dynamic``, before a trace)."""
         self.fn, self.settings, self.dynamic, self.mark = fn, settings, dynamic, mark
-        self.folder = Path(compat.compile_cache_dir()) / "cudagraphs" / key
+        self.folder = Path(compat.compile_cache()[0]) / "cudagraphs" / key
         self.entries: list[Any] | None = None  # loaded (or compiled) AOT-compiled functions
         self.fallback: Callable[..., Any] | None = None  # torch.compile, once aot_compile failed
         self.loaded = self.saved = 0
+        self.save_s = 0.0  # writing entries (their share of the compile time)
         self.not_saved = ""  # why not, where a step could not be saved
 
     def __call__(self, *args: Any) -> Any:
@@ -133,10 +134,12 @@ class SavedCompile:
             return None
         finally:
             compat.clear_dynamic_marks(args)
+        start = time.perf_counter()
         try:
             self._save(entry)
         except Exception as error:  # a read-only disk: this process still runs the entry
             self.not_saved = f"{type(error).__name__}: {str(error)[:300]}"
+        self.save_s += time.perf_counter() - start
         return entry
 
     def _give_up(self, reason: str) -> None:
@@ -171,6 +174,13 @@ class SavedCompile:
                 meta.unlink(missing_ok=True)
                 data.unlink(missing_ok=True)
         return entries
+
+
+def _own_version() -> str:
+    try:
+        return importlib.metadata.version("cudagraphs")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        return "not installed"
 
 
 def _source_hashes(modules: set[str]) -> dict[str, str]:

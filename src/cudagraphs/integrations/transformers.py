@@ -80,6 +80,7 @@ class DecodeStats:
     compiles_loaded: int = 0  # compiled steps loaded from disk (saved by an earlier process)
     compiles_saved: int = 0  # compiled steps written to disk for the next process
     compile_not_saved: str = ""  # why a compiled step was not saved (see saved_compile.py)
+    compile_save_s: float = 0.0  # of compile_s: writing the compiled steps to disk
     capture_s: dict[str, float] = field(default_factory=dict)
     replays: dict[str, int] = field(default_factory=dict)
     recaptures: int = 0
@@ -256,6 +257,7 @@ class Decoder:
             saved = self.saved_compiles
             self.stats.compiles_loaded = sum(step.loaded for step in saved)
             self.stats.compiles_saved = sum(step.saved for step in saved)
+            self.stats.compile_save_s = sum(step.save_s for step in saved)
             self.stats.compile_not_saved = "; ".join(s.not_saved for s in saved if s.not_saved)
             if cuda:
                 torch.cuda.empty_cache()  # warm-up activations: not the graphs' memory
