@@ -92,6 +92,30 @@ def test_compiled_decode_steps_give_generate_tokens() -> None:
         assert torch.equal(got, greedy_generate(model, prompt, NEW))
 
 
+def test_steps_loaded_from_disk_give_generate_tokens_at_every_rung(fresh_compile_cache) -> None:
+    """A second decoder (after Dynamo forgot the first: as a second process) loads the
+    compiled steps the first saved, batch 1 and larger batches, traces nothing, and its tokens
+    on the GPU equal generate across batch and cache-length rungs."""
+    from torch._dynamo.utils import counters
+
+    model = random_llama("llama-512", "cuda")
+    kwargs = dict(max_batch=4, max_length=PROMPT + NEW, batch_sizes=[1, 2, 4], compile=True,
+                  cache_lengths=[PROMPT + 8])  # fmt: skip
+    torch._dynamo.reset()
+    first = Decoder(model, **kwargs)
+    assert first.stats.compiles_saved == 4 and not first.stats.compile_not_saved
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    second = Decoder(model, **kwargs)
+    assert (second.stats.compiles_loaded, second.stats.compiles_saved) == (4, 0)
+    assert counters["stats"]["unique_graphs"] == before
+    torch.manual_seed(4)
+    for b in (1, 3):
+        prompt = torch.randint(0, 32000, (b, PROMPT), device="cuda")
+        got = second.generate(prompt, max_new_tokens=NEW, eos_token_id=None)
+        assert torch.equal(got, greedy_generate(model, prompt, NEW))
+
+
 @pytest.mark.parametrize(
     ("compile", "batch"),
     [(False, 4), (True, 4), ({"coordinate_descent_tuning": True}, 1)],

@@ -64,7 +64,7 @@ def compile_key(model: Any, fn: Callable[..., Any], settings: dict[str, Any], *e
         model.config.to_json_string(use_diff=False),
         sorted({str(p.dtype) for p in model.parameters()}),
         f"{fn.__module__}.{fn.__qualname__}", repr(sorted((settings["options"] or {}).items())),
-        settings["mode"], compat.compile_cache()[1], torch.get_float32_matmul_precision(),
+        settings["mode"], _cache()[1], torch.get_float32_matmul_precision(),
         torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(),
         str(torch.get_default_dtype()), [repr(e) for e in extra],
     ]  # fmt: skip
@@ -94,7 +94,7 @@ class SavedCompile:
         ``dynamic``: its ``dynamic`` (``None``: the dimensions ``mark`` marks on a call's
         arguments, ``compat.mark_dynamic``, before a trace)."""
         self.fn, self.settings, self.dynamic, self.mark = fn, settings, dynamic, mark
-        self.folder = Path(compat.compile_cache()[0]) / "cudagraphs" / key
+        self.folder = Path(_cache()[0]) / "cudagraphs" / key
         self.entries: list[Any] | None = None  # loaded (or compiled) AOT-compiled functions
         self.fallback: Callable[..., Any] | None = None  # torch.compile, once aot_compile failed
         self.loaded = self.saved = 0
@@ -174,6 +174,14 @@ class SavedCompile:
                 meta.unlink(missing_ok=True)
                 data.unlink(missing_ok=True)
         return entries
+
+
+def _cache() -> tuple[str, str]:
+    """``compat.compile_cache()``; where this torch lacks it, a folder no entry is saved in."""
+    try:
+        return compat.compile_cache()
+    except (ImportError, AttributeError):
+        return os.devnull, ""
 
 
 def _own_version() -> str:
