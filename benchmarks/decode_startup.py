@@ -10,6 +10,9 @@ Each measurement runs in a fresh process of its own:
                         --max-length), an empty on-disk compile cache: construction (compile,
                         every capture) plus the first request
   cudagraphs warm       the same again in a second process, on the cache the cold one left
+                        (it loads the compiled steps the cold one saved)
+  unsaved               (--rows unsaved) cold again with ``save_compile=False``: plain
+                        ``torch.compile``, what the saving costs a cold start
   largest rung alone    ``batch_sizes=[--batch]``, ``cache_lengths=[]``: the graph memory of the
                         largest (batch, length) rung's graph by itself; run last, and left
                         out with --without-largest
@@ -61,6 +64,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from cudagraphs.integrations.transformers import Decoder
 
     alone = args.which == "largest"
+    save = args.which != "unsaved"
     batch_sizes = [args.batch] if alone else None
     if args.which == "batch-one":
         batch_sizes = powers_of_two(args.batch)
@@ -71,6 +75,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         compile=True,
         batch_sizes=batch_sizes,
         cache_lengths=[] if alone else None,
+        save_compile=save,
     )
     decoder.generate(prompt, max_new_tokens=args.new, eos_token_id=None)
     torch.cuda.synchronize()
@@ -123,6 +128,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
         labelled.append((f"cudagraphs, cold, batch rungs {cold['batch_rungs']}", cold))
     if warm := rows.get("cudagraphs warm"):
         labelled.append(("the same, warm (second process)", warm))
+    if unsaved := rows.get("unsaved"):
+        labelled.append(("the same cold, save_compile=False", unsaved))
     if alone:
         labelled.append(("cudagraphs, largest rung alone", alone))
     batch_one = rows.get("batch one")
@@ -139,7 +146,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
         if r.get("compile_not_saved"):
             notes.append(f"{label}: a compiled step was not saved: {r['compile_not_saved']}")
     lines.extend(["", *notes, ""] if notes else [""])
-    for r in (cold, batch_one):
+    for r in (cold, unsaved, batch_one):
         if r is None:
             continue
         memory = (
@@ -177,7 +184,8 @@ def main() -> None:
         "--rows",
         default="cudagraphs,batch-one,largest",
         help="which Decoder rows besides the reduce-overhead one: cudagraphs (default rungs, "
-        "cold and warm), batch-one (batch rungs from 1, cold and warm), largest",
+        "cold and warm), unsaved (cold, save_compile=False), batch-one (batch rungs from 1, "
+        "cold and warm), largest",
     )
     args = parent_or_child(p, child)
     if args is None:
@@ -192,6 +200,9 @@ def main() -> None:
         if "cudagraphs" in wanted:
             runs["cudagraphs cold"] = run(args, "cudagraphs", cg_cache)
             runs["cudagraphs warm"] = run(args, "cudagraphs", cg_cache)
+        if "unsaved" in wanted:  # the same cold start with save_compile=False
+            with tempfile.TemporaryDirectory() as unsaved_cache:
+                runs["unsaved"] = run(args, "unsaved", unsaved_cache)
         if "batch-one" in wanted:
             with tempfile.TemporaryDirectory() as batch_one_cache:
                 runs["batch one"] = run(args, "batch-one", batch_one_cache)

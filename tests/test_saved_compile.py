@@ -14,6 +14,7 @@ from llama_decode import tiny_llama
 pytest.importorskip("transformers")
 
 from cudagraphs.core import compat
+from cudagraphs.errors import ConfigError
 from cudagraphs.integrations.compiled import compile_settings
 from cudagraphs.integrations.saved_compile import SavedCompile, compile_key
 from cudagraphs.integrations.transformers import Decoder
@@ -115,3 +116,16 @@ def test_a_second_decoder_loads_its_steps_and_decodes_its_own_model(fresh_compil
         got = second.generate(prompt, max_new_tokens=12, eos_token_id=None)
         assert torch.equal(got, generate(twin, prompt, 12))
         assert not torch.equal(got, generate(model, prompt, 12))
+
+
+def test_save_compile_false_compiles_with_torch_compile_and_writes_nothing(
+    fresh_compile_cache,
+) -> None:
+    step = SavedCompile(double_plus_one, compile_settings(True), dynamic=False, key="k", save=False)
+    x = torch.randn(5, 3)
+    assert torch.equal(step(x), x * 2 + 1)
+    assert step.not_saved == "save_compile=False" and step.saved == 0
+    assert not list(fresh_compile_cache.glob("cudagraphs/*"))
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    with pytest.raises(ConfigError, match="save_compile must be True or False, got 'yes'"):
+        Decoder(model, max_batch=2, max_length=16, compile=True, save_compile="yes")

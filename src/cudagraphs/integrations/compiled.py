@@ -87,10 +87,13 @@ def compiled_forward(
     dynamic: bool,
     padded: bool,
     caches: Any = None,
+    save: bool = True,
 ) -> tuple[Callable[..., Any], SavedCompile | None]:
     """``forward(token, position, cache, *rows)``: :func:`step_logits` compiled (``compile``
     as :func:`compile_settings` takes it) and saved for a second process (``SavedCompile``);
-    ``padded``: the forward of left-padded batches (``rows`` given).
+    ``padded``: the forward of left-padded batches (``rows`` given); ``save=False``: plain
+    ``torch.compile``, as a first process of a configuration that never starts again would
+    want (the saving costs part of a cold compile).
 
     ``dynamic``: the batch dimension of the token and of each of ``rows`` (``[batch, ...]``;
     a 4-D mask also ``[..., length]``) is marked before each trace: they are made per graph at
@@ -103,7 +106,7 @@ def compiled_forward(
     settings = compile_settings(compile)
     if not dynamic:
         key = compile_key(model, step_logits, settings, cache_arg, padded)
-        saved = SavedCompile(step_logits, settings, dynamic=False, key=key)
+        saved = SavedCompile(step_logits, settings, dynamic=False, key=key, save=save)
         return functools.partial(saved, model, cache_arg), saved
     if caches is None:  # the cache views stay marked, which a saved step's guards refuse
         compiled = torch.compile(step_logits, **settings)
@@ -121,7 +124,7 @@ def compiled_forward(
     key = compile_key(
         model, cut_step, settings, cache_arg, padded, caches.largest, caches.max_length
     )
-    saved = SavedCompile(cut_step, settings, dynamic=None, key=key, mark=mark)
+    saved = SavedCompile(cut_step, settings, dynamic=None, key=key, mark=mark, save=save)
 
     def cut_forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
         return saved(model, cache_arg, caches, token, position, cache, caches.span(cache), *rows)
@@ -159,7 +162,7 @@ def mark_rung_dims(
 
 
 def compiled_tail(
-    model: Any, fn: Callable[..., Any], *, dynamic: bool
+    model: Any, fn: Callable[..., Any], *, dynamic: bool, save: bool = True
 ) -> tuple[Callable[..., Any], SavedCompile]:
     """``fn``, the small in-place greedy step after the logits (``decode_steps.greedy_tail``),
     compiled with the default mode (nothing there to autotune) and saved for a second process
@@ -174,12 +177,12 @@ def compiled_tail(
     settings = compile_settings(True)
     key = compile_key(model, fn, settings, dynamic)
     if not dynamic:
-        saved = SavedCompile(fn, settings, dynamic=False, key=key)
+        saved = SavedCompile(fn, settings, dynamic=False, key=key, save=save)
         return saved, saved
 
     def mark(args: tuple[Any, ...]) -> None:  # (logits, token, position, finished, history, ...)
         if args[1].shape[0] > 1:
             mark_rung_dims([args[0], args[1], args[3], args[4]], batch=0)
 
-    saved = SavedCompile(fn, settings, dynamic=None, key=key, mark=mark)
+    saved = SavedCompile(fn, settings, dynamic=None, key=key, mark=mark, save=save)
     return saved, saved

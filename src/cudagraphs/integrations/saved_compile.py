@@ -89,10 +89,12 @@ class SavedCompile:
         dynamic: bool | None,
         key: str,
         mark: Callable[[tuple[Any, ...]], None] | None = None,
+        save: bool = True,
     ):
         """``settings``: ``torch.compile``'s mode and options (``compiled.compile_settings``);
         ``dynamic``: its ``dynamic`` (``None``: the dimensions ``mark`` marks on a call's
-        arguments, ``compat.mark_dynamic``, before a trace)."""
+        arguments, ``compat.mark_dynamic``, before a trace); ``save=False``: plain
+        ``torch.compile``, nothing written or read."""
         self.fn, self.settings, self.dynamic, self.mark = fn, settings, dynamic, mark
         self.folder = Path(_cache()[0]) / "cudagraphs" / key
         self.entries: list[Any] | None = None  # loaded (or compiled) AOT-compiled functions
@@ -100,6 +102,8 @@ class SavedCompile:
         self.loaded = self.saved = 0
         self.save_s = 0.0  # writing entries (their share of the compile time)
         self.not_saved = ""  # why not, where a step could not be saved
+        if not save:
+            self._give_up("save_compile=False")
 
     def __call__(self, *args: Any) -> Any:
         if self.entries is None:

@@ -126,6 +126,11 @@ class Decoder:
             (batch rung, prompt-length rung) captured on first use (default: powers of two from
             16 to 256); a prompt is right-padded to the next rung. Longer or left-padded prompts
             prefill eagerly, as all do with ``[]`` (``integrations/prefill.py``).
+        save_compile: under ``compile``, write the compiled steps next to Inductor's on-disk
+            cache, so that a later process loads them instead of tracing the model again
+            (``integrations/saved_compile.py`` says when a file is used; ``stats`` counts
+            the loads and saves). ``False``: ``torch.compile`` only, a few seconds less at a
+            cold start and a full trace in every process.
     """
 
     def __init__(
@@ -144,6 +149,7 @@ class Decoder:
         eager: Sequence[Any] = (),
         cache_lengths: Sequence[int] | None = None,
         prefill_lengths: Sequence[int] | None = None,
+        save_compile: bool = True,
         **unknown: Any,
     ):
         refuse_unknown_keywords("Decoder", unknown, Decoder.__init__)
@@ -160,6 +166,14 @@ class Decoder:
         self.cache_arg = cache_keyword(model)
         self.device = next(model.parameters()).device
         self.compiles = check_compile(compile)
+        if not isinstance(save_compile, bool):
+            raise ConfigError(
+                explain(
+                    f"save_compile must be True or False, got {save_compile!r}",
+                    "it says whether compiled steps are written to disk for a later process",
+                    "pass save_compile=True (the default) or save_compile=False",
+                )
+            )
         self.rungs = sorted(set(batch_sizes or default_batch_rungs(max_batch, self.compiles)))
         if self.rungs[0] < 1 or self.rungs[-1] != max_batch:
             raise ConfigError(
@@ -202,11 +216,19 @@ class Decoder:
             caches = self.caches if cut else None
             (self.forward, plain), (self.forward_padded, padded) = (
                 compiled_forward(
-                    model, self.cache_arg, compile, dynamic=dynamic, padded=p, caches=caches
+                    model,
+                    self.cache_arg,
+                    compile,
+                    dynamic=dynamic,
+                    padded=p,
+                    caches=caches,
+                    save=save_compile,
                 )
                 for p in (False, True)
             )
-            self.greedy_tail, tail = compiled_tail(model, greedy_tail, dynamic=len(self.rungs) > 1)
+            self.greedy_tail, tail = compiled_tail(
+                model, greedy_tail, dynamic=len(self.rungs) > 1, save=save_compile
+            )
             self.saved_compiles = [step for step in (plain, padded, tail) if step is not None]
         self.stats.cache_bytes = self.caches.bytes
         self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
