@@ -54,6 +54,9 @@ def test_the_key_names_the_config_settings_and_dtype_but_not_the_weights() -> No
     changed, _ = tiny_llama("cpu", hidden=64, layers=2)
     changed.config.rms_norm_eps = 1e-3  # read by the trace as a constant
     assert compile_key(changed, double_plus_one, settings, 4) != key
+    other_attention, _ = tiny_llama("cpu", hidden=64, layers=2)
+    other_attention.config._attn_implementation = "eager"  # not in the config's JSON
+    assert compile_key(other_attention, double_plus_one, settings, 4) != key
     assert compile_key(model, double_plus_one, compile_settings("max-autotune"), 4) != key
     assert compile_key(model, double_plus_one, settings, 8) != key  # the caller's bounds
     assert compile_key(model.to(torch.float64), double_plus_one, settings, 4) != key

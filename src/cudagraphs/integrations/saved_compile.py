@@ -12,7 +12,7 @@ when all of these hold, and is compiled again (and rewritten) otherwise:
 
 * its name is a hash of everything a trace depends on that its guards do not check: the
   versions of Python, torch, transformers and cudagraphs, the GPU, the model's class, config
-  and dtypes, the compile settings, Inductor's settings and the float32 matmul, TF32,
+  (its attention implementation too) and dtypes, the compile settings, Inductor's settings and the float32 matmul, TF32,
   determinism and default-dtype settings (:func:`compile_key`);
 * every source file the trace went through (the model's code, transformers', ours) hashes as
   it did when the file was written;
@@ -61,7 +61,7 @@ def compile_key(model: Any, fn: Callable[..., Any], settings: dict[str, Any], *e
     parts = [
         platform.python_version(), torch.__version__, transformers.__version__, _own_version(),
         gpu, f"{type(model).__module__}.{type(model).__qualname__}",
-        model.config.to_json_string(use_diff=False),
+        model.config.to_json_string(use_diff=False), _private_settings(model.config),
         sorted({str(p.dtype) for p in model.parameters()}),
         f"{fn.__module__}.{fn.__qualname__}", repr(sorted((settings["options"] or {}).items())),
         settings["mode"], _cache()[1], torch.get_float32_matmul_precision(),
@@ -178,6 +178,13 @@ class SavedCompile:
                 meta.unlink(missing_ok=True)
                 data.unlink(missing_ok=True)
         return entries
+
+
+def _private_settings(config: Any) -> dict[str, Any]:
+    """The config's private plain values, which its JSON leaves out: the attention and experts
+    implementations among them (``_attn_implementation``), which the trace follows."""
+    plain = (str, int, float, bool, type(None))
+    return {k: v for k, v in sorted(vars(config).items()) if k[:1] == "_" and isinstance(v, plain)}
 
 
 def _cache() -> tuple[str, str]:
