@@ -197,12 +197,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as ro_cache, tempfile.TemporaryDirectory() as cg_cache:
         wanted = {row.strip() for row in args.rows.split(",")}
         runs["reduce-overhead cold"] = run(args, "reduce-overhead", ro_cache)
-        if "cudagraphs" in wanted:
-            runs["cudagraphs cold"] = run(args, "cudagraphs", cg_cache)
-            runs["cudagraphs warm"] = run(args, "cudagraphs", cg_cache)
         if "unsaved" in wanted:  # the same cold start with save_compile=False
             with tempfile.TemporaryDirectory() as unsaved_cache:
                 runs["unsaved"] = run(args, "unsaved", unsaved_cache)
+        if "cudagraphs" in wanted:
+            runs["cudagraphs cold"] = run(args, "cudagraphs", cg_cache)
+            runs["cudagraphs warm"] = run(args, "cudagraphs", cg_cache)
         if "batch-one" in wanted:
             with tempfile.TemporaryDirectory() as batch_one_cache:
                 runs["batch one"] = run(args, "batch-one", batch_one_cache)
