@@ -124,7 +124,13 @@ def test_a_second_decoder_loads_its_steps_and_decodes_its_own_model(fresh_compil
 def test_save_compile_false_compiles_with_torch_compile_and_writes_nothing(
     fresh_compile_cache,
 ) -> None:
-    step = SavedCompile(double_plus_one, compile_settings(True), dynamic=False, key="k", save=False)
+    step = SavedCompile(
+        double_plus_one,
+        compile_settings(True),
+        dynamic=False,
+        key="k",
+        unsaved="save_compile=False",
+    )
     x = torch.randn(5, 3)
     assert torch.equal(step(x), x * 2 + 1)
     assert step.not_saved == "save_compile=False" and step.saved == 0

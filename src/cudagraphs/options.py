@@ -29,6 +29,7 @@ __all__ = [
     "OptionKwargs",
     "Options",
     "OutputPolicy",
+    "check_bool",
     "check_positive_int",
     "refuse_unknown_keywords",
     "split_options",
@@ -225,6 +226,16 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
                 f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}",
                 f"{name} selects a fixed behaviour and accepts only these names",
                 f"pass {name}={default!r} (the default), or leave it out",
+            )
+        )
+
+
+def check_bool(name: str, value: Any, why: str) -> None:
+    """``ConfigError`` unless ``value`` is ``True`` or ``False``."""
+    if not isinstance(value, bool):
+        raise ConfigError(
+            explain(
+                f"{name} must be True or False, got {value!r}", why, f"pass {name}=True or False"
             )
         )
 

@@ -88,7 +88,7 @@ def compiled_forward(
     padded: bool,
     caches: Any = None,
     save: bool = True,
-) -> tuple[Callable[..., Any], SavedCompile | None]:
+) -> tuple[Callable[..., Any], SavedCompile]:
     """``forward(token, position, cache, *rows)``: :func:`step_logits` compiled (``compile``
     as :func:`compile_settings` takes it) and saved for a second process (``SavedCompile``);
     ``padded``: the forward of left-padded batches (``rows`` given); ``save=False``: plain
@@ -99,23 +99,26 @@ def compiled_forward(
     a 4-D mask also ``[..., length]``) is marked before each trace: they are made per graph at
     capture (the token is the graph's own input buffer), so they cannot be marked ahead. With
     ``caches`` (a ``RungCaches`` after ``write_through()``) the step cuts the rung's cache
-    itself; without, the caller marks the cache views, and the step is not saved (``None``).
+    itself; without, the caller marks the cache views, and the step is not saved.
     Not ``dynamic``: every size is a
     constant, for a decoder of one (batch, length) shape, whose static trace is faster and
     whose kernels are specialised."""
     settings = compile_settings(compile)
+    unsaved = "" if save else "save_compile=False"
     if not dynamic:
         key = compile_key(model, step_logits, settings, cache_arg, padded)
-        saved = SavedCompile(step_logits, settings, dynamic=False, key=key, save=save)
+        saved = SavedCompile(step_logits, settings, dynamic=False, key=key, unsaved=unsaved)
         return functools.partial(saved, model, cache_arg), saved
-    if caches is None:  # the cache views stay marked, which a saved step's guards refuse
-        compiled = torch.compile(step_logits, **settings)
-
-        def forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
-            _mark_call(token, rows)
-            return compiled(model, cache_arg, token, position, cache, *rows)
-
-        return forward, None
+    if caches is None:
+        saved = SavedCompile(
+            step_logits,
+            settings,
+            dynamic=None,
+            key=compile_key(model, step_logits, settings, cache_arg, padded, "marked"),
+            mark=lambda args: _mark_call(args[2], args[5:]),  # step_logits' arguments
+            unsaved=unsaved or "the cache views stay marked, which a loaded step's guards refuse",
+        )
+        return functools.partial(saved, model, cache_arg), saved
 
     def mark(args: tuple[Any, ...]) -> None:  # cut_step's arguments
         mark_cut_sizes(args[6], caches)
@@ -124,7 +127,7 @@ def compiled_forward(
     key = compile_key(
         model, cut_step, settings, cache_arg, padded, caches.largest, caches.max_length
     )
-    saved = SavedCompile(cut_step, settings, dynamic=None, key=key, mark=mark, save=save)
+    saved = SavedCompile(cut_step, settings, dynamic=None, key=key, mark=mark, unsaved=unsaved)
 
     def cut_forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
         return saved(model, cache_arg, caches, token, position, cache, caches.span(cache), *rows)
@@ -174,15 +177,15 @@ def compiled_tail(
     specialises, is a compile of its own). Left to Dynamo, the first batch would be compiled
     statically and the second again with a dynamic batch: one compile more at every start.
     Not ``dynamic``: the one batch is a constant."""
-    settings = compile_settings(True)
+    settings, unsaved = compile_settings(True), "" if save else "save_compile=False"
     key = compile_key(model, fn, settings, dynamic)
     if not dynamic:
-        saved = SavedCompile(fn, settings, dynamic=False, key=key, save=save)
+        saved = SavedCompile(fn, settings, dynamic=False, key=key, unsaved=unsaved)
         return saved, saved
 
     def mark(args: tuple[Any, ...]) -> None:  # (logits, token, position, finished, history, ...)
         if args[1].shape[0] > 1:
             mark_rung_dims([args[0], args[1], args[3], args[4]], batch=0)
 
-    saved = SavedCompile(fn, settings, dynamic=None, key=key, mark=mark, save=save)
+    saved = SavedCompile(fn, settings, dynamic=None, key=key, mark=mark, unsaved=unsaved)
     return saved, saved

@@ -89,12 +89,12 @@ class SavedCompile:
         dynamic: bool | None,
         key: str,
         mark: Callable[[tuple[Any, ...]], None] | None = None,
-        save: bool = True,
+        unsaved: str = "",
     ):
         """``settings``: ``torch.compile``'s mode and options (``compiled.compile_settings``);
         ``dynamic``: its ``dynamic`` (``None``: the dimensions ``mark`` marks on a call's
-        arguments, ``compat.mark_dynamic``, before a trace); ``save=False``: plain
-        ``torch.compile``, nothing written or read."""
+        arguments, ``compat.mark_dynamic``, before a trace); ``unsaved``: why this step is
+        not saved (then plain ``torch.compile``, nothing written or read), or ``""``."""
         self.fn, self.settings, self.dynamic, self.mark = fn, settings, dynamic, mark
         self.folder = Path(_cache()[0]) / "cudagraphs" / key
         self.entries: list[Any] | None = None  # loaded (or compiled) AOT-compiled functions
@@ -102,8 +102,9 @@ class SavedCompile:
         self.loaded = self.saved = 0
         self.save_s = 0.0  # writing entries (their share of the compile time)
         self.not_saved = ""  # why not, where a step could not be saved
-        if not save:
-            self._give_up("save_compile=False")
+        if unsaved:  # nothing read either: a file another process saved is not used
+            self._give_up(unsaved)
+            self.entries = []
 
     def __call__(self, *args: Any) -> Any:
         if self.entries is None:

@@ -36,7 +36,7 @@ import torch
 
 from ..core.pool import Pool
 from ..errors import ConfigError, explain
-from ..options import check_positive_int, refuse_unknown_keywords
+from ..options import check_bool, check_positive_int, refuse_unknown_keywords
 from ..shapes.ladders import powers_of_two
 from .compiled import compiled_forward, compiled_tail, mark_rung_dims, step_logits
 from .decode_requests import (
@@ -166,14 +166,9 @@ class Decoder:
         self.cache_arg = cache_keyword(model)
         self.device = next(model.parameters()).device
         self.compiles = check_compile(compile)
-        if not isinstance(save_compile, bool):
-            raise ConfigError(
-                explain(
-                    f"save_compile must be True or False, got {save_compile!r}",
-                    "it says whether compiled steps are written to disk for a later process",
-                    "pass save_compile=True (the default) or save_compile=False",
-                )
-            )
+        check_bool(
+            "save_compile", save_compile, "it says whether compiled steps are written to disk"
+        )
         self.rungs = sorted(set(batch_sizes or default_batch_rungs(max_batch, self.compiles)))
         if self.rungs[0] < 1 or self.rungs[-1] != max_batch:
             raise ConfigError(
@@ -229,7 +224,7 @@ class Decoder:
             self.greedy_tail, tail = compiled_tail(
                 model, greedy_tail, dynamic=len(self.rungs) > 1, save=save_compile
             )
-            self.saved_compiles = [step for step in (plain, padded, tail) if step is not None]
+            self.saved_compiles = [plain, padded, tail]
         self.stats.cache_bytes = self.caches.bytes
         self.history = torch.zeros(max_batch, cache_len + 1, dtype=torch.long, device=self.device)
         self.params = SamplingParams.make(model.config.vocab_size, self.device)
