@@ -11,6 +11,8 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   cg K=16               the same, 16 decode steps per graph launch
   cg compile            Decoder(compile=True): graphs over torch.compile'd kernels
   cg compile K=4/K=16   the same, 4 or 16 steps per launch
+  cg compile unsaved    Decoder(compile=True, save_compile=False): plain torch.compile, nothing
+                        written to or read from disk
   cg compile autotune   Decoder(compile="max-autotune-no-cudagraphs"): kernels chosen by timing
                         candidates while compiling (fewer, fused kernels per token)
   cg compile coordinate-descent
@@ -73,6 +75,7 @@ ALL_MODES = (
     "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg compile autotune",
     "cg compile coordinate-descent", "cg from 2", "cg compile from 2",
     "cg until-eos", "cg compile until-eos", "cg eos-check", "cg compile eos-check",
+    "cg compile unsaved",
 )  # fmt: skip
 
 
@@ -212,11 +215,13 @@ def make_mode(
     # eos-check: the host reads the finished flags after every token, which waits for the GPU
     # each time; the id past the vocabulary is never emitted, so no request ends early.
     eos_check = "eos-check" in name
-    sizes = [2, 4] if name.endswith("from 2") and batch == 1 else [batch]
+    # The batch rungs a user gets by default (for max_batch=batch), as a user would write it.
+    sizes = [2, 4] if name.endswith("from 2") and batch == 1 else None
     decoder = Decoder(
-        model, max_batch=max(sizes), max_length=length, batch_sizes=sizes, steps_per_graph=steps,
+        model, max_batch=max(sizes or [batch]), max_length=length, batch_sizes=sizes,
+        steps_per_graph=steps,
         compile=_compile_of(name), check_every=1 if eos_check else 1 << 30,
-        until_eos="until-eos" in name,
+        until_eos="until-eos" in name, save_compile="unsaved" not in name,
     )  # fmt: skip
     for key, graphed in list(decoder.graphs.items()):
         decoder.graphs[key] = Ticking(graphed, clock, steps)

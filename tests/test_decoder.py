@@ -410,6 +410,16 @@ def test_a_cut_rung_writes_what_the_layers_own_update_writes(llama) -> None:
         assert torch.equal(a.cumulative_length, b.cumulative_length)
 
 
+def traces(before: int, decoder: Decoder) -> int:
+    """Dynamo's traces since ``before`` (its unique-graphs counter), less those that ended in
+    no compiled step: a trace ``aot_compile`` could not save is traced again by the plain
+    compile it falls back to, which is not one more shape class."""
+    from torch._dynamo.utils import counters
+
+    wasted = sum(step.failed_traces for step in decoder.saved_compiles)
+    return counters["stats"]["unique_graphs"] - before - wasted
+
+
 @pytest.mark.parametrize("cut", [True, False], ids=["cut in the step", "views marked"])
 def test_compiled_forward_compiles_per_shape_class_not_per_rung(
     llama, cut: bool, monkeypatch: pytest.MonkeyPatch, fresh_compile_cache: object
@@ -444,12 +454,14 @@ def test_compiled_forward_compiles_per_shape_class_not_per_rung(
         prompt = torch.randint(0, 512, (batch, 5))
         expected = generate(model, prompt, 30, min_new_tokens=30)
         assert torch.equal(decoder.generate(prompt, max_new_tokens=30, eos_token_id=None), expected)
-    assert counters["stats"]["unique_graphs"] - before == 2 + 2  # forward, greedy tail
+    # A step whose trace cannot be saved (transformers 5.25's kernel wrappers are classes
+    # defined inside a function) traced once more, for its plain compile.
+    assert traces(before, decoder) == 2 + 2  # forward, greedy tail
     ids, mask = left_padded([5, 2], total=5)
     padded = generate(model, ids, 30, mask, min_new_tokens=30, pad_token_id=0)
     got = decoder.generate(ids, attention_mask=mask, max_new_tokens=30, eos_token_id=None)
     assert torch.equal(got, padded)
-    assert counters["stats"]["unique_graphs"] - before == 6  # the padded forward: its own two
+    assert traces(before, decoder) == 6  # the padded forward: its own two
     used = {key for key, n in decoder.stats.replays.items() if n}
     assert {"greedy batch 1 length 8", "greedy batch 4 length 16", "greedy batch 2"} <= used
 
@@ -477,7 +489,7 @@ def test_batch_rungs_from_two_compile_one_class_and_serve_batch_one(
         expected = generate(model, prompt, 20, min_new_tokens=20)
         assert torch.equal(decoder.generate(prompt, max_new_tokens=20, eos_token_id=None), expected)
     # One trace of the forward, one of the greedy tail (its batch is marked, as the forward's).
-    assert counters["stats"]["unique_graphs"] - before == 1 + 1
+    assert traces(before, decoder) == 1 + 1
     used = {key for key, n in decoder.stats.replays.items() if n}
     assert "greedy batch 2 length 8" in used and not any("batch 1" in key for key in used)
 
@@ -498,4 +510,4 @@ def test_a_decoder_of_one_shape_compiles_it_statically(llama, fresh_compile_cach
     prompt = torch.randint(0, 512, (2, 5))
     expected = generate(model, prompt, 20, min_new_tokens=20)
     assert torch.equal(decoder.generate(prompt, max_new_tokens=20, eos_token_id=None), expected)
-    assert counters["stats"]["unique_graphs"] - before == 1 + 1  # forward, greedy tail
+    assert traces(before, decoder) == 1 + 1  # forward, greedy tail

@@ -105,14 +105,22 @@ def test_a_second_decoder_loads_its_steps_and_decodes_its_own_model(fresh_compil
     kwargs = dict(max_batch=4, max_length=24, compile=True, cache_lengths=[8])
     torch._dynamo.reset()
     first = Decoder(model, **kwargs)
-    assert (first.stats.compiles_loaded, first.stats.compiles_saved) == (0, 2)  # forward, tail
-    assert first.stats.compile_not_saved == "" and first.stats.compile_save_s > 0
+    # The forward and the greedy tail; a step whose trace meets what aot_compile cannot
+    # write (transformers 5.25 wraps its rotary function in a class made inside a function)
+    # falls back to a plain compile, and the reason is in the stats.
+    unsaved = [step for step in first.saved_compiles[::2] if step.not_saved]  # forward, tail
+    assert first.stats.compiles_saved == 2 - len(unsaved) >= 1
+    assert first.stats.compile_save_s > 0
+    assert all(step.fallback is not None and step.failed_traces == 1 for step in unsaved)
+    assert ("local scope" in first.stats.compile_not_saved) == bool(unsaved)
     torch._dynamo.reset()
     twin = other_weights(model)
     before = counters["stats"]["unique_graphs"]
     second = Decoder(twin, **kwargs)
-    assert (second.stats.compiles_loaded, second.stats.compiles_saved) == (2, 0)
-    assert counters["stats"]["unique_graphs"] == before  # nothing traced
+    assert (second.stats.compiles_loaded, second.stats.compiles_saved) == (2 - len(unsaved), 0)
+    # The saved steps trace nothing; one that could not be saved traces twice again (its
+    # attempt to save, then its plain compile), for its one shape class.
+    assert counters["stats"]["unique_graphs"] - before == 2 * len(unsaved)
     torch.manual_seed(3)
     for batch in (3, 1):
         prompt = torch.randint(0, 512, (batch, 5))

@@ -88,6 +88,7 @@ def compiled_forward(
     padded: bool,
     caches: Any = None,
     save: bool = True,
+    dynamic_length: bool = True,
 ) -> tuple[Callable[..., Any], SavedCompile]:
     """``forward(token, position, cache, *rows)``: :func:`step_logits` compiled (``compile``
     as :func:`compile_settings` takes it) and saved for a second process (``SavedCompile``);
@@ -100,7 +101,9 @@ def compiled_forward(
     capture (the token is the graph's own input buffer), so they cannot be marked ahead. With
     ``caches`` (a ``RungCaches`` after ``write_through()``) the step cuts the rung's cache
     itself; without, the caller marks the cache views, and the step is not saved.
-    Not ``dynamic``: every size is a
+    ``dynamic_length``: the cache length varies too (length rungs); with one length rung it
+    stays a constant, whose kernels are specialised (a marked length made batch-16 decoding at
+    a short cache slower than the reduce-overhead loop, ``reports/gpu.md``). Not ``dynamic``: every size is a
     constant, for a decoder of one (batch, length) shape, whose static trace is faster and
     whose kernels are specialised."""
     settings = compile_settings(compile)
@@ -115,18 +118,20 @@ def compiled_forward(
             settings,
             dynamic=None,
             key=compile_key(model, step_logits, settings, cache_arg, padded, "marked"),
-            mark=lambda args: _mark_call(args[2], args[5:]),  # step_logits' arguments
+            # step_logits' arguments; without length rungs the length stays a constant
+            mark=lambda args: _mark_call(args[2], args[5:], length=dynamic_length),
             unsaved=unsaved or "the cache views stay marked, which a loaded step's guards refuse",
         )
         return functools.partial(saved, model, cache_arg), saved
 
     def mark(args: tuple[Any, ...]) -> None:  # cut_step's arguments
         mark_cut_sizes(args[6], caches)
-        _mark_call(args[3], args[7:])
+        _mark_call(args[3], args[7:], length=dynamic_length)
 
     key = compile_key(
-        model, cut_step, settings, cache_arg, padded, caches.largest, caches.max_length
-    )
+        model, cut_step, settings, cache_arg, padded, caches.largest, caches.max_length,
+        dynamic_length,
+    )  # fmt: skip
     saved = SavedCompile(cut_step, settings, dynamic=None, key=key, mark=mark, unsaved=unsaved)
 
     def cut_forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
@@ -142,14 +147,16 @@ def mark_cut_sizes(span: torch.Tensor, caches: Any) -> None:
     tell the trace, but with no call in the graph, which AOTAutograd under torch 2.11 would
     refuse to save for a second process (``reports/decode-cache.md``). The bounds go on the
     span, not the token, since the token is also handed to the greedy tail's compile, which
-    specialises its batch at first."""
+    specialises its batch at first. With one length rung the length stays a constant."""
     compat.mark_dynamic(span, 0, high=caches.largest)
-    compat.mark_dynamic(span, 1, high=caches.max_length)
+    if len(caches.lengths) > 1:
+        compat.mark_dynamic(span, 1, high=caches.max_length)
 
 
-def _mark_call(token: torch.Tensor, rows: tuple[Any, ...]) -> None:
+def _mark_call(token: torch.Tensor, rows: tuple[Any, ...], length: bool) -> None:
     mark_rung_dims([token, *rows], batch=0)
-    mark_rung_dims([row for row in rows if row.dim() == 4], length=3)
+    if length:
+        mark_rung_dims([row for row in rows if row.dim() == 4], length=3)
 
 
 def mark_rung_dims(

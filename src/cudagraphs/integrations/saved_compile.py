@@ -100,6 +100,9 @@ class SavedCompile:
         self.entries: list[Any] | None = None  # loaded (or compiled) AOT-compiled functions
         self.fallback: Callable[..., Any] | None = None  # torch.compile, once aot_compile failed
         self.loaded = self.saved = 0
+        # Traces that ended in no entry (a guard aot_compile cannot write, such as one on an
+        # object of a class defined inside a function); the fallback traces again.
+        self.failed_traces = 0
         self.save_s = 0.0  # writing entries (their share of the compile time)
         self.not_saved = ""  # why not, where a step could not be saved
         if unsaved:  # nothing read either: a file another process saved is not used
@@ -118,9 +121,13 @@ class SavedCompile:
                 self.entries.append(entry)
                 return entry(*args)
         assert self.fallback is not None
-        if self.mark is not None:
-            self.mark(args)
-        return self.fallback(*args)
+        if self.mark is None:
+            return self.fallback(*args)
+        self.mark(args)  # for a trace of a new shape class; taken off again, as after a save:
+        try:  # an argument handed on to a loaded step (the token) must carry no marks
+            return self.fallback(*args)
+        finally:
+            compat.clear_dynamic_marks(args)
 
     def _compile(self, args: tuple[Any, ...]) -> Any:
         """A new entry traced on ``args`` and saved; ``None`` (and the fallback set) where
@@ -129,12 +136,14 @@ class SavedCompile:
         from an unmarked copy of the example), and the graphs' buffers are called again."""
         if self.mark is not None:
             self.mark(args)
+        aot_compile = None
         try:
             aot_compile = compat.aot_compiler(self.fn, self.settings, self.dynamic)
             if aot_compile is None:
                 raise RuntimeError("this torch has no aot_compile")
             entry = aot_compile((args, {}))
         except Exception as error:  # a graph break, a guard it cannot write: compile as before
+            self.failed_traces += aot_compile is not None
             self._give_up(f"{type(error).__name__}: {str(error)[:300]}")
             return None
         finally:

@@ -204,10 +204,11 @@ class Decoder:
         self.saved_compiles: list[SavedCompile] = []
         if self.compiles:
             cut = dynamic and self.caches.cuttable()
+            dynamic_length = len(self.lengths) > 1
             if cut:  # the compiled step cuts each rung out of the one cache (compiled.py)
                 self.caches.write_through()
             elif dynamic:
-                mark_rung_dims(self.caches.tensors(), batch=0, length=2)
+                mark_rung_dims(self.caches.tensors(), batch=0, length=2 if dynamic_length else None)
             caches = self.caches if cut else None
             (self.forward, plain), (self.forward_padded, padded) = (
                 compiled_forward(
@@ -218,6 +219,7 @@ class Decoder:
                     padded=p,
                     caches=caches,
                     save=save_compile,
+                    dynamic_length=dynamic_length,
                 )
                 for p in (False, True)
             )
