@@ -135,6 +135,9 @@ def build(mode: str) -> FastAPI:
                 request_device="cpu",
             )  # fmt: skip
 
+    # What runs, not what was asked for: graphs need CUDA, and without it they run eagerly.
+    running = mode if device == "cuda" else mode.replace("graphs+", "eager+") + " (no CUDA)"
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
         yield
@@ -181,7 +184,7 @@ def build(mode: str) -> FastAPI:
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         reserved = torch.cuda.memory_reserved() if device == "cuda" else 0
-        return {"ok": True, "device": device, "mode": mode, "models": sorted(batchers),
+        return {"ok": True, "device": device, "mode": running, "models": sorted(batchers),
                 "memory_reserved_bytes": reserved}  # fmt: skip
 
     statuses = {

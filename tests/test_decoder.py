@@ -511,3 +511,19 @@ def test_a_decoder_of_one_shape_compiles_it_statically(llama, fresh_compile_cach
     expected = generate(model, prompt, 20, min_new_tokens=20)
     assert torch.equal(decoder.generate(prompt, max_new_tokens=20, eos_token_id=None), expected)
     assert traces(before, decoder) == 1 + 1  # forward, greedy tail
+
+
+def test_a_decoder_without_cuda_warns_once_for_all_its_graphs(llama) -> None:
+    """Every rung's graph, prefills too, runs eagerly without CUDA: one warning for them all
+    (the graphs of one pool share their notices), each graph counted in the stats."""
+    model, _ = llama
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        decoder = Decoder(model, max_batch=4, max_length=24)
+        prompt = torch.randint(0, 512, (3, 5))
+        got = decoder.generate(prompt, max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(got, generate(model, prompt, 6, min_new_tokens=6))
+    ours = [w for w in caught if issubclass(w.category, cg.CudaGraphsWarning)]
+    assert len(ours) == 1 and "runs eagerly" in str(ours[0].message), ours
+    (count,) = decoder.stats.notices.values()
+    assert count == len(decoder.graphs) + len(decoder.prefills.graphs) >= 3

@@ -9,6 +9,7 @@ into the static outputs, which is what a CUDA graph does, so that path runs in C
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -154,7 +155,9 @@ def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
     from cudagraphs.training import step as train_module
 
     prepared: list[torch.optim.Optimizer] = []
-    monkeypatch.setattr(train_module, "make_graph_safe", lambda opt, switch: prepared.append(opt))
+    monkeypatch.setattr(
+        train_module, "make_graph_safe", lambda opt, switch, notices: prepared.append(opt)
+    )
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -287,3 +290,55 @@ def test_a_copy_node_takes_only_tensors_whose_bytes_are_their_values() -> None:
     nodes._dst, nodes._nbytes = [big.data_ptr()], [big[:4].nbytes]  # overlapping, and not
     assert not nodes.takes(0, big[1:5], big[1:5].data_ptr())
     assert nodes.takes(0, big[4:8], big[4:8].data_ptr())
+
+
+def test_a_momentum_schedule_warns_once_in_thirty_steps_and_counts_every_recapture(
+    stand_in: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch's AdamW under OneCycleLR(cycle_momentum=True): betas[0] changes every step, each
+    change a recapture; one warning is printed in 30 steps, and stats.notices counts them all
+    (the steps' results are compared with eager's by the GPU tests: the stand-in is no graph)."""
+    import warnings
+
+    from cudagraphs.training import optimizers
+    from cudagraphs.training import step as train_module
+
+    # make_graph_safe refuses CPU parameters; on the CPU only its warning is kept.
+    monkeypatch.setattr(
+        train_module,
+        "make_graph_safe",
+        lambda opt, switch, notices: optimizers.warn_momentum_schedule(opt, notices),
+    )
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+
+    def make(net: nn.Module) -> tuple[torch.optim.Optimizer, object]:
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+        return opt, torch.optim.lr_scheduler.OneCycleLR(
+            opt, max_lr=2e-2, total_steps=40, cycle_momentum=True
+        )
+
+    def make_step(net: nn.Module, opt: torch.optim.Optimizer):  # noqa: ANN202
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            loss = nn.functional.mse_loss(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            return loss.detach()
+
+        return step
+
+    opt, sched = make(model)
+    graphed = cg.train_step(make_step(model, opt), optimizer=opt, warmup=1, outputs="clone")
+    caplog.set_level(logging.INFO, logger="cudagraphs")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(30):
+            x, y = torch.randn(16, 8), torch.randn(16, 4)
+            graphed(x, y)
+            sched.step()
+    printed = [r for r in caplog.records if r.levelno >= logging.WARNING] + list(caught)
+    assert len(printed) == 1, [str(getattr(p, "message", p)) for p in printed]
+    assert "cycles AdamW's momentum" in caplog.records[0].getMessage()
+    counted = graphed.stats.notices["capturing again: AdamW.param_groups[0]['betas']"]
+    assert graphed.stats.recaptures >= 25 and counted == graphed.stats.recaptures

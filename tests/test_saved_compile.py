@@ -146,3 +146,64 @@ def test_save_compile_false_compiles_with_torch_compile_and_writes_nothing(
     model, _ = tiny_llama("cpu", hidden=64, layers=2)
     with pytest.raises(ConfigError, match="save_compile must be True or False, got 'yes'"):
         Decoder(model, max_batch=2, max_length=16, compile=True, save_compile="yes")
+
+
+@pytest.mark.parametrize(
+    "how", ["another user's folder", "group-writable folder", "world-writable file", "a link"]
+)
+def test_a_saved_step_others_could_have_written_is_not_loaded(
+    fresh_compile_cache, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A saved step is code that runs: one in a folder or file that belongs to another user,
+    or that others can write, is compiled afresh instead of loaded, with a warning that names
+    the path and why."""
+    import os
+    import warnings
+
+    from cudagraphs.integrations import saved_compile
+
+    monkeypatch.setattr(saved_compile, "_NOTICES", saved_compile.Notices())  # this test's own
+    x = torch.randn(5, 3)
+    first = SavedCompile(double_plus_one, compile_settings(True), dynamic=False, key="k")
+    assert torch.equal(first(x), x * 2 + 1) and first.saved == 1
+    folder = fresh_compile_cache / "cudagraphs" / "k"
+    assert folder.stat().st_mode & 0o077 == 0  # written where only its owner can write
+    (data,) = folder.glob("*.bin")
+    if how == "another user's folder":
+        real = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real + 1)
+        why, path = "belongs to user id", folder
+    elif how == "group-writable folder":
+        folder.chmod(0o770)
+        why, path = "others can write to it", folder
+    elif how == "world-writable file":
+        data.chmod(0o606)
+        why, path = "others can write to it", data
+    else:
+        moved = data.with_suffix(".elsewhere")
+        data.rename(moved)
+        data.symlink_to(moved)
+        why, path = "symbolic link", data
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = SavedCompile(double_plus_one, compile_settings(True), dynamic=False, key="k")
+        assert torch.equal(second(x), x * 2 + 1)
+        assert torch.equal(second(x + 1), (x + 1) * 2 + 1)
+    assert second.loaded == 0  # compiled afresh
+    (warning,) = [w for w in caught if "is not loaded" in str(w.message)]
+    assert str(path) in str(warning.message) and why in str(warning.message)
+
+
+def test_the_saved_steps_folder_is_chosen_by_an_environment_variable(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudagraphs.integrations.saved_compile import FOLDER_VARIABLE, saved_steps_folder
+
+    chosen = tmp_path / "mine"
+    monkeypatch.setenv(FOLDER_VARIABLE, str(chosen))
+    assert saved_steps_folder() == chosen
+    step = SavedCompile(double_plus_one, compile_settings(True), dynamic=False, key="k")
+    x = torch.randn(2, 3)
+    assert torch.equal(step(x), x * 2 + 1) and step.saved == 1
+    assert len(list((chosen / "k").glob("*.bin"))) == 1

@@ -58,6 +58,9 @@ def direct_embeddings(ids: list[list[int]]) -> torch.Tensor:
 def test_health_and_metrics(server: str) -> None:
     health = httpx.get(f"{server}/healthz", timeout=10)
     assert health.status_code == 200 and "embed" in health.json()["models"]
+    # The mode that runs: graphs only where there is CUDA.
+    expected = "graphs+batcher" if torch.cuda.is_available() else "eager+batcher (no CUDA)"
+    assert health.json()["mode"] == expected
     httpx.post(f"{server}/embed", json={"input_ids": [[1] * 16]}, timeout=10)
     metrics = httpx.get(f"{server}/metrics", timeout=10).text
     assert 'cudagraphs_batcher_requests_total{batcher="embed"}' in metrics

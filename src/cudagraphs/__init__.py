@@ -12,7 +12,14 @@ See :func:`graph` for the options, and the README for when graphs help and when 
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
+
+with warnings.catch_warnings():
+    # numpy is optional: torch warns "Failed to initialize NumPy" when the modules our core
+    # imports load without it, which a user who never calls .numpy() should not see.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    from . import api  # noqa: F401  (the core, and the torch modules it imports)
 
 from .api import graph
 from .control.flow import cond, while_loop

@@ -7,6 +7,9 @@ how to fix it.
 
 from __future__ import annotations
 
+import logging
+import threading
+import warnings
 from typing import Any
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "RandomInLoopError",
     "CudaGraphsWarning",
     "InputMismatchError",
+    "Notices",
     "Overloaded",
     "ReplayTimeoutError",
     "SegmentError",
@@ -202,3 +206,45 @@ class BatcherClosed(CudaGraphsError):
 
 class CudaGraphsWarning(UserWarning):
     """Warnings from cudagraphs (for example: running eagerly because CUDA is unavailable)."""
+
+
+class Notices:
+    """Warnings shown once per cause; every later occurrence is only counted.
+
+    A loop that meets the same cause at every step (a scheduler that changes a value the
+    recording froze, each rung of a decoder on a machine without CUDA) prints one line, and
+    :attr:`counts` (cause -> occurrences) says how often it happened. Shared by the objects
+    that make up one thing (the graphs of one pool).
+
+    Right: ``notices.warn("recapture: opt.betas", message)`` with a cause that leaves out the
+    values that change from one occurrence to the next.
+    Wrong: a cause that carries those values (``"betas changed to 0.93"``): every step is a new
+    cause, and every step prints.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def warn(
+        self,
+        cause: str,
+        message: str,
+        *,
+        stacklevel: int = 2,
+        logger: logging.Logger | None = None,
+        count: bool = True,
+    ) -> bool:
+        """Show ``message`` (a :class:`CudaGraphsWarning`, or a warning on ``logger``) the
+        first time ``cause`` occurs, and count it (``count=False``: a warning ahead of the
+        occurrences, shown once and not counted); True when it was shown."""
+        with self._lock:
+            seen = cause in self.counts
+            self.counts[cause] = self.counts.get(cause, 0) + count
+        if seen:
+            return False
+        if logger is not None:
+            logger.warning("%s", message)
+        else:
+            warnings.warn(message, CudaGraphsWarning, stacklevel=stacklevel + 1)
+        return True

@@ -22,7 +22,6 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -32,7 +31,7 @@ import torch
 
 from ..errors import (
     CaptureError,
-    CudaGraphsWarning,
+    Notices,
     StaleGraphError,
     VerificationError,
     explain,
@@ -100,6 +99,8 @@ class Graphed(Entry[R]):
         self._adopt_inputs = False
         self._counters = Counters()
         self._costs = Costs()
+        # Warnings once per cause (shared with the other graphs of a cg.Pool); counted in stats.
+        self.notices: Notices = getattr(options.pool, "notices", None) or Notices()
         self._bound: weakref.WeakKeyDictionary[Any, Graphed[Any]] | None = None
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -171,7 +172,12 @@ class Graphed(Entry[R]):
                     "graph, or pass on_stale='recapture' to capture again automatically",
                 )
             )
-        log.warning("cudagraphs: %s: %s; capturing again", callable_name(self.fn), reason)
+        self.notices.warn(
+            f"capturing again: {_cause(reason)}",
+            f"cudagraphs: {callable_name(self.fn)}: {reason}; capturing again (shown once; "
+            "stats.notices counts each time)",
+            logger=log,
+        )
         assert self.signature is not None and self.device is not None and self.replayer
         old = self.replayer
         old.release_outputs()
@@ -280,11 +286,11 @@ class Graphed(Entry[R]):
     def _become_eager(self, reason: str, *, warn: bool) -> None:
         self.state = State.EAGER
         self.fallback_reason = reason
-        if warn:  # once per graphed callable: the first call that finds it cannot graph
-            warnings.warn(
+        if warn:  # once per cause, for all the graphs of a pool (a decoder's rungs)
+            self.notices.warn(
+                f"runs eagerly: {reason}",
                 f"cudagraphs: {reason}; {callable_name(self.fn)} runs eagerly (same signature "
                 "checks, no graph). Graphs need CUDA tensors on a CUDA machine.",
-                CudaGraphsWarning,
                 stacklevel=user_stacklevel(),
             )
         else:
@@ -370,6 +376,7 @@ class Graphed(Entry[R]):
             self.state.value, self._counters, self._costs, n_inputs=n_inputs,
             guarded=(guard.count, guard.addresses.backend) if guard is not None else (0, ""),
             state_writes=len(self.state_writes), recording=self.replayer and self.replayer.recording,
+            notices=self.notices.counts,
         )  # fmt: skip
 
     @property
@@ -398,3 +405,9 @@ class Graphed(Entry[R]):
     def __repr__(self) -> str:
         name, options = callable_name(self.fn), self.options
         return f"<cudagraphs.Graphed {name} state={self.state.value} outputs={options.outputs}>"
+
+
+def _cause(reason: str) -> str:
+    """A stale guard's reason without the values it reports (``... changed from 0.9 to 0.8``,
+    ``... (was ..., now ...)``): what stays the same when the same thing changes again."""
+    return reason.split(" changed from ")[0].split(" (was ")[0]

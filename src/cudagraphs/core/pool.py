@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from ..errors import Notices
+
 __all__ = ["Pool"]
 
 
@@ -29,6 +31,9 @@ class Pool:
         self._handle: Any = None
         self.captures = 0
         self.bytes = 0
+        # The graphs of one pool make up one thing (a decoder's rungs, a set of buckets): a
+        # warning they would each give is given once.
+        self.notices = Notices()
 
     @property
     def handle(self) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = ["Costs", "Stats", "snapshot"]
@@ -37,7 +37,9 @@ class Stats:
     them that warm-up wrote and that were put back. ``graphs`` and ``gaps`` count the segments
     of the recording and the eager steps between them (``@cg.eager``, ``eager=[...]``), and
     ``gap_s`` is the host time spent in those steps so far (it includes any wait for the GPU
-    they make, such as an ``.item()``).
+    they make, such as an ``.item()``). ``notices`` counts each warning's cause (a recapture
+    for the same reason, running eagerly without CUDA): each was printed once, however often
+    it happened.
     """
 
     state: str
@@ -59,6 +61,7 @@ class Stats:
     graphs: int = 0
     gaps: int = 0
     gap_s: float = 0.0
+    notices: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,6 +76,7 @@ def snapshot(
     guarded: tuple[int, str],
     state_writes: int,
     recording: Any = None,
+    notices: dict[str, int] | None = None,
 ) -> Stats:
     """A :class:`Stats` from a graph's replay counters (replays, copies, write-backs) and its
     costs; ``guarded``: how many tensors the address guard checks, and how."""
@@ -89,5 +93,6 @@ def snapshot(
         graphs=len(getattr(recording, "graphs", (0,))) if recording is not None else 0,
         gaps=len(getattr(recording, "gaps", ())),
         gap_s=sum(gap.seconds for gap in getattr(recording, "gaps", ())),
+        notices=dict(notices or {}),
         **asdict(costs),
     )

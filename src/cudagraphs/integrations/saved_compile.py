@@ -19,6 +19,10 @@ when all of these hold, and is compiled again (and rewritten) otherwise:
 * the guards written with it hold for the call: the shape, dtype and layout of every tensor
   (the model's weights included) and every plain value the trace read off the arguments.
 
+A step is loaded only from a folder and file that belong to the current user and that no one
+else can write (a saved step is code that runs); otherwise it compiles afresh, with one warning
+naming the path and why. ``CUDAGRAPHS_SAVED_STEPS_DIR`` chooses the folder.
+
 A step that cannot be compiled this way (a graph break, a guard that cannot be written, a
 torch without ``aot_compile``) is compiled by ``torch.compile`` as before; the reason is kept
 in :attr:`SavedCompile.not_saved`. ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns saving off.
@@ -33,6 +37,7 @@ import inspect
 import json
 import os
 import platform
+import stat
 import sys
 import tempfile
 import time
@@ -43,8 +48,9 @@ from typing import Any
 import torch
 
 from ..core import compat
+from ..errors import Notices
 
-__all__ = ["SavedCompile", "compile_key"]
+__all__ = ["FOLDER_VARIABLE", "SavedCompile", "compile_key", "saved_steps_folder"]
 
 
 def compile_key(model: Any, fn: Callable[..., Any], settings: dict[str, Any], *extra: Any) -> str:
@@ -96,7 +102,7 @@ class SavedCompile:
         arguments, ``compat.mark_dynamic``, before a trace); ``unsaved``: why this step is
         not saved (then plain ``torch.compile``, nothing written or read), or ``""``."""
         self.fn, self.settings, self.dynamic, self.mark = fn, settings, dynamic, mark
-        self.folder = Path(_cache()[0]) / "cudagraphs" / key
+        self.folder = saved_steps_folder() / key
         self.entries: list[Any] | None = None  # loaded (or compiled) AOT-compiled functions
         self.fallback: Callable[..., Any] | None = None  # torch.compile, once aot_compile failed
         self.loaded = self.saved = 0
@@ -163,7 +169,10 @@ class SavedCompile:
     def _save(self, entry: Any) -> None:
         if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1":
             raise RuntimeError("TORCHINDUCTOR_FORCE_DISABLE_CACHES=1")
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, exist_ok=True)
+        if why := _untrusted(self.folder.parent) or _untrusted(self.folder):
+            raise PermissionError(f"{self.folder}: {why}")  # nothing written where others write
         name = f"entry-{len(self.entries or [])}-{os.getpid()}"
         data = type(entry).serialize(entry).serialized_data
         sources = _source_hashes({s.module for s in entry.source_info().inlined_sources})
@@ -174,9 +183,17 @@ class SavedCompile:
     def _load(self) -> list[Any]:
         """The saved entries whose sources are unchanged; a stale or unreadable one is
         deleted (it is compiled again when a call needs it)."""
-        entries = []
-        for meta in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []:
+        entries: list[Any] = []
+        if not self.folder.is_dir():
+            return entries
+        if why := _untrusted(self.folder.parent) or _untrusted(self.folder):
+            self._refuse(self.folder, why)
+            return entries
+        for meta in sorted(self.folder.glob("*.json")):
             data = meta.with_suffix(".bin")
+            if why := _untrusted(meta) or _untrusted(data):
+                self._refuse(data, why)
+                continue
             try:
                 sources = json.loads(meta.read_text())["sources"]
                 if _source_hashes(set(sources)) != sources:
@@ -188,6 +205,48 @@ class SavedCompile:
                 meta.unlink(missing_ok=True)
                 data.unlink(missing_ok=True)
         return entries
+
+    def _refuse(self, path: Path, why: str) -> None:
+        """A saved step runs code: one from a place another user could have written is not
+        loaded (the step compiles afresh), with one warning per path and reason."""
+        self.not_saved = f"{path}: {why}"
+        _NOTICES.warn(
+            f"untrusted saved step: {path}: {why}",
+            f"cudagraphs: a saved compiled step at {path} is not loaded: {why}. A saved step "
+            "is code that runs; the step is compiled afresh instead. Fix: point "
+            f"{FOLDER_VARIABLE} at a folder only you can write (chmod 700), or remove that one.",
+            stacklevel=4,
+        )
+
+
+FOLDER_VARIABLE = "CUDAGRAPHS_SAVED_STEPS_DIR"
+# One per process: the same untrusted path is named once, whichever decoder meets it.
+_NOTICES = Notices()
+
+
+def saved_steps_folder() -> Path:
+    """Where compiled steps are saved: ``$CUDAGRAPHS_SAVED_STEPS_DIR``, else a ``cudagraphs``
+    folder in Inductor's cache folder (which defaults to one under the system's temporary
+    folder, per user)."""
+    chosen = os.environ.get(FOLDER_VARIABLE)
+    return Path(chosen) if chosen else Path(_cache()[0]) / "cudagraphs"
+
+
+def _untrusted(path: Path) -> str:
+    """Why ``path`` may hold what another user wrote ("" where it may not): it belongs to
+    someone else, or others may write to it (group- or world-writable), or it is a link."""
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return ""
+    if stat.S_ISLNK(info.st_mode):
+        return "it is a symbolic link"
+    getuid = getattr(os, "getuid", None)
+    if getuid is not None and info.st_uid != getuid():
+        return f"it belongs to user id {info.st_uid}, not to you ({getuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"others can write to it (mode {stat.filemode(info.st_mode)})"
+    return ""
 
 
 def _private_settings(config: Any) -> dict[str, Any]:

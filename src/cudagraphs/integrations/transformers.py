@@ -90,6 +90,7 @@ class DecodeStats:
     prefill_capture_s: dict[str, float] = field(default_factory=dict)
     prefill_replays: dict[str, int] = field(default_factory=dict)
     eager_prefills: int = 0  # prompts prefilled eagerly (prefill.py says when)
+    notices: dict[str, int] = field(default_factory=dict)  # each warning's cause: shown once
 
 
 class Decoder:
@@ -240,6 +241,7 @@ class Decoder:
         )
         self.padding = torch.zeros(max_batch, 1, dtype=torch.long, device=self.device)
         self.pool = Pool()
+        self.stats.notices = self.pool.notices.counts  # kept up to date by the graphs
         self.graphs: dict[tuple[int, int, str], Any] = {}
         self.prefills = Prefills(self, prefill_lengths_of(cache_len, prefill_lengths))
         self.prepare("sample" if do_sample else "greedy")

@@ -25,19 +25,22 @@ from typing import Any
 import torch
 
 from ..core import compat
-from ..errors import ConfigError, explain, require_cuda
+from ..errors import ConfigError, Notices, explain, require_cuda
 from .schedules import GRAPH_SAFE, DeviceHyperparameters, device_keys
 
-__all__ = ["OptimizerWatch", "make_graph_safe", "optimizer_tensors"]
+__all__ = ["OptimizerWatch", "make_graph_safe", "optimizer_tensors", "warn_momentum_schedule"]
 
 log = logging.getLogger("cudagraphs")
 
 
-def make_graph_safe(optimizer: torch.optim.Optimizer, *, switch: bool = True) -> list[str]:
+def make_graph_safe(
+    optimizer: torch.optim.Optimizer, *, switch: bool = True, notices: Notices | None = None
+) -> list[str]:
     """Put ``optimizer`` in a form whose ``step()`` can be captured; return what was changed.
 
     With ``switch=False`` a configuration that is not graph-safe raises :class:`ConfigError`
-    naming the setting to pass instead.
+    naming the setting to pass instead. ``notices``: where the warning about a momentum
+    schedule goes (a training step's, which shows it once under the cause its recaptures count).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(
@@ -80,18 +83,29 @@ def make_graph_safe(optimizer: torch.optim.Optimizer, *, switch: bool = True) ->
         _move_counters(optimizer, group["params"], device)
     if plan and not isinstance(optimizer, GRAPH_SAFE):
         changes += DeviceHyperparameters(optimizer).install()
-    if any("max_momentum" in g for g in optimizer.param_groups) and not isinstance(
-        optimizer, GRAPH_SAFE
-    ):
-        log.warning(
-            "cudagraphs: a scheduler cycles %s's momentum, which its step reads as a Python "
-            "float: each change captures the step again (correct, not faster). "
-            "cg.GraphSafeAdamW / cg.GraphSafeSGD read it from the device instead.",
-            name,
-        )
+    warn_momentum_schedule(optimizer, notices or Notices())
     if changes:
         log.info("cudagraphs: %s made graph-safe: %s", name, "; ".join(changes))
     return changes
+
+
+def warn_momentum_schedule(optimizer: torch.optim.Optimizer, notices: Notices) -> None:
+    """Warn (once per cause in ``notices``) where a scheduler cycles a momentum that
+    ``optimizer``'s step reads as a Python float: each change is a recapture."""
+    name = type(optimizer).__name__
+    for k, group in enumerate(optimizer.param_groups):
+        if "max_momentum" not in group or isinstance(optimizer, GRAPH_SAFE):
+            continue
+        key = "betas" if "betas" in group else "momentum"
+        notices.warn(
+            f"capturing again: {name}.param_groups[{k}][{key!r}]",  # as OptimizerWatch says
+            f"cudagraphs: a scheduler cycles {name}'s momentum, which its step reads as a "
+            "Python float: each change captures the step again (correct, not faster; shown "
+            "once, stats.notices counts them). cg.GraphSafeAdamW / cg.GraphSafeSGD read it "
+            "from the device instead.",
+            logger=log,
+            count=False,  # a warning ahead: the recaptures themselves are counted
+        )
 
 
 def _check_group(

@@ -88,7 +88,7 @@ class TrainStep(Graphed[R]):
                     warmup_given=self.warmup_given, stream=self.options.stream,
                 )  # fmt: skip
                 for optimizer in self.optimizers:
-                    make_graph_safe(optimizer, switch=self.switch_optimizer)
+                    make_graph_safe(optimizer, switch=self.switch_optimizer, notices=self.notices)
                 self._hyperparameters = [DeviceHyperparameters(o) for o in self.optimizers]
             else:  # CPU parameters: every step runs eagerly, none is a warm-up
                 self.eager_warmups_left = 0
@@ -116,7 +116,8 @@ class TrainStep(Graphed[R]):
 
     def before_capture(self) -> None:
         for optimizer in self.optimizers:
-            make_graph_safe(optimizer, switch=self.switch_optimizer)  # again: load_state_dict
+            # Again (load_state_dict may have undone it); its warning counted, not repeated.
+            make_graph_safe(optimizer, switch=self.switch_optimizer, notices=self.notices)
             # Gradients set to None are allocated by the recorded backward inside the graph's
             # pool and refilled in place by every replay.
             optimizer.zero_grad(set_to_none=True)
