@@ -318,7 +318,7 @@ def test_a_momentum_schedule_warns_once_in_thirty_steps_and_counts_every_recaptu
             opt, max_lr=2e-2, total_steps=40, cycle_momentum=True
         )
 
-    def make_step(net: nn.Module, opt: torch.optim.Optimizer):  # noqa: ANN202
+    def make_step(net: nn.Module, opt: torch.optim.Optimizer):
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = nn.functional.mse_loss(net(x), y)
             loss.backward()
