@@ -326,3 +326,48 @@ def test_importing_the_package_without_numpy_prints_nothing() -> None:
         [sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0 and "NumPy" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [
+        (lambda m, x: cg.graph(m, x, bucket={"B": [1, 2]}), "did you mean buckets="),
+        (lambda m, x: cg.graph(m, x, max_graph=4), "did you mean max_graphs="),
+        (
+            lambda m, x: cg.graph(m, x, buckets={"B": [2]}, overflow="eager"),
+            "belongs to cg.Buckets",
+        ),
+        (
+            lambda m, x: cg.graph(m, x, buckets={"B": [2]}, lazzy=True),
+            "did you mean lazy=, an option of cg.Buckets",
+        ),
+        (lambda m, x: cg.graph(m, x, colour="red"), "'colour' is not an option of cg.graph"),
+        (lambda m, x: cg.Buckets({"B": [2]}, overflw="eager"), "did you mean overflow="),
+        (
+            lambda m, x: cg.graph_autograd(m, x, bucket=[1]),
+            "'bucket' is not an option of cg.graph_autograd",
+        ),
+    ],
+    ids=["bucket", "max_graph", "overflow", "lazzy", "unknown", "Buckets", "graph_autograd"],
+)
+def test_every_misspelt_or_misplaced_keyword_is_refused_at_once(call, expected: str) -> None:  # type: ignore[no-untyped-def]
+    """A keyword is an option of the entry point or an argument the function takes; anything
+    else is refused when the graph is made (not frozen as an example argument the first call
+    trips over), with the option meant or the place it belongs."""
+    import torch
+
+    with pytest.raises(cg.ConfigError, match=re.escape(expected)):
+        call(_Model(), torch.ones(2, 2))
+
+
+def test_the_decoder_names_a_misspelt_required_keyword_and_its_compile_modes() -> None:
+    from cudagraphs.integrations.transformers import Decoder
+
+    with pytest.raises(cg.ConfigError, match="did you mean max_length="):
+        Decoder(object(), max_batch=2, max_lenght=32)  # before Python's "missing max_length"
+    pytest.importorskip("transformers")
+    from llama_decode import tiny_llama
+
+    model, _ = tiny_llama("cpu", hidden=32, layers=1)
+    with pytest.raises(cg.ConfigError, match="torch.compile mode name.*max-autotune.*got 'yes'"):
+        Decoder(model, max_batch=2, max_length=16, compile="yes")

@@ -12,7 +12,7 @@ from .errors import ConfigError, explain
 from .options import Options, split_options
 from .shapes.bucketed import Bucketed
 from .shapes.exact import ExactShapes
-from .shapes.spec import Buckets
+from .shapes.spec import BUCKET_OPTIONS, Buckets
 
 __all__ = ["graph"]
 
@@ -152,7 +152,12 @@ def graph(
     In-place mutation of an input (``x.add_(1)``) is supported: the replay mutates the graph's
     buffer and copies the result back into the tensor the caller passed, as eager would.
     """
-    options_kwargs, example_kwargs = split_options(fn, options_and_example_kwargs)
+    options_kwargs, example_kwargs = split_options(
+        fn,
+        options_and_example_kwargs,
+        extra=("buckets", "max_graphs"),
+        elsewhere={"cg.Buckets(...)": BUCKET_OPTIONS},
+    )
     options = Options(**options_kwargs)
     if fn is None:
         if example_args or example_kwargs:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypedDict
@@ -31,6 +32,7 @@ __all__ = [
     "OutputPolicy",
     "check_bool",
     "check_positive_int",
+    "checked_keywords",
     "refuse_unknown_keywords",
     "split_options",
 ]
@@ -116,6 +118,7 @@ def split_options(
     extra: Sequence[str] = (),
     allowed: Sequence[str] | None = None,
     entry: str = "cg.graph",
+    elsewhere: dict[str, Sequence[str]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(options, example_kwargs)`` from one keyword dict, for every entry point that takes
     options and example keywords together (``allowed``: the entry's own options, default all).
@@ -124,7 +127,10 @@ def split_options(
     and that is close to an option name is a typo (``warmpu=3``, ``output="clone"``): raise
     :class:`ConfigError` naming the option, instead of freezing it as an example argument the
     first call then trips over. An option of ``cg.graph`` that this entry does not take, and
-    that ``fn`` does not take either, raises too.
+    that ``fn`` does not take either, raises too; so does an option of another object
+    (``elsewhere``: its name and options, such as ``cg.Buckets(...)``'s ``overflow``), naming
+    where it goes, and any keyword ``fn``'s signature does not take (``extra``: the entry's
+    own parameters, matched for "did you mean" too).
     """
     names = (*(OPTION_NAMES if allowed is None else allowed), *extra)
     for key in kwargs:
@@ -139,17 +145,49 @@ def split_options(
     options = {k: v for k, v in kwargs.items() if k in names}
     rest = {k: v for k, v in kwargs.items() if k not in names}
     for key in rest:
+        if _accepts(fn, key):
+            continue
+        for owner, theirs in (elsewhere or {}).items():
+            near = difflib.get_close_matches(key, theirs, n=1, cutoff=0.75)
+            if near:
+                raise ConfigError(
+                    explain(
+                        f"{entry} got {key}={rest[key]!r}, "
+                        + (f"an option of {owner}" if near[0] == key else f"did you mean {near[0]}=, an option of {owner}?"),
+                        f"{near[0]}= belongs to {owner}, not to {entry}",
+                        f"pass it there: {owner.replace('...', near[0] + '=...')}",
+                    )
+                )
         close = difflib.get_close_matches(key, names, n=1, cutoff=0.75)
-        if close and not _accepts(fn, key):
+        if close or (fn is not None and _signature_known(fn)):
+            hint = f": did you mean {close[0]}=?" if close else ""
             raise ConfigError(
                 explain(
-                    f"unknown keyword argument {key}={rest[key]!r}: did you mean {close[0]}=?",
-                    f"{key!r} is not an option, and "
-                    + (f"{_label(fn)} does not take it" if fn is not None else "no function does"),
-                    f"spell it {close[0]}=...; options are {', '.join(names)}",
+                    f"unknown keyword argument {key}={rest[key]!r}{hint}",
+                    f"{key!r} is not an option of {entry}, and "
+                    + (f"{_label(fn)} does not take it" if fn is not None else "no function does")
+                    + " (an example keyword would be frozen into the graph)",
+                    (f"spell it {close[0]}=...; " if close else "remove it; ")
+                    + f"options are {', '.join(names)}",
                 )
             )
     return options, rest
+
+
+def checked_keywords(entry: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate an ``__init__`` whose keyword parameters are its options: a keyword it does
+    not take raises :class:`ConfigError` with "did you mean" before Python's own error
+    (``max_lenght=32`` would otherwise be "missing argument 'max_length'")."""
+
+    def decorate(init: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(init)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+            refuse_unknown_keywords(entry, kwargs, init)
+            init(self, *args, **kwargs)
+
+        return checked
+
+    return decorate
 
 
 def refuse_unknown_keywords(
@@ -163,7 +201,7 @@ def refuse_unknown_keywords(
         for p in inspect.signature(signature_of).parameters.values()
         if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"
     ]
-    refuse_unknown(entry, given, allowed)
+    refuse_unknown(entry, {k: v for k, v in given.items() if k not in allowed}, allowed)
 
 
 def refuse_unknown(entry: str, unknown: dict[str, Any], allowed: Sequence[str]) -> None:
@@ -194,6 +232,15 @@ def _accepts(fn: Callable[..., Any] | None, key: str) -> bool:
         or (p.name == key and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
         for p in parameters
     )
+
+
+def _signature_known(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn``'s keyword parameters can be read (not for a C function)."""
+    try:
+        inspect.signature(fn.forward if isinstance(fn, torch.nn.Module) else fn)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _label(fn: Any) -> str:

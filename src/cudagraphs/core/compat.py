@@ -21,6 +21,7 @@ __all__ = [
     "OPS_DISPATCH_MODE",
     "allocating_in_pool",
     "aot_compiler",
+    "compile_modes",
     "begin_allocate_to_pool",
     "clear_cublas_workspaces",
     "clear_dynamic_marks",
@@ -347,6 +348,13 @@ def clear_dynamic_marks(tensors: Sequence[Any]) -> None:
     for t in (t for t in tensors if isinstance(t, torch.Tensor)):
         for name in [n for n in vars(t) if n.startswith(("_dynamo_", "_has_dynamo", "_spec"))]:
             delattr(t, name)
+
+
+def compile_modes() -> tuple[str, ...]:
+    """The mode names ``torch.compile(mode=...)`` takes in this torch."""
+    import torch._inductor
+
+    return tuple(torch._inductor.list_mode_options())
 
 
 def compile_cache() -> tuple[str, str]:

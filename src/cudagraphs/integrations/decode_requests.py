@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..core import compat
 from ..core.failures import LIBRARY_SETTING
 from ..errors import ConfigError, explain
 from ..options import check_positive_int
@@ -35,12 +36,14 @@ def check_compile(compile: Any) -> bool:
     if isinstance(compile, Mapping):
         if all(isinstance(key, str) for key in compile):
             return True
-    elif isinstance(compile, (bool, str)):
-        return bool(compile)
+    elif isinstance(compile, bool):
+        return compile
+    elif isinstance(compile, str) and compile in compat.compile_modes():
+        return True
     raise ConfigError(
         explain(
-            f"compile must be a bool, a torch.compile mode name or a mapping of Inductor "
-            f"options, got {compile!r}",
+            f"compile must be a bool, a torch.compile mode name ({', '.join(compat.compile_modes())}) "
+            f"or a mapping of Inductor options, got {compile!r}",
             "it is handed to torch.compile as its mode= or its options=",
             "pass compile=True, compile='max-autotune-no-cudagraphs' or "
             "compile={'coordinate_descent_tuning': True}",

@@ -36,7 +36,7 @@ import torch
 
 from ..core.pool import Pool
 from ..errors import ConfigError, explain
-from ..options import check_bool, check_positive_int, refuse_unknown_keywords
+from ..options import check_bool, check_positive_int, checked_keywords
 from ..shapes.ladders import powers_of_two
 from .compiled import compiled_forward, compiled_tail, mark_rung_dims, step_logits
 from .decode_requests import (
@@ -134,6 +134,7 @@ class Decoder:
             cold start and a full trace in every process.
     """
 
+    @checked_keywords("Decoder")
     def __init__(
         self,
         model: Any,
@@ -151,9 +152,7 @@ class Decoder:
         cache_lengths: Sequence[int] | None = None,
         prefill_lengths: Sequence[int] | None = None,
         save_compile: bool = True,
-        **unknown: Any,
     ):
-        refuse_unknown_keywords("Decoder", unknown, Decoder.__init__)
         start = time.perf_counter()
         check_model(model)
         for name, value in (

@@ -9,15 +9,16 @@ real sizes, refusing inputs that disagree. Which output dimensions follow a symb
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
 
 from ..core.tree import Signature
 from ..errors import ConfigError, InputMismatchError, explain
+from ..options import checked_keywords
 
-__all__ = ["BucketedInput", "Buckets", "declare_inputs", "dims_tuple", "real_sizes"]
+__all__ = ["BUCKET_OPTIONS", "BucketedInput", "Buckets", "declare_inputs", "dims_tuple", "real_sizes"]
 
 
 Overflow = Literal["raise", "eager", "chunk"]
@@ -53,6 +54,12 @@ class Buckets:
     out_dims: Mapping[str, DimSpec] | None = None
     overflow: Overflow = "raise"
     lazy: bool = False
+
+
+# A misspelt keyword (overflw=) is a ConfigError with "did you mean", not dataclass's TypeError.
+Buckets.__init__ = checked_keywords("cg.Buckets")(Buckets.__init__)  # type: ignore[method-assign]
+#: The options of cg.Buckets(...), which cg.graph refuses with a pointer to where they go.
+BUCKET_OPTIONS: tuple[str, ...] = tuple(f.name for f in fields(Buckets) if f.name != "sizes")
 
 
 def dims_tuple(
