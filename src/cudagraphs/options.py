@@ -153,7 +153,11 @@ def split_options(
                 raise ConfigError(
                     explain(
                         f"{entry} got {key}={rest[key]!r}, "
-                        + (f"an option of {owner}" if near[0] == key else f"did you mean {near[0]}=, an option of {owner}?"),
+                        + (
+                            f"an option of {owner}"
+                            if near[0] == key
+                            else f"did you mean {near[0]}=, an option of {owner}?"
+                        ),
                         f"{near[0]}= belongs to {owner}, not to {entry}",
                         f"pass it there: {owner.replace('...', near[0] + '=...')}",
                     )

@@ -20,6 +20,8 @@ import torch
 __all__ = [
     "callable_name",
     "failing_module",
+    "is_library_file",
+    "is_model_code",
     "user_frame",
     "user_location",
     "user_stacklevel",
@@ -35,8 +37,20 @@ _LIBRARY_DIRS = (
 )
 
 
-def _is_library(filename: str) -> bool:
+def is_library_file(filename: str) -> bool:
+    """Whether ``filename`` is code of torch, this library, optree or Python's own folder
+    (which holds the installed packages too): not the user's."""
     return "<frozen" in filename or os.path.abspath(filename).startswith(_LIBRARY_DIRS)
+
+
+def is_model_code(filename: str) -> bool:
+    """Whether ``filename`` is code whose plain reads decide what a model computes: the
+    user's, or an installed package's (transformers' model code), not torch's, this library's,
+    optree's or the standard library's."""
+    path = os.path.abspath(filename)
+    if "<frozen" in filename or path.startswith(_LIBRARY_DIRS[:3]):
+        return False
+    return not path.startswith(_LIBRARY_DIRS[3]) or "-packages" + os.sep in path
 
 
 def callable_name(fn: Callable[..., Any]) -> str:
@@ -49,7 +63,7 @@ def user_frame(frame: types.FrameType | None = None) -> tuple[str, int]:
     """``(filename, line)`` of the innermost frame on the stack that is the user's code."""
     frame = frame or sys._getframe(1)
     while frame is not None:
-        if not _is_library(frame.f_code.co_filename):
+        if not is_library_file(frame.f_code.co_filename):
             return frame.f_code.co_filename, frame.f_lineno
         frame = frame.f_back
     return "<unknown>", 0
@@ -59,7 +73,7 @@ def user_location(error: BaseException) -> str | None:
     """``file:line in function`` of the innermost frame of user code in ``error``'s traceback."""
     found = None
     for frame in traceback.extract_tb(error.__traceback__):
-        if not _is_library(frame.filename):
+        if not is_library_file(frame.filename):
             found = f"{frame.filename}:{frame.lineno} in {frame.name}"
     return found
 

@@ -41,6 +41,7 @@ from . import diagnostics, recorder, runs
 from .entry import Entry
 from .frames import callable_name, user_stacklevel
 from .guards import AddressGuard, closure_tensors, modules_of
+from .read_values import ValueWatch
 from .modes import Modes, outputs_needing_gradients, refuse_gradients
 from .outputs import detach_outputs
 from .replayer import Counters, Replayer
@@ -99,6 +100,7 @@ class Graphed(Entry[R]):
         self._adopt_inputs = False
         self._counters = Counters()
         self._costs = Costs()
+        self.read_values: list[tuple[str, Any, str, Any]] = []  # see read_values.py
         # Warnings once per cause (shared with the other graphs of a cg.Pool); counted in stats.
         self.notices: Notices = getattr(options.pool, "notices", None) or Notices()
         self._bound: weakref.WeakKeyDictionary[Any, Graphed[Any]] | None = None
@@ -328,6 +330,7 @@ class Graphed(Entry[R]):
             copy_inputs=not self._adopt_inputs,
         )  # fmt: skip
         recording, written, mutated = run.recording, run.written, run.mutated
+        self.read_values = run.values
         # Eager's outputs carry a gradient path; a replay's never would.
         why = None if self.records_gradients else outputs_needing_gradients(recording.output)
         if why is not None and modes.seen["grad mode"] == "on":
@@ -364,9 +367,14 @@ class Graphed(Entry[R]):
                 raise
 
     def make_guard(self) -> AddressGuard | None:
-        """The address guard checked before each replay (None when nothing is read by address)."""
-        guard = AddressGuard(self.fn, self.options.modules)
+        """The guard checked before each replay (None when nothing is read by address and no
+        plain value was read)."""
+        guard = AddressGuard(self.fn, self.options.modules, watches=self.value_watches())
         return guard if guard.count else None
+
+    def value_watches(self) -> list[ValueWatch]:
+        """The watch over the plain values the last capture read, if it read any."""
+        return [ValueWatch(self.read_values)] if self.read_values else []
 
     @property
     def stats(self) -> Stats:

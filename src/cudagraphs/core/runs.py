@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import optree
@@ -20,7 +20,7 @@ import torch
 
 from ..errors import ConfigError, explain
 from ..options import Options
-from . import collectives, compat, python_state, recorder, segments, side_effects
+from . import collectives, compat, python_state, read_values, recorder, segments, side_effects
 from .frames import callable_name
 from .guards import modules_of
 from .recorder import Recording
@@ -38,6 +38,8 @@ class Run:
     written: Written  # what warm-up wrote outside the inputs (put back under "restore")
     mutated: list[int]  # leaf indices of the inputs the function writes in place
     warmup_s: float
+    # The plain values the capture read, checked before every replay (read_values.py).
+    values: list[tuple[str, Any, str, Any]] = field(default_factory=list)
 
 
 def warm_up_and_capture(
@@ -80,7 +82,8 @@ def warm_up_and_capture(
         versions = [compat.version(x) for x in inputs]
         shared = options.pool
         # Ranks whose graphs hold different collectives would hang at the first replay.
-        with collectives.compared_across_ranks(name):
+        reader = read_values.Reader()
+        with collectives.compared_across_ranks(name), reader:
             recording = recorder.capture(
                 fn,
                 args,
@@ -95,6 +98,7 @@ def warm_up_and_capture(
                 copy_inputs=inputs if copy_inputs else (),
             )
         plain.take()
+        values = read_values.read_values(reader, plain.runs[-1], options.harmless_state)
         segments.announce(recording.graph, name)
         if hasattr(type(shared), "record"):
             shared.record(recording.pool_bytes)
@@ -105,7 +109,7 @@ def warm_up_and_capture(
         for i, x, before in zip(signature.tensor_index, inputs, versions)
         if compat.version(x) != before
     ]
-    return Run(recording, written, mutated, warmup_s)
+    return Run(recording, written, mutated, warmup_s, values)
 
 
 def eager_modules(fn: Any, options: Options) -> list[torch.nn.Module]:

@@ -18,7 +18,14 @@ from ..core.tree import Signature
 from ..errors import ConfigError, InputMismatchError, explain
 from ..options import checked_keywords
 
-__all__ = ["BUCKET_OPTIONS", "BucketedInput", "Buckets", "declare_inputs", "dims_tuple", "real_sizes"]
+__all__ = [
+    "BUCKET_OPTIONS",
+    "BucketedInput",
+    "Buckets",
+    "declare_inputs",
+    "dims_tuple",
+    "real_sizes",
+]
 
 
 Overflow = Literal["raise", "eager", "chunk"]

@@ -129,6 +129,7 @@ class TrainStep(Graphed[R]):
     def make_guard(self) -> AddressGuard | None:
         extra = [named for optimizer in self.optimizers for named in optimizer_tensors(optimizer)]
         watches = [OptimizerWatch(optimizer) for optimizer in self.optimizers]
+        watches += self.value_watches()
         return AddressGuard(self.fn, self.options.modules, extra=extra, watches=watches)
 
     def __repr__(self) -> str:

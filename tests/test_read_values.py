@@ -1,0 +1,155 @@
+"""Plain Python values a recording read are checked before every replay
+(``core/read_values.py``): a value changed after the capture gives eager's answer through a
+new capture, or the named error with ``on_stale="raise"``, never the old answer. On the CPU the
+stand-in replays by running the function again, so these tests check the guard's verdict
+(recaptures, the error and its text); the GPU tests check the replayed values."""
+
+from __future__ import annotations
+
+import enum
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphs as cg
+
+GAIN = 1.0
+
+
+def gained(x: torch.Tensor) -> torch.Tensor:  # a helper the graphed function calls
+    return x * GAIN
+
+
+class Kind(enum.Enum):
+    DOUBLE = 2
+    TRIPLE = 3
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+        self.scale, self.shift, self.flip = 1.0, 0, False
+        self.act, self.kind, self.offsets = "relu", Kind.DOUBLE, (0.0, 0.0)
+        self.calls = 0  # a logging counter: declared harmless
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = gained(self.fc(x)) * self.scale + self.shift + self.offsets[1]
+        y = y * self.kind.value
+        y = torch.relu(y) if self.act == "relu" else torch.tanh(y)
+        return -y if self.flip else y
+
+
+CHANGES = {
+    "float": ("scale", 2.0),
+    "int": ("shift", 3),
+    "bool": ("flip", True),
+    "str": ("act", "tanh"),
+    "enum": ("kind", Kind.TRIPLE),
+    "tuple": ("offsets", (0.0, 1.5)),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHANGES))
+def test_an_attribute_changed_after_capture_captures_again_for_eager_s_answer(
+    stand_in: None, kind: str
+) -> None:
+    torch.manual_seed(0)
+    model = Scaled()
+    x = torch.randn(4, 8)
+    g = cg.graph(model, x, outputs="clone", harmless_state=("calls",))
+    assert torch.allclose(g(x), model(x)) and g.stats.recaptures == 0
+    name, value = CHANGES[kind]
+    setattr(model, name, value)
+    fresh = torch.randn(4, 8)
+    assert torch.allclose(g(fresh), model(fresh))
+    assert g.stats.recaptures == 1
+    assert g(fresh) is not None and g.stats.recaptures == 1  # the new value is the recorded one
+    assert any(f"Scaled.{name}" in cause for cause in g.stats.notices)
+
+
+@pytest.mark.parametrize("kind", ["attribute", "global in a helper"])
+def test_a_changed_value_raises_a_named_error_under_on_stale_raise(
+    stand_in: None, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model = Scaled()
+    x = torch.randn(4, 8)
+    g = cg.graph(model, x, outputs="clone", harmless_state=("calls",), on_stale="raise")
+    g(x)
+    if kind == "attribute":
+        model.scale = 2.0
+        expected = r"Scaled\.scale changed from 1\.0 to 2\.0"
+    else:
+        monkeypatch.setattr(__import__(__name__), "GAIN", 0.5)
+        expected = rf"global {__name__}\.GAIN changed from 1\.0 to 0\.5"
+    with pytest.raises(cg.StaleGraphError, match=expected):
+        g(x)
+
+
+def test_a_global_read_by_a_helper_is_guarded(
+    stand_in: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return gained(x) + 1
+
+    x = torch.randn(3)
+    g = cg.graph(fn, x, outputs="clone")
+    g(x)
+    monkeypatch.setattr(__import__(__name__), "GAIN", 3.0)
+    assert torch.allclose(g(x), x * 3.0 + 1) and g.stats.recaptures == 1
+
+
+def test_a_closure_cell_changed_after_capture_captures_again(stand_in: None) -> None:
+    factor = 2.0
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x * factor
+
+    x = torch.randn(3)
+    g = cg.graph(fn, x, outputs="clone")
+    g(x)
+    factor = 5.0  # noqa: F841  (the cell fn reads)
+    assert torch.allclose(g(x), x * 5.0) and g.stats.recaptures == 1
+
+
+def test_a_harmless_counter_incremented_every_call_replays_without_recapture(
+    stand_in: None,
+) -> None:
+    model = Scaled()
+    x = torch.randn(4, 8)
+    g = cg.graph(model, x, outputs="clone", harmless_state=("calls",))
+    for _ in range(5):
+        model.calls += 1  # changed outside the graph too: declared harmless, not guarded
+        g(x)
+    assert g.stats.recaptures == 0 and g.stats.replays == 5
+
+
+def test_a_value_that_did_not_change_costs_no_recapture(stand_in: None) -> None:
+    model = Scaled()
+    x = torch.randn(4, 8)
+    g = cg.graph(model, x, outputs="clone", harmless_state=("calls",))
+    model.scale = 1.0  # another float object, the same value
+    model.offsets = (0.0, 0.0)
+    for _ in range(3):
+        g(x)
+    assert g.stats.recaptures == 0
+
+
+def test_an_hf_config_flag_read_in_forward_is_guarded(stand_in: None) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = transformers.GPT2Model(config).eval()
+    ids = torch.randint(0, 64, (1, 8))
+
+    def hidden(ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids, use_cache=False)
+        return out.hidden_states[0] if out.hidden_states is not None else out.last_hidden_state
+
+    with torch.no_grad():
+        g = cg.graph(hidden, ids, outputs="clone")
+        assert torch.allclose(g(ids), hidden(ids))
+        model.config.output_hidden_states = True  # read in forward: the output changes
+        assert torch.allclose(g(ids), hidden(ids)) and g.stats.recaptures == 1
