@@ -369,5 +369,5 @@ def test_the_decoder_names_a_misspelt_required_keyword_and_its_compile_modes() -
     from llama_decode import tiny_llama
 
     model, _ = tiny_llama("cpu", hidden=32, layers=1)
-    with pytest.raises(cg.ConfigError, match="torch.compile mode name.*max-autotune.*got 'yes'"):
+    with pytest.raises(cg.ConfigError, match=r"torch.compile mode name.*max-autotune.*got 'yes'"):
         Decoder(model, max_batch=2, max_length=16, compile="yes")

@@ -111,7 +111,7 @@ def test_a_closure_cell_changed_after_capture_captures_again(stand_in: None) -> 
     x = torch.randn(3)
     g = cg.graph(fn, x, outputs="clone")
     g(x)
-    factor = 5.0  # noqa: F841  (the cell fn reads)
+    factor = 5.0
     assert torch.allclose(g(x), x * 5.0) and g.stats.recaptures == 1
 
 

@@ -41,9 +41,9 @@ from . import diagnostics, recorder, runs
 from .entry import Entry
 from .frames import callable_name, user_stacklevel
 from .guards import AddressGuard, closure_tensors, modules_of
-from .read_values import ValueWatch
 from .modes import Modes, outputs_needing_gradients, refuse_gradients
 from .outputs import detach_outputs
+from .read_values import ValueWatch
 from .replayer import Counters, Replayer
 from .segments import describe, print_segments
 from .stats import Costs, Stats, snapshot
