@@ -205,7 +205,44 @@ static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs
   return PyLong_FromLong(result);
 }
 
+// values_same(held: tuple of (dict, key, value)) -> bool: each dict still holds, under its
+// key, the very object recorded or an equal one of the same type (tree.same_value's rule).
+// The plain Python values a recording read (read_values.py), checked before every replay.
+static PyObject* values_same(PyObject*, PyObject* held) {
+  if (!PyTuple_Check(held)) {
+    PyErr_SetString(PyExc_TypeError, "values_same(held: tuple of (dict, key, value))");
+    return nullptr;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(held);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* entry = PyTuple_GET_ITEM(held, i);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 ||
+        !PyDict_Check(PyTuple_GET_ITEM(entry, 0))) {
+      PyErr_SetString(PyExc_TypeError, "values_same: each entry is (dict, key, value)");
+      return nullptr;
+    }
+    PyObject* value = PyTuple_GET_ITEM(entry, 2);
+    PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
+    if (now == value) continue;
+    if (now == nullptr) {
+      if (PyErr_Occurred()) return nullptr;
+      Py_RETURN_FALSE;
+    }
+    if (Py_TYPE(now) != Py_TYPE(value)) Py_RETURN_FALSE;
+    Py_INCREF(now);  // the comparison may run Python code that changes the dict
+    int equal = PyObject_RichCompareBool(now, value, Py_EQ);
+    Py_DECREF(now);
+    if (equal < 0) {
+      PyErr_Clear();  // a value whose == fails is not the same value (tree.same_value)
+      Py_RETURN_FALSE;
+    }
+    if (!equal) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
 static PyMethodDef methods[] = {
+  {"values_same", values_same, METH_O, "Does every dict still hold its recorded value?"},
   {"launch_graph", (PyCFunction)(void (*)(void))launch_graph, METH_FASTCALL,
    "Launch an instantiated graph on the current stream of its device; return the cudaError_t."},
   {"bind", bind, METH_O, "Set the address reader."},

@@ -31,11 +31,13 @@ Wrong (a value the graph cannot see, so no guard can either)::
 
 from __future__ import annotations
 
+import functools
 import sys
 import types
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .addresses import compiled_module
 from .frames import is_model_code
 from .python_state import is_plain
 from .tree import same_value
@@ -131,17 +133,27 @@ class ValueWatch:
     def __init__(self, values: Sequence[tuple[str, dict[str, Any], str, Any]]):
         self.values = tuple(values)
         self._held = tuple((namespace, key, value) for _, namespace, key, value in values)
+        compiled = compiled_module()
+        self._same = (
+            functools.partial(compiled.values_same, self._held)
+            if compiled is not None and hasattr(compiled, "values_same")
+            else self._same_in_python
+        )
 
     def __len__(self) -> int:
         return len(self.values)
 
     def stale(self) -> str | None:
-        """``None`` while every value is what the recording read; else which one changed."""
+        """``None`` while every value is what the recording read; else which one changed.
+        One C call where the extension is built (identity, then type and equality)."""
+        return None if self._same() else self._why()
+
+    def _same_in_python(self) -> bool:
         for namespace, key, value in self._held:
             now = namespace.get(key, _MISSING)
             if now is not value and not same_value(now, value):
-                return self._why()
-        return None
+                return False
+        return True
 
     def _why(self) -> str | None:
         for label, namespace, key, value in self.values:
