@@ -200,3 +200,48 @@ def test_the_doctors_watches_leave_other_threads_untouched() -> None:
     assert [f.kind for f in report.findings] == []  # the other thread's sync is not fn's
     expected = ["synchronized", False] if torch.cuda.is_available() else ["torch answered"]
     assert seen == expected
+
+
+COUNTER = (
+    "import torch\n"
+    "class Counter(torch.nn.Module):\n"
+    "    def __init__(self):\n"
+    "        super().__init__()\n"
+    "        self.fc = torch.nn.Linear(4, 4)\n"
+    "        self.calls = 0\n"
+    "    def forward(self, x):\n"
+    "        self.calls += 1\n"
+    "        return self.fc(x)\n"
+    "def make():\n"
+    "    return Counter(), (torch.randn(2, 4),)\n"
+)
+
+
+def test_the_doctor_finds_a_plain_value_that_changes_at_the_line_that_writes_it(
+    tmp_path: object,
+) -> None:
+    """A module whose forward counts its calls: the capture would refuse it (FrozenStateError),
+    so the doctor reports it as blocking, at the line of ``self.calls += 1``, with the
+    harmless_state fix; the CLI exits 1."""
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "counter.py"
+    path.write_text(COUNTER)
+    done = subprocess.run(
+        [sys.executable, "-m", "cudagraphs", "doctor", f"{path}:make"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "python-state" in done.stdout and "counter.py:8" in done.stdout
+    assert "Counter.calls" in done.stdout and "harmless_state" in done.stdout
+
+
+def test_the_doctor_leaves_the_user_s_plain_attributes_as_they_were() -> None:
+    namespace: dict = {}
+    exec(compile(COUNTER, "counter.py", "exec"), namespace)
+    model, (x,) = namespace["make"]()
+    model.calls = 7
+    report = cg.doctor(model, x)
+    assert report.blocking and any(f.kind == "python-state" for f in report.findings)
+    assert model.calls == 7  # both runs' increments put back

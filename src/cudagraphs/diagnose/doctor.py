@@ -15,6 +15,8 @@ optimizer state) is put back to its exact bytes afterwards, and so are the RNG s
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -25,7 +27,9 @@ import torch
 from ..core.failures import library_setting
 from ..core.frames import user_frame
 from ..core.guards import closure_tensors, modules_of
+from ..core.python_state import Snapshot
 from ..core.reach import reachable_tensors
+from ..core.read_values import Reader
 from ..core.side_effects import SideEffects
 from ..core.tree import NAMESPACE, Signature, flatten, leaf_paths
 from ..core.written_state import RngState, storage_key
@@ -132,10 +136,16 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     # Where a finding has no frame of the user's (a torch module's own code, called from the
     # library), it is reported at the line that called the doctor.
     caller = user_frame()
+    # Plain Python values the runs change are found (a capture refuses them) and put back.
+    leaves = flatten((args, kwargs))[0]
+    plain = Snapshot(fn, [x for x in leaves if not isinstance(x, torch.Tensor)])
+    reader = Reader()
     try:
         objects = _reachable_state(fn, (args, kwargs))
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
-        first, out, inputs = _run(fn, args, kwargs, objects)
+        with reader:
+            first, out, inputs = _run(fn, args, kwargs, objects)
+        plain.take()
         findings = dict(first.findings)
         _outputs_aliasing_inputs(fn, first, out, inputs)
         findings.update(first.findings)
@@ -149,6 +159,12 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
             namespace=NAMESPACE,
         )
         second, _, _ = _run(fn, fresh_args, fresh_kwargs, objects)
+        plain.take()
+        for label, was, became in plain.changes():
+            key, filename, lineno = _python_state(label, was, became, reader, caller)
+            findings[key] = findings.get(key) or _state_finding(
+                label, was, became, filename, lineno
+            )
         dynamic = any(f.kind == "dynamic-shape" for f in findings.values())
         divergence = _first_divergence(first.ops, second.ops, compare_shapes=not dynamic)
         if divergence is not None:
@@ -159,9 +175,42 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
             )
     finally:
         rng.restore()
+        plain.restore()  # the user's attributes as they were before the doctor
     placed = [_with_setting(relocate(f, *caller)) for f in findings.values()]
     ordered = sorted(_one_per_cause(placed), key=lambda f: (f.filename, f.lineno, f.kind))
     return Report(function=name, findings=ordered)
+
+
+def _python_state(
+    label: str, was: Any, became: Any, reader: Reader, caller: tuple[str, int]
+) -> tuple[tuple[str, str, int], str, int]:
+    """Where the code that ran writes ``label``'s attribute (``self.calls += 1``): the first
+    such line, or the doctor's caller where none is found."""
+    attribute = label.rsplit(".", 1)[-1]
+    pattern = re.compile(rf"\.{re.escape(attribute)}\s*(?:[-+*/%&|^@]|//|\*\*|<<|>>)?=(?!=)")
+    for code in reader.codes:
+        try:
+            lines, start = inspect.getsourcelines(code)
+        except (OSError, TypeError):
+            continue
+        for offset, line in enumerate(lines):
+            if pattern.search(line):
+                return (
+                    ("python-state", code.co_filename, start + offset),
+                    code.co_filename,
+                    start + offset,
+                )
+    return ("python-state", *caller), *caller
+
+
+def _state_finding(label: str, was: Any, became: Any, filename: str, lineno: int) -> Finding:
+    severity, message, fix = KINDS["python-state"]
+    what = f"{label} (was {was!r}, became {became!r})"
+    name = label.rsplit(".", 1)[-1]
+    return Finding(
+        "python-state", severity, filename, lineno,
+        message.format(what=what, where="a plain Python value"), fix.format(name=name),
+    )  # fmt: skip
 
 
 def _with_setting(finding: Finding) -> Finding:

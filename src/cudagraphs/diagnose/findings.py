@@ -69,6 +69,14 @@ KINDS: dict[str, tuple[str, str, str]] = {
         "of the modules involved, so rebinding it after capture is not seen by the graph",
         "pass it as an input, or register it as a module buffer and update it in place",
     ),
+    "python-state": (
+        "error",
+        "{what} changes from one run to the next ({where}): a recording runs the Python code "
+        "once, so every replay would repeat the first run's value (capture raises "
+        "FrozenStateError)",
+        "keep the value in a tensor on the device, updated in place, or move it out of the "
+        "graphed function; a counter that decides nothing on the GPU: harmless_state=({name!r},)",
+    ),
     "state-write": (
         "warning",
         "{what} writes {where}, a tensor outside the inputs: every replay repeats this write, as "
