@@ -342,3 +342,28 @@ def test_a_momentum_schedule_warns_once_in_thirty_steps_and_counts_every_recaptu
     assert "cycles AdamW's momentum" in caplog.records[0].getMessage()
     counted = graphed.stats.notices["capturing again: AdamW.param_groups[0]['betas']"]
     assert graphed.stats.recaptures >= 25 and counted == graphed.stats.recaptures
+
+
+@pytest.mark.parametrize("move", ["param.data", "module.to", "buffer rebound"])
+def test_a_tensor_moved_after_capture_captures_again_or_raises(stand_in: None, move: str) -> None:
+    """A parameter or buffer pointed at new memory after the capture: the graph would read the
+    old memory, so the guard captures again (or raises under on_stale="raise")."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4).requires_grad_(False)
+    model.register_buffer("offset", torch.zeros(4))
+    forward = model.forward
+    model.forward = lambda x: forward(x) + model.offset  # type: ignore[method-assign]
+    x = torch.randn(2, 4)
+    g = cg.graph(model, x, outputs="clone")
+    strict = cg.graph(model, x, outputs="clone", on_stale="raise")
+    g(x)
+    if move == "param.data":
+        model.weight.data = torch.randn(4, 4)
+    elif move == "module.to":
+        model.to(torch.float64).to(torch.float32)
+    else:
+        model.offset = torch.ones(4)
+    torch.testing.assert_close(g(x), model(x))
+    assert g.stats.recaptures == 1
+    with pytest.raises(cg.StaleGraphError):
+        strict(x)
