@@ -153,3 +153,39 @@ def test_an_hf_config_flag_read_in_forward_is_guarded(stand_in: None) -> None:
         assert torch.allclose(g(ids), hidden(ids))
         model.config.output_hidden_states = True  # read in forward: the output changes
         assert torch.allclose(g(ids), hidden(ids)) and g.stats.recaptures == 1
+
+
+TICKS = 0.0
+
+
+def test_code_that_runs_during_the_capture_without_being_called_is_not_guarded(
+    stand_in: None,
+) -> None:
+    """A garbage collection's callback (a test tool's timestamp global) may run in the middle
+    of any recording; its reads are not the graph's, and guarding them would capture again at
+    every collection. No collection runs while a capture is recorded."""
+    import gc
+
+    def tick(phase: str, info: dict) -> None:
+        global TICKS
+        TICKS = TICKS + 1.0
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(5000):  # cycles enough for an automatic collection mid-run
+            cycle: list = []
+            cycle.append(cycle)
+        return x * 2
+
+    gc.callbacks.append(tick)
+    try:
+        before = TICKS
+        fn(torch.randn(3))
+        assert before < TICKS  # outside a capture, the run does collect
+        g = cg.graph(fn, torch.randn(3), outputs="clone")
+        assert not any("TICKS" in label for label, *_ in g.read_values)
+        for _ in range(3):
+            gc.collect()
+            g(torch.randn(3))
+        assert g.stats.recaptures == 0
+    finally:
+        gc.callbacks.remove(tick)

@@ -32,6 +32,7 @@ Wrong (a value the graph cannot see, so no guard can either)::
 from __future__ import annotations
 
 import functools
+import gc
 import sys
 import types
 from collections.abc import Iterable, Sequence
@@ -58,12 +59,19 @@ class Reader:
         self._previous: Any = None
 
     def __enter__(self) -> Reader:
+        # Code that runs inside the recording without being called by it is not what the
+        # graph computes: a garbage collection's callbacks (a test tool's timestamp global)
+        # would be guarded and recapture at every collection. No collection runs meanwhile.
+        self._collecting = gc.isenabled()
+        gc.disable()
         self._previous = sys.getprofile()
         sys.setprofile(self._profile)
         return self
 
     def __exit__(self, *exc: object) -> None:
         sys.setprofile(self._previous)
+        if self._collecting:
+            gc.enable()
 
     def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
         if event == "call":
