@@ -367,3 +367,32 @@ def test_a_tensor_moved_after_capture_captures_again_or_raises(stand_in: None, m
     assert g.stats.recaptures == 1
     with pytest.raises(cg.StaleGraphError):
         strict(x)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(lambda: torch.randn(2, 4, dtype=torch.float64), id="float64"),
+        pytest.param(lambda: torch.randn(1, 4), id="broadcastable (1, 4)"),
+        pytest.param(lambda: torch.randn(4), id="broadcastable (4,)"),
+    ],
+)
+def test_an_input_a_copy_would_convert_or_broadcast_is_refused_on_the_fast_path(
+    stand_in: None, bad: Callable[[], torch.Tensor]
+) -> None:
+    """copy_ into the (2, 4) float32 buffer would silently convert a float64 input, or
+    broadcast a (1, 4) or (4,) one over both rows: the fast path refuses it by name."""
+    model = nn.Linear(4, 4).requires_grad_(False)
+    g = cg.graph(model, torch.randn(2, 4), outputs="clone")
+    g(torch.randn(2, 4))
+    with pytest.raises(cg.InputMismatchError, match=r"args\[0\]"):
+        g(bad())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_a_bucketed_graph_refuses_another_dtype(stand_in: None, dtype: torch.dtype) -> None:
+    model = nn.Linear(4, 4).requires_grad_(False)
+    g = cg.graph(model, torch.randn(4, 4), buckets={"B": [2, 4]}, outputs="clone")
+    torch.testing.assert_close(g(torch.randn(3, 4)).shape, torch.Size([3, 4]))
+    with pytest.raises(cg.InputMismatchError):
+        g(torch.randn(3, 4, dtype=dtype))
