@@ -1,0 +1,126 @@
+"""On a GPU, with real graphs: a plain value changed after the capture gives eager's answer
+(the graph captures again) or the named error, never the recorded value's answer."""
+
+from __future__ import annotations
+
+import enum
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphs as cg
+
+pytestmark = pytest.mark.cuda
+
+GAIN = 1.0
+
+
+def gained(x: torch.Tensor) -> torch.Tensor:
+    return x * GAIN
+
+
+class Kind(enum.Enum):
+    DOUBLE = 2
+    TRIPLE = 3
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.scale, self.shift, self.flip = 1.0, 0, False
+        self.act, self.kind, self.offsets = "relu", Kind.DOUBLE, (0.0, 0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = gained(self.fc(x)) * self.scale + self.shift + self.offsets[1]
+        y = y * self.kind.value
+        y = torch.relu(y) if self.act == "relu" else torch.tanh(y)
+        return -y if self.flip else y
+
+
+CHANGES = {
+    "float": ("scale", 2.0),
+    "int": ("shift", 3),
+    "bool": ("flip", True),
+    "str": ("act", "tanh"),
+    "enum": ("kind", Kind.TRIPLE),
+    "tuple": ("offsets", (0.0, 1.5)),
+    "global": ("GAIN", 0.5),
+}
+
+
+@pytest.mark.parametrize("kind", list(CHANGES))
+def test_a_value_changed_after_capture_gives_eager_s_answer(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    model = Scaled().cuda().eval()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(8, 64, device="cuda"))
+        name, value = CHANGES[kind]
+        if kind == "global":
+            monkeypatch.setattr(__import__(__name__), name, value)
+        else:
+            setattr(model, name, value)
+        x = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(g(x), model(x))  # not the recorded value's answer
+        assert g.stats.recaptures == 1
+        x = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(g(x), model(x))
+        assert g.stats.recaptures == 1 and g.stats.replays >= 2
+
+
+def test_on_stale_raise_names_the_value() -> None:
+    model = Scaled().cuda().eval()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(8, 64, device="cuda"), on_stale="raise")
+        model.scale = 2.0
+        with pytest.raises(cg.StaleGraphError, match=r"Scaled\.scale changed from 1\.0 to 2\.0"):
+            g(torch.randn(8, 64, device="cuda"))
+
+
+def test_a_closure_cell_and_an_hf_config_flag() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32)
+    model = transformers.GPT2Model(config).cuda().eval()
+    ids = torch.randint(0, 128, (2, 16), device="cuda")
+
+    def hidden(ids: torch.Tensor) -> torch.Tensor:
+        out = model(input_ids=ids, use_cache=False)
+        return out.hidden_states[1] if out.hidden_states is not None else out.last_hidden_state
+
+    factor = 1.0
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * factor
+
+    with torch.no_grad():
+        g = cg.graph(hidden, ids)
+        model.config.output_hidden_states = True
+        torch.testing.assert_close(g(ids), hidden(ids))
+        assert g.stats.recaptures == 1
+        x = torch.randn(4, device="cuda")
+        s = cg.graph(scaled, x)
+        factor = 3.0
+        torch.testing.assert_close(s(x), x * 3.0)
+
+
+def test_a_harmless_counter_replays_without_recapture() -> None:
+    class Counted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(64, 64)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.fc(x)
+
+    model = Counted().cuda().eval()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(8, 64, device="cuda"), harmless_state=("calls",))
+        for _ in range(5):
+            x = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(g(x), model.fc(x))
+        assert g.stats.recaptures == 0 and g.stats.replays == 5
