@@ -6,50 +6,12 @@ stand-in replays by running the function again, so these tests check the guard's
 
 from __future__ import annotations
 
-import enum
-
 import pytest
 import torch
-from torch import nn
+import value_cases
+from value_cases import CHANGES, Scaled, gained
 
 import cudagraphs as cg
-
-GAIN = 1.0
-
-
-def gained(x: torch.Tensor) -> torch.Tensor:  # a helper the graphed function calls
-    return x * GAIN
-
-
-class Kind(enum.Enum):
-    DOUBLE = 2
-    TRIPLE = 3
-
-
-class Scaled(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8).requires_grad_(False)
-        self.scale, self.shift, self.flip = 1.0, 0, False
-        self.act, self.kind, self.offsets = "relu", Kind.DOUBLE, (0.0, 0.0)
-        self.calls = 0  # a logging counter: declared harmless
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        y = gained(self.fc(x)) * self.scale + self.shift + self.offsets[1]
-        y = y * self.kind.value
-        y = torch.relu(y) if self.act == "relu" else torch.tanh(y)
-        return -y if self.flip else y
-
-
-CHANGES = {
-    "float": ("scale", 2.0),
-    "int": ("shift", 3),
-    "bool": ("flip", True),
-    "str": ("act", "tanh"),
-    "enum": ("kind", Kind.TRIPLE),
-    "tuple": ("offsets", (0.0, 1.5)),
-}
 
 
 @pytest.mark.parametrize("kind", list(CHANGES))
@@ -83,8 +45,8 @@ def test_a_changed_value_raises_a_named_error_under_on_stale_raise(
         model.scale = 2.0
         expected = r"Scaled\.scale changed from 1\.0 to 2\.0"
     else:
-        monkeypatch.setattr(__import__(__name__), "GAIN", 0.5)
-        expected = rf"global {__name__}\.GAIN changed from 1\.0 to 0\.5"
+        monkeypatch.setattr(value_cases, "GAIN", 0.5)
+        expected = r"global value_cases\.GAIN changed from 1\.0 to 0\.5"
     with pytest.raises(cg.StaleGraphError, match=expected):
         g(x)
 
@@ -98,7 +60,7 @@ def test_a_global_read_by_a_helper_is_guarded(
     x = torch.randn(3)
     g = cg.graph(fn, x, outputs="clone")
     g(x)
-    monkeypatch.setattr(__import__(__name__), "GAIN", 3.0)
+    monkeypatch.setattr(value_cases, "GAIN", 3.0)
     assert torch.allclose(g(x), x * 3.0 + 1) and g.stats.recaptures == 1
 
 
