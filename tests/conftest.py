@@ -1,8 +1,9 @@
 """GPU tests carry the `cuda` marker: skipped without a GPU, refused to skip under gpu-check.
 
 The ``stand_in`` fixture runs the captured call path on the CPU: warm-up and capture are replaced
-by a recording whose ``replay()`` reruns the function on the static inputs and copies the results
-into the static outputs, which is what a CUDA graph does, so that path runs in CI too.
+by a recording that logs the aten operations the function runs, and whose ``replay()`` runs those
+operations again on the same tensors without calling the function. A Python value, a branch or a
+global read at capture is then frozen as in a CUDA graph, so the guards' CPU tests can fail.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import optree
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cudagraphs as cg
 from cudagraphs.core import recorder as capture_module
@@ -35,25 +37,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-class StandInGraph:
-    """Replays by rerunning ``fn`` on the static inputs into the static outputs."""
+class _OpLog(TorchDispatchMode):
+    """Every aten operation a recording run makes, with the very tensors it took and gave."""
 
-    def __init__(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any):
-        self.fn, self.args, self.kwargs, self.output = fn, args, kwargs, output
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+class ReplayingGraph:
+    """Replays the logged operations on the same tensors, without running the function: what
+    the recording run made (intermediates, outputs) is refilled in place, as a graph refills
+    its pool, and every Python value the run read stays what it was then."""
+
+    def __init__(self, ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]]):
+        self.ops = ops
         self.replays = 0
 
     def replay(self) -> None:
-        fresh = self.fn(*self.args, **self.kwargs)
-        for static, new in zip(
-            optree.tree_leaves(self.output, namespace=NAMESPACE),
-            optree.tree_leaves(fresh, namespace=NAMESPACE),
-        ):
-            if isinstance(static, torch.Tensor) and static is not new:
-                static.copy_(new)
+        # The logged operations are below autograd already (a backward's too): rerun as data.
+        with torch.no_grad():
+            for func, args, kwargs, recorded in self.ops:
+                fresh = func(*args, **kwargs)
+                for old, new in zip(_tensors(recorded), _tensors(fresh)):
+                    if old is not new:
+                        old.copy_(new)
         self.replays += 1
 
     def pool(self) -> tuple[int, int]:
         return (0, 0)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for t in value if isinstance(t, torch.Tensor)]
+    return []
 
 
 class _NoStream:
@@ -65,15 +91,20 @@ class _NoStream:
 
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The captured call path on the CPU; a replay reruns the operations the capture logged,
+    never the Python function, so whatever Python read at capture stays frozen, as in a
+    graph."""
+
     def capture(fn: Any, args: Any, kwargs: Any, **_: Any) -> capture_module.Recording:
         # A real capture records kernels without running them: state the function writes
         # outside its inputs is left as it was (only the input buffers' versions move).
         inputs = [x for x in optree.tree_leaves((args, kwargs), namespace=NAMESPACE)]
         recorder = WriteRecorder(exclude=[x for x in inputs if isinstance(x, torch.Tensor)])
-        with recorder:
+        log = _OpLog()
+        with recorder, log:
             output = fn(*args, **kwargs)
         recorder.restore()
-        return capture_module.Recording(StandInGraph(fn, args, kwargs, output), output, 0.0, 0)  # type: ignore[arg-type]
+        return capture_module.Recording(ReplayingGraph(log.ops), output, 0.0, 0)  # type: ignore[arg-type]
 
     def warm_up(
         fn: Any,
