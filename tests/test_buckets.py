@@ -240,15 +240,19 @@ def test_lazy_decorator_with_buckets() -> None:
     assert double.stats.hits[(8,)] == 1
 
 
-def test_lazy_buckets_capture_on_first_use() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        g = cg.graph(
-            lambda x: x - 1, torch.randn(2, 2), buckets=cg.Buckets({"B": [2, 4, 8]}, lazy=True)
-        )
-    assert g.stats.hits == {}
-    g(torch.randn(3, 2))
-    assert list(g.stats.hits) == [(4,)]
+def test_lazy_buckets_capture_on_first_use(stand_in: None) -> None:
+    """Nothing is captured up front; a call captures its own rung only, and answers right."""
+    g = cg.graph(
+        lambda x: x - 1,
+        torch.randn(2, 2),
+        buckets=cg.Buckets({"B": [2, 4, 8]}, lazy=True),
+        outputs="clone",  # guarded outputs need a CUDA build of torch
+    )
+    assert g.stats.hits == {} and g.state is cg.State.LAZY and g.stats.capture_s == {}
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(g(x), x - 1)
+    assert list(g.stats.hits) == [(4,)] and g.state is cg.State.CAPTURED
+    assert list(g.stats.capture_s) == [(4,)]  # the other rungs are still not captured
 
 
 def test_shared_pool_object_is_accepted() -> None:

@@ -362,9 +362,16 @@ def test_verify_catches_code_that_behaves_differently_while_captured() -> None:
 def test_verify_passes_a_clean_model_and_compares_random_outputs_by_shape() -> None:
     model = mlp()
     with torch.no_grad():
-        cg.graph(model, torch.randn(2, 8, device="cuda"), verify=True)
+        g = cg.graph(model, torch.randn(2, 8, device="cuda"), verify=True)
+        assert g.state is cg.State.CAPTURED  # verified and kept
+        x = torch.randn(2, 8, device="cuda")
+        torch.testing.assert_close(g(x), model(x))
     drop = nn.Dropout(0.5).cuda().train()
-    cg.graph(drop, torch.randn(64, device="cuda"), verify=True)  # random: shapes only
+    d = cg.graph(drop, torch.randn(64, device="cuda"), verify=True)  # random: shapes only
+    assert d.state is cg.State.CAPTURED
+    out = d(torch.ones(64, device="cuda"))
+    # Dropout's own values: zeros and 1 / (1 - p), never the same mask at every replay.
+    assert set(out.unique().tolist()) <= {0.0, 2.0} and out.shape == (64,)
 
 
 # ---------------------------------------------------------------- real models keep state

@@ -230,7 +230,7 @@ def test_doctor_judges_the_capture_path() -> None:
     assert not report.blocking, str(report)
 
 
-@pytest.mark.parametrize("outputs", ["clone", "alias"])  # guarded: tests/test_state_cuda.py
+@pytest.mark.parametrize("outputs", ["clone", "alias"])  # guarded needs a CUDA build: GPU tests
 def test_threads_never_get_another_calls_result(stand_in: None, outputs: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).eval()
