@@ -8,7 +8,6 @@ is tested here.
 from __future__ import annotations
 
 import logging
-import warnings
 
 import pytest
 import torch
