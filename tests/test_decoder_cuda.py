@@ -73,6 +73,9 @@ def test_float32_greedy_equals_generate_at_every_batch(shape: str, steps: tuple[
         assert decoder.stats.recaptures == 0
         del decoder
     print(f"{shape}: rows that first differ at a near-tie, by (steps, batch): {differing}")
+    # Near-ties are rare: a graph that differs from generate in many rows, each at a tie, is
+    # still a graph that computes something else.
+    assert all(n <= max(1, b // 8) for (_, b), n in differing.items()), differing
 
 
 def test_compiled_decode_steps_give_generate_tokens() -> None:
