@@ -178,9 +178,12 @@ def test_a_second_thread_switches_guarded_outputs_to_copies() -> None:
     assert replayer.shared
     in_use[0] = False
     out = call_from_thread(replayer)
-    assert isinstance(out, torch.Tensor)  # a copy, owned by the caller
+    # A copy of the static output, owned by the caller: the same values, not the same memory.
+    assert isinstance(out, torch.Tensor) and torch.equal(out, replayer.output)
+    assert out.data_ptr() != replayer.output.data_ptr()
     again = replayer.call([x], (x,), {})
     assert isinstance(again, torch.Tensor) and again is not out  # the first thread: copies too
+    assert torch.equal(again, replayer.output) and again.data_ptr() != out.data_ptr()
 
 
 def test_random_draws_are_seen_by_the_loop_check() -> None:
