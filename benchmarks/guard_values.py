@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 import cudagraphs as cg
-from cudagraphs.core.read_values import ValueWatch
+from cudagraphs.core.python_values import ValueWatch
 from cudagraphs.tools.workloads import MODELS
 
 

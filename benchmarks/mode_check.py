@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from cudagraphs.core.modes import Modes
-from cudagraphs.core.replayer import Counters, Replayer
-from cudagraphs.core.tree import Signature
+from cudagraphs.core.guards import Modes
+from cudagraphs.core.replay import Counters, Replayer
+from cudagraphs.core.signature import Signature
 
 
 def per_call_ns(fn: Any, calls: int = 20000, rounds: int = 15) -> float:

@@ -20,8 +20,8 @@ import torch
 from rich.console import Console
 
 import cudagraphs as cg
-from cudagraphs.core.addresses import AddressCheck
-from cudagraphs.core.copy_nodes import native_edits
+from cudagraphs.core.guards import AddressCheck
+from cudagraphs.core.launch import native_edits
 from cudagraphs.tools.timing import Timing, measure_side_by_side
 from cudagraphs.tools.workloads import MODELS, hand_written_graph
 

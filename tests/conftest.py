@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from typing import Any
 
 import optree
@@ -18,9 +19,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cudagraphs as cg
-from cudagraphs.core import recorder as capture_module
-from cudagraphs.core.tree import NAMESPACE
-from cudagraphs.core.written_state import WriteRecorder
+from cudagraphs.core import capture as capture_module
+from cudagraphs.core.signature import NAMESPACE
+from cudagraphs.core.writes import WriteRecorder
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -124,14 +125,24 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
         return 0.0
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(capture_module, "graphable", lambda t: True)
+    _replace_everywhere(monkeypatch, "graphable", lambda t: True)
     monkeypatch.setattr(cg.Pool, "handle", property(lambda self: (0, 0)))
     monkeypatch.setattr(torch.cuda, "device", lambda _: contextlib.nullcontext())
-    monkeypatch.setattr(capture_module, "default_stream", lambda _: _NoStream())
-    monkeypatch.setattr(capture_module, "warm_up", warm_up)
+    _replace_everywhere(monkeypatch, "default_stream", lambda _: _NoStream())
+    _replace_everywhere(monkeypatch, "warm_up", warm_up)
     monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: _NoStream())
-    monkeypatch.setattr(capture_module, "capture", capture)
+    _replace_everywhere(monkeypatch, "capture_call", capture)
+
+
+def _replace_everywhere(monkeypatch: pytest.MonkeyPatch, name: str, fake: Any) -> None:
+    """Replace a function of the core's capture module, and every binding of it that another
+    module of the library imported by name (the training layer takes ``warm_up`` from the
+    core's front door)."""
+    real = getattr(capture_module, name)
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("cudagraphs") and getattr(module, name, None) is real:
+            monkeypatch.setattr(module, name, fake)
 
 
 @pytest.fixture(autouse=True)

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cudagraphs.core import addresses
-from cudagraphs.core.addresses import AddressCheck
+from cudagraphs.core import guards
+from cudagraphs.core.guards import AddressCheck
 
 
 def _tensors(n: int = 6) -> list[torch.Tensor]:
@@ -24,14 +24,14 @@ def _tensors(n: int = 6) -> list[torch.Tensor]:
 @pytest.fixture(params=["native", "fallback"])
 def make(request):
     native = request.param == "native"
-    if native and addresses.compiled_module() is None:
-        pytest.skip(f"no compiled check here: {addresses._failure}")
+    if native and guards.compiled_module() is None:
+        pytest.skip(f"no compiled check here: {guards._failure}")
     return lambda tensors: AddressCheck(tensors, native=native)
 
 
 def test_compiled_loop_is_built_at_install_where_a_compiler_exists():
     # CI installs with g++ and Python.h present; a silent fallback would hide a slow guard.
-    assert addresses.compiled_module() is not None, addresses._failure
+    assert guards.compiled_module() is not None, guards._failure
     assert AddressCheck(_tensors()).backend == "compiled"
 
 
@@ -92,9 +92,9 @@ def test_moved_is_exactly_the_moved_set(n, data):
 
 
 def test_compiled_loop_rejects_bad_arguments():
-    module = addresses.compiled_module()
+    module = guards.compiled_module()
     if module is None:
-        pytest.skip(f"no compiled check here: {addresses._failure}")
+        pytest.skip(f"no compiled check here: {guards._failure}")
     assert module.same(("not a tensor",), bytes(8)) is False
     # A tensor without storage makes PyTorch's reader throw; the loop must answer, not crash.
     assert module.same((torch.randn(4, 4).to_sparse(),), bytes(8)) is False
@@ -106,7 +106,7 @@ def test_compiled_loop_rejects_bad_arguments():
 
 def _backend_in_fresh_process(**env: str) -> str:
     code = (
-        "import torch; from cudagraphs.core.addresses import AddressCheck; "
+        "import torch; from cudagraphs.core.guards import AddressCheck; "
         "print(AddressCheck([torch.zeros(1)]).backend)"
     )
     result = subprocess.run(
@@ -129,7 +129,7 @@ def _backend_in_fresh_process(**env: str) -> str:
 )
 def test_falls_back_without_the_compiled_loop(code):
     program = (
-        f"{code}; import torch; from cudagraphs.core.addresses import AddressCheck; "
+        f"{code}; import torch; from cudagraphs.core.guards import AddressCheck; "
         "print(AddressCheck([torch.zeros(1)]).backend)"
     )
     result = subprocess.run(
@@ -154,7 +154,7 @@ def test_a_library_planted_in_a_shared_folder_is_never_loaded(tmp_path):
         "import sys, torch\n"
         "seen = []\n"
         "sys.addaudithook(lambda event, args: seen.append(repr(args)))\n"
-        "from cudagraphs.core.addresses import AddressCheck, compiled_module\n"
+        "from cudagraphs.core.guards import AddressCheck, compiled_module\n"
         "check = AddressCheck([torch.zeros(1)])\n"
         "module = compiled_module()\n"
         "print(check.backend, getattr(module, '__file__', None))\n"
@@ -173,18 +173,18 @@ def test_a_library_planted_in_a_shared_folder_is_never_loaded(tmp_path):
     backend, _, where = backend_line.partition(" ")
     assert touched == "False", "a planted path was opened or imported"
     if backend == "compiled":  # from the installed package, nowhere else
-        assert where.startswith(os.path.dirname(addresses.__file__)), where
+        assert where.startswith(os.path.dirname(guards.__file__)), where
 
 
 @pytest.mark.parametrize("native", [True, False])
 def test_one_check_covers_modes_entries_and_addresses(native: bool) -> None:
     # The guard's whole check in one call (compiled where built, else Python): the same answers.
-    if native and addresses.compiled_module() is None:
-        pytest.skip(f"no compiled check here: {addresses._failure}")
+    if native and guards.compiled_module() is None:
+        pytest.skip(f"no compiled check here: {guards._failure}")
     tensors = [torch.randn(3), torch.randn(2)]
     module = torch.nn.Linear(2, 2).eval()
     slots = {"weight": tensors[0]}
-    check = addresses.AddressCheck(tensors, native=native).with_modes(
+    check = guards.AddressCheck(tensors, native=native).with_modes(
         [module], [module.training], [(slots, (tensors[0],))]
     )
     assert check() is True
@@ -204,9 +204,9 @@ def test_one_check_covers_modes_entries_and_addresses(native: bool) -> None:
 
 
 def test_compiled_unchanged_rejects_bad_arguments() -> None:
-    module = addresses.compiled_module()
+    module = guards.compiled_module()
     if module is None:
-        pytest.skip(f"no compiled check here: {addresses._failure}")
+        pytest.skip(f"no compiled check here: {guards._failure}")
     with pytest.raises(TypeError, match="unchanged"):
         module.unchanged((), b"", (), (), b"")
     with pytest.raises(ValueError, match="one recorded mode per owner"):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cudagraphs.core.failures import classify_failure
-from cudagraphs.core.frames import user_location
+from cudagraphs.core.frames import classify_failure, user_location
 
 
 @pytest.mark.parametrize(

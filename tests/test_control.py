@@ -161,7 +161,7 @@ def test_the_capture_names_its_pool_before_it_begins(monkeypatch) -> None:
     the function fails."""
     import contextlib
 
-    from cudagraphs.core import recorder
+    from cudagraphs.core import capture
     from cudagraphs.core.active_capture import active_capture
 
     events: list[object] = []
@@ -182,7 +182,7 @@ def test_the_capture_names_its_pool_before_it_begins(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 0)
     monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None, raising=False)
-    monkeypatch.setattr(recorder, "_recover", lambda *_: None)
+    monkeypatch.setattr(capture, "_recover", lambda *_: None)
     routing: list[str] = []
     monkeypatch.setattr(
         torch._C, "_cuda_endAllocateToPool", lambda *_: routing.append("end"), raising=False
@@ -202,7 +202,7 @@ def test_the_capture_names_its_pool_before_it_begins(monkeypatch) -> None:
         raise ValueError("the function failed")
 
     with pytest.raises(cg.CaptureError):
-        recorder.capture(
+        capture.capture_call(
             body_then_fail, (), {}, stream=stream, pool=None, capture_error_mode="global"
         )
     assert events == [("begin", (0, 42)), "end"]

@@ -1,4 +1,4 @@
-"""The inputs' copy-in recorded in the graph (core/copy_nodes.py) on a real GPU: every kind of
+"""The inputs' copy-in recorded in the graph (core/launch.py) on a real GPU: every kind of
 input still gives eager's answer, and nothing but a call points a node anywhere."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cudagraphs as cg
-from cudagraphs.core import copy_nodes
+from cudagraphs.core import launch
 from cudagraphs.tools.segment_workloads import DecisionMLP
 
 pytestmark = pytest.mark.cuda
@@ -38,7 +38,7 @@ def test_a_graph_copies_its_inputs_in_itself() -> None:
     torch.testing.assert_close(g(g.inputs[0]).clone(), net(g.inputs[0]), **TOL)
     assert copies.state == [0]  # the buffer itself: nothing to copy
     # On the GPU machine the edits are one C call each, and none of them fell back.
-    assert copy_nodes.native_edits() and copies._edits.native is not None
+    assert launch.native_edits() and copies._edits.native is not None
 
 
 @torch.no_grad()
@@ -104,7 +104,7 @@ def test_segments_copy_their_inputs_in_the_first_graph() -> None:
 def test_without_cuda_bindings_inputs_are_copied_before_the_replay(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(copy_nodes, "cuda_runtime", lambda: None)
+    monkeypatch.setattr(launch, "cuda_runtime", lambda: None)
     net = model()
     g = cg.graph(net, rand(4, 8))
     assert g.replayer.copies is None

@@ -14,7 +14,7 @@ from ports import free_port
 from torch import nn
 
 import cudagraphs as cg
-from cudagraphs.core.replayer import wait_for_replay
+from cudagraphs.core.replay import wait_for_replay
 from cudagraphs.training.distributed import DDP_WARMUP, checked_warmup
 
 

@@ -16,10 +16,10 @@ from stateful_models import Counting, Flipping
 from torch import nn
 
 import cudagraphs as cg
-from cudagraphs.core.draws import RandomDraws
-from cudagraphs.core.python_state import Snapshot
-from cudagraphs.core.replayer import Counters, OutputsInUse, Replayer
-from cudagraphs.core.tree import Signature
+from cudagraphs.core.python_values import PythonSnapshot as Snapshot
+from cudagraphs.core.python_values import RandomDraws
+from cudagraphs.core.replay import Counters, OutputsInUse, Replayer
+from cudagraphs.core.signature import Signature
 
 
 def mlp() -> nn.Module:

@@ -275,7 +275,7 @@ def test_the_patch_check_sees_a_patch() -> None:
 
 
 def test_the_core_alone_refuses_verification_instead_of_skipping_it() -> None:
-    from cudagraphs.core.diagnostics import Diagnostics
+    from cudagraphs.core import Diagnostics
 
     Diagnostics().verify(object(), 0)  # nothing asked, nothing done
     with pytest.raises(cg.ConfigError, match="verifier is not loaded"):
@@ -298,24 +298,65 @@ def _public(module: str) -> set[str] | None:
     return set()
 
 
-def core_surface_violations() -> list[str]:
-    """Names an add-on imports from a core module that the module does not list in
-    ``__all__`` (the core's public surface)."""
+def core_surface_violations(modules: dict[str, Path] | None = None) -> list[str]:
+    """Imports from the core by a module outside it that do not go through the front door
+    (``from cudagraphs.core import name``, ``name`` in ``core/__init__``'s ``__all__``): a
+    ``cudagraphs.core.<module>`` import, or a name the front door does not list."""
+    modules = _modules() if modules is None else modules
+    public = _public("cudagraphs.core.__init__") or set()
     offenders = []
-    for name, path in _modules().items():
-        if _layer(name) not in ADD_ONS:
+    for name, path in modules.items():
+        if name.startswith("cudagraphs.core."):
             continue
         for module, names in _imports(name, path):
-            if _layer(module) not in CORE or (public := _public(module)) is None:
-                continue
-            offenders += [f"{name}: from {module} import {n}" for n in names if n not in public]
+            if module.startswith("cudagraphs.core."):
+                offenders.append(f"{name}: imports {module}")
+            elif module == "cudagraphs.core":
+                offenders += [
+                    f"{name}: from cudagraphs.core import {n}" for n in names if n not in public
+                ]
     return offenders
 
 
-def test_add_ons_use_only_the_cores_public_surface() -> None:
-    """``training``, ``control``, ``serve``, ``integrations``, ``diagnose`` and ``tools`` build
-    on what the core's modules export (``__all__``), never on their internals."""
+def test_other_packages_use_only_the_cores_front_door() -> None:
+    """Every package outside the core imports from ``cudagraphs.core`` and only the names its
+    ``__all__`` declares, never from the core's modules."""
     assert core_surface_violations() == []
+
+
+def test_the_front_door_check_sees_a_module_import(tmp_path: Path) -> None:
+    """The check above is not vacuous: a planted import of a core module, and of a name the
+    front door does not declare, are both found."""
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        "from ..core.capture import warm_up\nfrom ..core import Replayer\nfrom ..core import eager\n"
+    )
+    found = core_surface_violations({"cudagraphs.shapes.planted": planted})
+    assert found == [
+        "cudagraphs.shapes.planted: imports cudagraphs.core.capture",
+        "cudagraphs.shapes.planted: from cudagraphs.core import Replayer",
+    ]
+
+
+def test_the_core_has_at_most_16_modules_and_a_front_door() -> None:
+    core = [p for p in (SRC / "core").glob("*.py")]
+    assert len(core) <= 16, sorted(p.name for p in core)
+    public = _public("cudagraphs.core.__init__")
+    assert public and all(hasattr(__import__("cudagraphs.core").core, n) for n in public)
+
+
+def core_import_edges() -> int:
+    """Import edges between the core's modules (the figure DESIGN.md gives)."""
+    modules = {n: p for n, p in _modules().items() if n.startswith("cudagraphs.core.")}
+    edges = set()
+    for name, path in modules.items():
+        if name.endswith("__init__"):
+            continue
+        for module, names in _imports(name, path):
+            for target in (module, *(f"{module}.{n}" for n in names)):
+                if target in modules and target != name:
+                    edges.add((name, target))
+    return len(edges)
 
 
 def test_importing_the_package_without_numpy_prints_nothing() -> None:

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import cudagraphs as cg
-from cudagraphs.core.replayer import Counters, Replayer
-from cudagraphs.core.tree import Signature
+from cudagraphs.core.replay import Counters, Replayer
+from cudagraphs.core.signature import Signature
 
 
 def test_flat_fast_path_copies_checks_and_replays(stand_in: None) -> None:
@@ -269,7 +269,7 @@ def test_the_previous_outputs_are_marked_dead_after_the_launch(
 def test_a_copy_node_takes_only_tensors_whose_bytes_are_their_values() -> None:
     """The check the call makes before pointing a copy node at a tensor (the nodes themselves
     need a GPU; the check is plain tensor metadata)."""
-    from cudagraphs.core.copy_nodes import CopyNodes
+    from cudagraphs.core.launch import CopyNodes
 
     buf = torch.zeros(4, 8)
     nodes = CopyNodes.__new__(CopyNodes)  # the check reads only the buffer's address and size

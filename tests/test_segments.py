@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import cudagraphs as cg
-from cudagraphs.core.splitter import is_eager
+from cudagraphs.core.segments import is_eager
 from cudagraphs.tools.segment_workloads import DecisionMLP, RoutedModel, flip_if_above
 
 cpu_quiet = pytest.mark.filterwarnings("ignore::cudagraphs.CudaGraphsWarning")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import cudagraphs as cg
-from cudagraphs.core.tree import Signature, flatten, leaf_paths, same_value
+from cudagraphs.core.signature import Signature, flatten, leaf_paths, same_value
 
 
 def sig(*args: object, **kwargs: object) -> Signature:

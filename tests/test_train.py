@@ -67,7 +67,7 @@ def test_train_step_decorator_form_and_repr() -> None:
         return loss
 
     assert isinstance(step, cg.TrainStep)
-    assert "SGD" in repr(step) and step.eager_warmups_left == 2
+    assert "SGD" in repr(step) and step.warmups_left == step.warmup == 2
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cudagraphs as cg
-from cudagraphs.core.tree import Signature
+from cudagraphs.core.signature import Signature
 
 shapes = st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple)
 tensors = shapes.map(lambda s: torch.randn(s))

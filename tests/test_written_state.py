@@ -19,9 +19,8 @@ from torch._dynamo.testing import CompileCounter
 
 import cudagraphs as cg
 from cudagraphs.core.guards import AddressGuard
-from cudagraphs.core.reach import reachable_tensors
-from cudagraphs.core.side_effects import SideEffects
-from cudagraphs.core.written_state import Snapshot, WriteRecorder
+from cudagraphs.core.writes import SideEffects, WriteRecorder, reachable_tensors
+from cudagraphs.core.writes import TensorSnapshot as Snapshot
 
 
 class ToyCache:

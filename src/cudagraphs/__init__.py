@@ -23,10 +23,7 @@ with warnings.catch_warnings():
 
 from .api import graph
 from .control.flow import cond, while_loop
-from .core.graphed import Graphed, State
-from .core.pool import Pool
-from .core.splitter import eager
-from .core.stats import Stats
+from .core import Graphed, Pool, State, Stats, eager
 from .diagnose.doctor import Finding, Report, doctor
 from .errors import (
     BatcherClosed,

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .core import diagnostics
-from .core.graphed import Graphed
+from .core import Graphed, install_diagnostics
 from .diagnose.hooks import LibraryDiagnostics
 from .errors import ConfigError, explain
 from .options import Options, split_options
@@ -17,7 +16,7 @@ from .shapes.spec import BUCKET_OPTIONS, Buckets
 __all__ = ["graph"]
 
 # The core never imports the diagnostics; this layer hands them to it.
-diagnostics.install(LibraryDiagnostics())
+install_diagnostics(LibraryDiagnostics())
 
 
 def graph(

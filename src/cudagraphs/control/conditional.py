@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from ..core import compat
-from ..core.active_capture import active_capture
+from ..core import active_capture, compat
 from ..errors import CaptureError, ConditionalNodesUnavailable, explain
 from . import kernels
 

@@ -30,8 +30,7 @@ from typing import Any
 import optree
 import torch
 
-from ..core.draws import RandomDraws
-from ..core.tree import NAMESPACE
+from ..core import NAMESPACE, RandomDraws
 from ..errors import ConfigError, InputMismatchError, RandomInLoopError, explain
 from ..options import check_positive_int
 from . import conditional

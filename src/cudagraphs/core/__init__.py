@@ -1,4 +1,94 @@
-"""The core: signature, warm-up and capture, the one replay path, outputs, guards, state.
+"""The core: a graph's life from signature to replay, and the guards around it.
+
+Other packages import from here only (this module's ``__all__`` is the core's surface); the
+modules inside follow a graph's life, lower layers first:
+
+- ``compat``: the one doorway to PyTorch's private names;
+- ``signature``: the call's pytree layout and the per-call input check;
+- ``frames``: where in the user's code something happened, and why captures fail;
+- ``active_capture``, ``collectives``: the capture this thread is recording, and collectives;
+- ``writes``: tensors a function writes outside its inputs (found, restored, refused);
+- ``guards``: what a replay checks first: modes, gradients, tensors read by address;
+- ``python_values``: Python values a capture must not freeze, and the ones it read;
+- ``launch``: launching a recording, and the input copies recorded into it;
+- ``segments``: recordings split around eager steps;
+- ``replay``: the one replay path and the output policies;
+- ``capture``: warm-up, record, and the assembly of a ready replay path;
+- ``stats``, ``graphed``: the graphed callable's state machine, its pool and its numbers.
 
 Nothing here imports the diagnostics, the shapes layer, training or the tools.
 """
+
+from . import compat
+from .active_capture import active_capture
+from .capture import capture_call, default_stream, warm_up
+from .frames import (
+    LIBRARY_SETTING,
+    callable_name,
+    is_torch_file,
+    library_setting,
+    user_frame,
+    user_location,
+    user_stacklevel,
+)
+from .graphed import Diagnostics, Graphed, Pool, State, install_diagnostics
+from .guards import AddressGuard, closure_tensors, modules_of
+from .python_values import PythonSnapshot, RandomDraws, Reader
+from .replay import OutputsInUse
+from .segments import Segments, current_eager_step, eager
+from .signature import NAMESPACE, Signature, flatten, leaf_paths, same_value
+from .stats import Stats
+from .writes import (
+    RngState,
+    SideEffects,
+    TensorSnapshot,
+    Written,
+    named_roots,
+    reachable_tensors,
+    storage_key,
+    written_arguments,
+)
+
+__all__ = [
+    "LIBRARY_SETTING",
+    "NAMESPACE",
+    "AddressGuard",
+    "Diagnostics",
+    "Graphed",
+    "OutputsInUse",
+    "Pool",
+    "PythonSnapshot",
+    "RandomDraws",
+    "Reader",
+    "RngState",
+    "Segments",
+    "SideEffects",
+    "Signature",
+    "State",
+    "Stats",
+    "TensorSnapshot",
+    "Written",
+    "active_capture",
+    "callable_name",
+    "capture_call",
+    "closure_tensors",
+    "compat",
+    "current_eager_step",
+    "default_stream",
+    "eager",
+    "flatten",
+    "install_diagnostics",
+    "is_torch_file",
+    "leaf_paths",
+    "library_setting",
+    "modules_of",
+    "named_roots",
+    "reachable_tensors",
+    "same_value",
+    "storage_key",
+    "user_frame",
+    "user_location",
+    "user_stacklevel",
+    "warm_up",
+    "written_arguments",
+]

@@ -1,5 +1,5 @@
 // The host-side work in front of every replay that is worth a C call: the address check the
-// guard runs (see addresses.py), one C call over a tuple of tensors against a packed array of
+// guard runs (see guards.py), one C call over a tuple of tensors against a packed array of
 // addresses (in `unchanged`, also the modules' train/eval modes and the identity of their
 // parameter, buffer and child entries); the edits of the inputs' copy nodes; and the graph's
 // launch itself. Built at install time (setup.py, an optional extension: without a compiler
@@ -123,7 +123,7 @@ static PyObject* unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 
-// Edits of an instantiated graph's copy node (see copy_nodes.py), through function pointers to
+// Edits of an instantiated graph's copy node (see launch.py), through function pointers to
 // the CUDA runtime that PyTorch loaded, handed in from Python; both return the cudaError_t.
 // The signatures are the runtime's stable ABI:
 //   cudaGraphExecMemcpyNodeSetParams1D(exec, node, dst, src, count, kind)
@@ -206,8 +206,8 @@ static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs
 }
 
 // values_same(held: tuple of (dict, key, value)) -> bool: each dict still holds, under its
-// key, the very object recorded or an equal one of the same type (tree.same_value's rule).
-// The plain Python values a recording read (read_values.py), checked before every replay.
+// key, the very object recorded or an equal one of the same type (signature.same_value's rule).
+// The plain Python values a recording read (python_values.py), checked before every replay.
 static PyObject* values_same(PyObject*, PyObject* held) {
   if (!PyTuple_Check(held)) {
     PyErr_SetString(PyExc_TypeError, "values_same(held: tuple of (dict, key, value))");
@@ -233,7 +233,7 @@ static PyObject* values_same(PyObject*, PyObject* held) {
     int equal = PyObject_RichCompareBool(now, value, Py_EQ);
     Py_DECREF(now);
     if (equal < 0) {
-      PyErr_Clear();  // a value whose == fails is not the same value (tree.same_value)
+      PyErr_Clear();  // a value whose == fails is not the same value (signature.same_value)
       Py_RETURN_FALSE;
     }
     if (!equal) Py_RETURN_FALSE;

@@ -1,6 +1,6 @@
-"""The capture in progress in this thread, as code recorded inside it sees it.
+"""[active_capture] The capture in progress in this thread, as code recorded inside it sees it.
 
-:func:`cudagraphs.core.recorder.capture` sets it for the duration of one recording; code that
+:func:`cudagraphs.core.capture.capture_call` sets it for the duration of one recording; code that
 adds to that recording from inside (a conditional node's body, recorded on a stream of its own)
 reads it to allocate from the same memory pool.
 """

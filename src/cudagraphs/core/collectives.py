@@ -1,4 +1,4 @@
-"""Collectives inside a graph: what each rank recorded, compared across ranks before replay.
+"""[collectives] Collectives inside a graph: what each rank recorded, compared across ranks before replay.
 
 A graph that contains collectives (an all-reduce of gradients, a tensor-parallel all-reduce)
 must contain the same ones, in the same order, with the same sizes and dtypes, on every rank:

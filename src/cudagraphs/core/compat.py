@@ -1,4 +1,4 @@
-"""The one doorway to PyTorch's private names.
+"""[compat] The one doorway to PyTorch's private names.
 
 Everything here is a name PyTorch does not promise to keep. Each is used only through this
 module (``tests/test_layers.py`` fails on a private torch name anywhere else), each has a
@@ -15,17 +15,15 @@ from typing import Any
 
 import torch
 
-from ..errors import CudaGraphsError, explain
-
 __all__ = [
     "OPS_DISPATCH_MODE",
     "allocating_in_pool",
     "aot_compiler",
-    "compile_modes",
     "begin_allocate_to_pool",
     "clear_cublas_workspaces",
     "clear_dynamic_marks",
     "compile_cache",
+    "compile_modes",
     "current_stream_reader",
     "declare_amp_scaling",
     "end_allocate_to_pool",
@@ -43,7 +41,6 @@ __all__ = [
     "op_name",
     "op_returns_alias",
     "op_schema_arguments",
-    "op_writes",
     "release_pool",
     "routes_allocations_to_pools",
     "share_module_state",
@@ -58,23 +55,13 @@ __all__ = [
 _C: Any = torch._C
 
 
-def _missing(name: str, purpose: str) -> CudaGraphsError:
-    return CudaGraphsError(
-        explain(
-            f"this PyTorch ({torch.__version__}) has no {name}",
-            f"cudagraphs uses it to {purpose}",
-            "install a PyTorch release cudagraphs supports (2.11 or newer)",
-        )
-    )
-
-
 def version(value: Any) -> int:
     """A tensor's version counter: bumped by every in-place write (how writes by compiled
     kernels, which no dispatch mode sees, are noticed)."""
     return value._version
 
 
-# --- the global modes a recording freezes (modes.py) ------------------------------------------
+# --- the global modes a recording freezes (guards.py) ------------------------------------------
 
 
 class _PythonStateGuard:
@@ -115,7 +102,7 @@ def torch_function_enabled() -> bool:
     return bool(check()) if check is not None else True
 
 
-# --- guarded outputs (outputs.py) -------------------------------------------------------------
+# --- guarded outputs (replay.py) -------------------------------------------------------------
 
 
 def guarded_storage(data_ptr: int, device: torch.device, nbytes: int) -> Any:
@@ -151,7 +138,7 @@ def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
 
 
 def new_graph(*, keep: bool = False) -> torch.cuda.CUDAGraph:
-    """A CUDA graph; ``keep``: its template stays after instantiation (copy_nodes.py edits
+    """A CUDA graph; ``keep``: its template stays after instantiation (launch.py edits
     nodes of the instantiated graph, found through the template)."""
     return torch.cuda.CUDAGraph(keep_graph=True) if keep else torch.cuda.CUDAGraph()
 
@@ -175,7 +162,7 @@ def share_module_state(view: torch.nn.Module, module: torch.nn.Module) -> None:
         object.__setattr__(view, name, getattr(module, name))
 
 
-# --- capture (recorder.py, active_capture.py) -------------------------------------------------
+# --- capture (capture.py, active_capture.py) -------------------------------------------------
 
 
 def clear_cublas_workspaces() -> None:
@@ -213,7 +200,7 @@ def routes_allocations_to_pools() -> bool:
     return hasattr(_C, "_cuda_beginAllocateToPool")
 
 
-# --- the address check (addresses.py) ---------------------------------------------------------
+# --- the address check (guards.py) ---------------------------------------------------------
 
 
 def tensor_address_reader() -> int | None:
@@ -252,7 +239,7 @@ def tensors_at_addresses(
     return functools.partial(equal, list(tensors), list(ptrs), list(range(len(tensors))))
 
 
-# --- ops as the dispatcher sees them (written_state.py, diagnose/watches.py) ---------------------
+# --- ops as the dispatcher sees them (writes.py, diagnose/watches.py) ---------------------
 
 
 def op_name(func: Any) -> str:
@@ -273,15 +260,6 @@ def op_argument_names(func: Any) -> list[str]:
 def op_argument_defaults(func: Any) -> dict[str, Any]:
     """The default values of an op's arguments that have one."""
     return {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
-
-
-def op_writes(func: Any) -> list[tuple[int, str]]:
-    """``(position, name)`` of the arguments an op's schema marks as written."""
-    return [
-        (i, a.name)
-        for i, a in enumerate(func._schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
 
 
 def op_returns_alias(func: Any) -> bool:

@@ -1,20 +1,27 @@
-"""The graphed callable and its state machine.
+"""The graphed callable: its state machine, its memory pool, and the diagnostics it calls.
 
 ::
 
     cg.graph(fn, *examples):  warm-up on the examples (state restored) -> capture -> CAPTURED
     cg.graph(fn) / @cg.graph: LAZY --the first `warmup` calls: real, eager--> capture on the
                               next call, which is answered by its own replay -> CAPTURED
-    CAPTURED --call--> check, copy-in, replay, invalidate the previous outputs, write-back, outputs
-       |  guard: a tensor read by address moved -> capture again
+    CAPTURED --call--> guard, check, copy-in, replay, invalidate old outputs, outputs
+       |  guard: a tensor read by address moved, or a Python value the capture read
+       |  changed -> capture again (or StaleGraphError with on_stale="raise")
     no CUDA / CPU inputs / failed capture with fallback="eager" -> EAGER (same checks, runs fn)
 
 Every call runs the function exactly once (a replay or an eager call), and the library's own
 runs (warm-up on the examples, recaptures) leave module buffers, caches and RNG states as they
-found them (``side_effects``). Calls are serialized by a lock, so threads never mix results.
+found them (:mod:`~cudagraphs.core.writes`). Calls are serialized by a lock, so threads never
+mix results.
 
-``Graphed.__call__`` on a captured graph is the hottest code in the project: everything it
-needs is precomputed at capture, and positional-only calls skip pytree flattening.
+``Graphed.__call__`` on a captured graph is the hottest code in the project: the guard is one C
+call, everything else it needs was precomputed at capture, and a call of positional leaves goes
+straight to :meth:`~cudagraphs.core.replay.Replayer.call` without pytree flattening.
+
+The core never imports the doctor or the verifier: the API layer hands it an object with the
+two methods of :class:`Diagnostics` once (:func:`install_diagnostics`). Without it a capture
+error carries no doctor findings, and a requested verification is refused (not skipped).
 """
 
 from __future__ import annotations
@@ -24,35 +31,33 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import optree
 import torch
 
-from ..errors import (
-    CaptureError,
-    Notices,
-    StaleGraphError,
-    VerificationError,
-    explain,
-)
+from ..errors import CaptureError, ConfigError, Notices, StaleGraphError, VerificationError, explain
 from ..options import Options
-from . import diagnostics, recorder, runs
-from .entry import Entry
+from . import capture
 from .frames import callable_name, user_stacklevel
-from .guards import AddressGuard, closure_tensors, modules_of
-from .modes import Modes, outputs_needing_gradients, refuse_gradients
-from .outputs import detach_outputs
-from .read_values import ValueWatch
-from .replayer import Counters, Replayer
-from .segments import describe, print_segments
+from .guards import (
+    AddressGuard,
+    closure_tensors,
+    modules_of,
+    outputs_needing_gradients,
+    refuse_gradients,
+)
+from .python_values import ValueWatch
+from .replay import Counters, OutputsInUse, Replayer
+from .segments import describe_segments, print_segments
+from .signature import NAMESPACE, Signature
 from .stats import Costs, Stats, snapshot
-from .tree import NAMESPACE, Signature
 
-__all__ = ["Graphed", "State"]
+__all__ = ["Diagnostics", "Graphed", "Pool", "State", "install_diagnostics"]
 
 log = logging.getLogger("cudagraphs")
 R = TypeVar("R")
+_NO_KWARGS: dict[str, Any] = {}  # read only: what a positional call's explanation is given
 
 
 class State(enum.Enum):
@@ -61,7 +66,7 @@ class State(enum.Enum):
     EAGER = "eager"  # pass-through: no CUDA, CPU inputs, or a failed capture with fallback
 
 
-class Graphed(Entry[R]):
+class Graphed(Generic[R]):
     """A function captured into a CUDA graph (or, without CUDA, run eagerly with the same checks).
 
     Create with :func:`cudagraphs.graph`. Call it like the function. Attributes:
@@ -74,10 +79,14 @@ class Graphed(Entry[R]):
     - ``pool``: the graph's memory pool handle, to share with another capture
     - ``state_writes``: names of the tensors outside the inputs that the function writes (each
       replay repeats those writes; warm-up's were put back)
+    - ``warmup`` / ``warmups_left``: eager runs before a capture; the lazy form spends them on
+      the caller's first calls
     """
 
     # True for a training step (TrainStep): its recording runs its own backward.
     records_gradients = False
+    # False for a training step: its warm-up runs would be optimizer steps.
+    recapture_warms_up = True
 
     def __init__(self, fn: Callable[..., R], options: Options):
         self.fn = fn
@@ -88,24 +97,198 @@ class Graphed(Entry[R]):
         self.inputs: tuple[Any, ...] = ()
         self.input_kwargs: dict[str, Any] = {}
         self.signature: Signature | None = None
+        # The current recording's replay path (None before capture or when eager).
         self.replayer: Replayer | None = None
+        # Checked before each replay (None: nothing read by address, no Python value read).
         self.guard: AddressGuard | None = None
         self._grad_sources: list[torch.Tensor] | None = None  # see gradient_sources()
         self.mutated_inputs: tuple[int, ...] = ()  # leaf indices the function writes in place
         self.state_writes: list[str] = []
         self.device: torch.device | None = None
-        self.eager_warmups_left = options.warmup  # lazy form: real calls before the capture
+        self.warmup = options.warmup
+        self.warmups_left = options.warmup
         # Re-entrant: a server clones an output under it (`with g.lock: y = g(x).clone()`).
         self.lock = threading.RLock()
         self._adopt_inputs = False
         self._counters = Counters()
         self._costs = Costs()
-        self.read_values: list[tuple[str, Any, str, Any]] = []  # see read_values.py
+        self.read_values: list[tuple[str, Any, str, Any]] = []  # see python_values.py
         # Warnings once per cause (shared with the other graphs of a cg.Pool); counted in stats.
         self.notices: Notices = getattr(options.pool, "notices", None) or Notices()
         self._bound: weakref.WeakKeyDictionary[Any, Graphed[Any]] | None = None
         self.__wrapped__ = fn
         self.__doc__ = getattr(fn, "__doc__", None)
+
+    # -- the state machine ----------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> R:
+        with self.lock:
+            try:
+                guard = self.guard
+                if guard is not None and not guard.check() and (reason := guard.stale()):
+                    self._on_stale(reason)  # the common answer, check(), is one C call
+                replayer = self.replayer
+                if (
+                    replayer is not None
+                    and replayer.flat
+                    and len(args) == replayer.n_args
+                    and not kwargs
+                ):
+                    return replayer.call(args, args, _NO_KWARGS)  # positional: no flattening
+                return self._call_general(args, kwargs)
+            except OutputsInUse:
+                return self.answer_eagerly(args, kwargs)
+
+    def _call_general(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        if self.state is State.LAZY:
+            if self.signature is None:
+                self._classify(args, kwargs)
+                if self.state is State.EAGER:
+                    return self._call_general(args, kwargs)
+            else:
+                self.signature.check(args, kwargs)
+            if self.warmups_left > 0:
+                self.warmups_left -= 1
+                return self.eager_warmup_call(args, kwargs)
+            self.initialize(args, kwargs, warmup=0)  # the real calls were the warm-up
+            return self._call_general(args, kwargs)
+        if self.state is State.EAGER:
+            assert self.signature is not None
+            self.signature.check(args, kwargs)
+            self._costs.eager_calls += 1
+            return self.check_output_gradients(self.fn(*args, **kwargs))
+        leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
+        replayer = self.replayer
+        assert replayer is not None
+        if spec != replayer.signature.spec:
+            replayer.explain_mismatch(args, kwargs)
+        return replayer.call(leaves, args, kwargs)
+
+    def initialize(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        warmup: int | None = None,
+        adopt_inputs: bool = False,
+    ) -> None:
+        """Leave LAZY: capture on these example arguments, or become an eager pass-through.
+
+        ``warmup`` eager runs on clones of the examples come first (default: ``self.warmup``),
+        and what they write outside the inputs is put back. ``adopt_inputs``: the example
+        tensors themselves become the static inputs (a layer above owns them, as buckets own
+        views of one buffer) instead of clones.
+        """
+        with self.lock:
+            self._adopt_inputs = adopt_inputs
+            if self.signature is None:
+                self._classify(args, kwargs)
+            if self.state is State.EAGER:
+                return
+            _, leaves = Signature.of_call(args, kwargs)
+            try:
+                self._capture(leaves, warmup=self.warmup if warmup is None else warmup)
+            except CaptureError as error:
+                _installed.explain_capture_error(error, self.fn, args, kwargs)
+                if self.options.fallback == "raise":
+                    raise
+                self._become_eager(str(error), warn=False)
+
+    def _classify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The first call's signature and device: graphable on one CUDA device, or eager."""
+        signature, leaves = Signature.of_call(args, kwargs)
+        self.signature = signature
+        tensors = [leaves[i] for i in signature.tensor_index]
+        placed = capture.place(signature.tensor_paths(), tensors)
+        if isinstance(placed, str):
+            # Buffers of the example's layout so that g(*g.inputs) also works without CUDA.
+            self.inputs, self.input_kwargs = optree.tree_unflatten(
+                signature.spec,
+                [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves],
+            )
+            self._become_eager(placed, warn=True)
+            return
+        self.device = placed
+
+    def _capture(self, leaves: list[Any], *, warmup: int) -> None:
+        """LAZY (or a stale CAPTURED) -> CAPTURED: the assembly is ``capture.capture_graph``."""
+        assert self.signature is not None and self.device is not None
+        self.before_capture()
+        with torch.cuda.device(self.device):
+            made = capture.capture_graph(
+                self.fn, self.signature, leaves, self.options, device=self.device,
+                warmup=warmup, settled=not warmup and self.warmups_left < self.warmup,
+                adopt_inputs=self._adopt_inputs, counters=self._counters,
+                grad_sources=None if self.records_gradients else self.gradient_sources(),
+            )  # fmt: skip
+        run = made.run
+        self._costs.record_capture(run, static_input_bytes=made.static_input_bytes)
+        self.read_values = run.values
+        if run.written.names:
+            self.state_writes = run.written.names
+        self.pool = run.recording.graph.pool()
+        self.inputs, self.input_kwargs = made.inputs, made.input_kwargs
+        self.replayer = made.replayer
+        self.mutated_inputs = tuple(run.mutated)
+        self.guard = self.make_guard() if self.options.guard == "replay" else None
+        self.state = State.CAPTURED
+        if self.options.verify:
+            try:
+                _installed.verify(self, self.options.verify)
+            except VerificationError:
+                # Never keep a graph that differs from eager: a later call captures (and
+                # verifies) again rather than replaying this one.
+                self.state, self.replayer, self.guard = State.LAZY, None, None
+                self.pool = self.options.pool  # that pool went with its graph
+                self.warmups_left = 0
+                raise
+
+    def _on_stale(self, reason: str) -> None:
+        """A guarded tensor moved or a read value changed: raise, or capture again on the
+        current static inputs."""
+        if self.options.on_stale == "raise":
+            raise StaleGraphError(
+                explain(
+                    f"{callable_name(self.fn)}: {reason} since the graph was captured",
+                    "the recording reads every tensor at the address it had at capture, and "
+                    "every Python value as it was then, so a replay would silently compute "
+                    "with the old ones",
+                    "update tensors in place (load_state_dict, param.copy_(...)) and leave the "
+                    "values alone to keep the graph, or pass on_stale='recapture' to capture "
+                    "again automatically",
+                )
+            )
+        self.notices.warn(
+            f"capturing again: {_cause(reason)}",
+            f"cudagraphs: {callable_name(self.fn)}: {reason}; capturing again (shown once; "
+            "stats.notices counts each time)",
+            logger=log,
+        )
+        old = self.replayer
+        assert old is not None
+        old.release_outputs()
+        leaves, _ = optree.tree_flatten((self.inputs, self.input_kwargs), namespace=NAMESPACE)
+        self.replayer = None
+        # The old recording lives until the new one is made: it holds the memory pool, which
+        # the new capture reuses; a pool whose last graph is gone cannot be captured into.
+        self._capture(leaves, warmup=self.warmup if self.recapture_warms_up else 0)
+        del old
+        self._costs.recaptures += 1
+
+    def _become_eager(self, reason: str, *, warn: bool) -> None:
+        self.state = State.EAGER
+        self.fallback_reason = reason
+        if warn:  # once per cause, for all the graphs of a pool (a decoder's rungs)
+            self.notices.warn(
+                f"runs eagerly: {reason}",
+                f"cudagraphs: {reason}; {callable_name(self.fn)} runs eagerly (same signature "
+                "checks, no graph). Graphs need CUDA tensors on a CUDA machine.",
+                stacklevel=user_stacklevel(),
+            )
+        else:
+            log.warning("cudagraphs: running %s eagerly: %s", callable_name(self.fn), reason)
+
+    # -- for the layers above (buckets, training steps) -----------------------------------
 
     @property
     def graph(self) -> Any:
@@ -115,7 +298,7 @@ class Graphed(Entry[R]):
 
     def enter_replay(self, leaves: Sequence[Any]) -> None:
         """Before a layer above (buckets) writes the static inputs: the checks every replay
-        makes first (modes, gradients, thread; ``replayer.OutputsInUse`` means: answer this
+        makes first (modes, gradients, thread; ``replay.OutputsInUse`` means: answer this
         call eagerly). Then :meth:`replay_static`. Hold ``lock`` around all of it."""
         self.replayer.enter(leaves)  # type: ignore[union-attr]
 
@@ -146,7 +329,7 @@ class Graphed(Entry[R]):
 
     def answer_eagerly(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
         """Answer one call by running ``fn`` eagerly: another thread still holds outputs of
-        the graph, which a replay would overwrite (``replayer.OutputsInUse``)."""
+        the graph, which a replay would overwrite (``replay.OutputsInUse``)."""
         assert self.signature is not None
         self.signature.check(args, kwargs)
         self._costs.eager_calls += 1
@@ -162,69 +345,13 @@ class Graphed(Entry[R]):
         self._on_stale(reason)
         return True
 
-    def _on_stale(self, reason: str) -> None:
-        """A guarded tensor moved: raise, or capture again on the current static inputs."""
-        if self.options.on_stale == "raise":
-            raise StaleGraphError(
-                explain(
-                    f"{callable_name(self.fn)}: {reason} since the graph was captured",
-                    "the recording reads every tensor at the address it had at capture, so a "
-                    "replay would silently compute with the old memory",
-                    "update tensors in place (load_state_dict, param.copy_(...)) to keep the "
-                    "graph, or pass on_stale='recapture' to capture again automatically",
-                )
-            )
-        self.notices.warn(
-            f"capturing again: {_cause(reason)}",
-            f"cudagraphs: {callable_name(self.fn)}: {reason}; capturing again (shown once; "
-            "stats.notices counts each time)",
-            logger=log,
-        )
-        assert self.signature is not None and self.device is not None and self.replayer
-        old = self.replayer
-        old.release_outputs()
-        leaves, _ = optree.tree_flatten((self.inputs, self.input_kwargs), namespace=NAMESPACE)
-        self.replayer = None
-        # The old recording lives until the new one is made: it holds the memory pool, which
-        # the new capture reuses; a pool whose last graph is gone cannot be captured into.
-        with torch.cuda.device(self.device):
-            self._capture(self.signature, leaves, self.device, warmup=self.recapture_warmup)
-        del old
-        self._costs.recaptures += 1
-
-    def _call_general(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
-        state = self.state
-        if state is State.LAZY:
-            if self.signature is None:
-                self._classify(args, kwargs)
-                if self.state is State.EAGER:
-                    return self._call_general(args, kwargs)
-            else:
-                self.signature.check(args, kwargs)
-            if self.eager_warmups_left > 0:
-                self.eager_warmups_left -= 1
-                return self.eager_warmup_call(args, kwargs)
-            self.initialize(args, kwargs, warmup=0)
-            return self._call_general(args, kwargs)
-        if state is State.EAGER:
-            assert self.signature is not None
-            self.signature.check(args, kwargs)
-            self._costs.eager_calls += 1
-            return self.check_output_gradients(self.fn(*args, **kwargs))
-        leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
-        replayer = self.replayer
-        assert replayer is not None
-        if spec != replayer.signature.spec:
-            replayer.explain_mismatch(args, kwargs)
-        return replayer.call(leaves, args, kwargs)
-
     def eager_warmup_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
         """One of the lazy form's warm-up calls: the caller's real call, run eagerly on the
         capture stream (allocator, cuBLAS handles and autotuning settle outside the recording),
         answered with its own result. It counts: N calls are N executions."""
         assert self.device is not None
-        stream = self.options.stream or recorder.default_stream(self.device)
-        output = recorder.run_on_side_stream(self.fn, args, kwargs, stream)
+        stream = self.options.stream or capture.default_stream(self.device)
+        output = capture.run_on_side_stream(self.fn, args, kwargs, stream)
         self._costs.eager_calls += 1
         return self.prepare_eager_output(self.check_output_gradients(output))
 
@@ -232,139 +359,8 @@ class Graphed(Entry[R]):
         """What an eager call hands back (a training step detaches its loss here)."""
         return output
 
-    def initialize(
-        self,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        warmup: int | None = None,
-        adopt_inputs: bool = False,
-    ) -> None:
-        """Leave LAZY: capture on these example arguments, or become an eager pass-through.
-
-        ``warmup`` eager runs on clones of the examples come first (default: the option), and
-        what they write outside the inputs is put back (``side_effects``). ``adopt_inputs``:
-        the example tensors themselves become the static inputs (a layer above owns them, as
-        buckets own views of one buffer) instead of clones.
-        """
-        with self.lock:
-            self._adopt_inputs = adopt_inputs
-            if self.signature is None:
-                self._classify(args, kwargs)
-            if self.state is State.EAGER:
-                return
-            assert self.signature is not None and self.device is not None
-            _, leaves = Signature.of_call(args, kwargs)
-            try:
-                with torch.cuda.device(self.device):
-                    self._capture(
-                        self.signature,
-                        leaves,
-                        self.device,
-                        warmup=self.options.warmup if warmup is None else warmup,
-                    )
-            except CaptureError as error:
-                diagnostics.current().explain_capture_error(error, self.fn, args, kwargs)
-                if self.options.fallback == "raise":
-                    raise
-                self._become_eager(str(error), warn=False)
-
-    def _classify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The first call's signature and device: graphable on one CUDA device, or eager."""
-        signature, leaves = Signature.of_call(args, kwargs)
-        self.signature = signature
-        tensors = [leaves[i] for i in signature.tensor_index]
-        placed = recorder.place(signature.tensor_paths(), tensors)
-        if isinstance(placed, str):
-            # Buffers of the example's layout so that g(*g.inputs) also works without CUDA.
-            self.inputs, self.input_kwargs = optree.tree_unflatten(
-                signature.spec,
-                [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves],
-            )
-            self._become_eager(placed, warn=True)
-            return
-        self.device = placed
-
-    def _become_eager(self, reason: str, *, warn: bool) -> None:
-        self.state = State.EAGER
-        self.fallback_reason = reason
-        if warn:  # once per cause, for all the graphs of a pool (a decoder's rungs)
-            self.notices.warn(
-                f"runs eagerly: {reason}",
-                f"cudagraphs: {reason}; {callable_name(self.fn)} runs eagerly (same signature "
-                "checks, no graph). Graphs need CUDA tensors on a CUDA machine.",
-                stacklevel=user_stacklevel(),
-            )
-        else:
-            log.warning("cudagraphs: running %s eagerly: %s", callable_name(self.fn), reason)
-
     def before_capture(self) -> None:
         """Called right before each capture (a training step resets gradients here)."""
-
-    @property
-    def recapture_warmup(self) -> int:
-        """Warm-up runs before a capture redone because a guarded tensor moved."""
-        return self.options.warmup
-
-    def _capture(
-        self, signature: Signature, leaves: list[Any], device: torch.device, *, warmup: int
-    ) -> None:
-        options = self.options
-        name = callable_name(self.fn)
-        modes = Modes(name)  # the caller's modes: what every replay is checked against
-        self.before_capture()
-        # Static input buffers: clones of the examples, so the examples themselves are never
-        # touched by warm-up. Normal (not inference) tensors, so in-place mutation by the
-        # function shows in their version counters.
-        static = list(leaves)
-        if not self._adopt_inputs:
-            with torch.inference_mode(False), torch.no_grad():
-                for i in signature.tensor_index:
-                    static[i] = leaves[i].detach().clone()
-        args, kwargs = optree.tree_unflatten(signature.spec, static)
-        stream = options.stream or recorder.default_stream(device)
-        inputs = [static[i] for i in signature.tensor_index]
-        run = runs.warm_up_and_capture(
-            self.fn, signature, static, options, warmup=warmup, stream=stream,
-            settled=not warmup and self.eager_warmups_left < options.warmup,
-            copy_inputs=not self._adopt_inputs,
-        )  # fmt: skip
-        recording, written, mutated = run.recording, run.written, run.mutated
-        self.read_values = run.values
-        # Eager's outputs carry a gradient path; a replay's never would.
-        why = None if self.records_gradients else outputs_needing_gradients(recording.output)
-        if why is not None and modes.seen["grad mode"] == "on":
-            refuse_gradients(name, why)
-        self._costs.warmup_s = run.warmup_s
-        self._costs.restored_bytes += written.nbytes
-        if written.names:
-            self.state_writes = written.names
-        self._costs.capture_s = recording.capture_s
-        self._costs.pool_bytes = recording.pool_bytes
-        self._costs.static_input_bytes = sum(x.nbytes for x in inputs)
-        self.pool = recording.graph.pool()
-        self.inputs, self.input_kwargs = args, kwargs
-        output = detach_outputs(recording.output)
-        self.replayer = Replayer(
-            recording.graph, signature, static, mutated, output, options.outputs, self._counters,
-            modes=modes, timeout_s=options.replay_timeout_s, name=name, copies=recording.copies,
-            device=device.index,
-            grad_sources=None if self.records_gradients else self.gradient_sources(),
-        )  # fmt: skip
-        self.mutated_inputs = tuple(mutated)
-        self.device = device
-        self.guard = self.make_guard() if options.guard == "replay" else None
-        self.state = State.CAPTURED
-        if options.verify:
-            try:
-                diagnostics.current().verify(self, options.verify)
-            except VerificationError:
-                # Never keep a graph that differs from eager: a later call captures (and
-                # verifies) again rather than replaying this one.
-                self.state, self.replayer, self.guard = State.LAZY, None, None
-                self.pool = options.pool  # that pool went with its graph: the next gets its own
-                self.eager_warmups_left = 0
-                raise
 
     def make_guard(self) -> AddressGuard | None:
         """The guard checked before each replay (None when nothing is read by address and no
@@ -390,7 +386,7 @@ class Graphed(Entry[R]):
     @property
     def segments(self) -> list[dict[str, Any]]:
         """The recording's pieces in order: graphs and the eager steps between them."""
-        return describe(self.replayer and self.replayer.recording)
+        return describe_segments(self.replayer and self.replayer.recording)
 
     def report(self, console: Any = None) -> None:
         """Print the segments: each eager step's line, why it runs eagerly, its calls and time."""
@@ -419,3 +415,75 @@ def _cause(reason: str) -> str:
     """A stale guard's reason without the values it reports (``... changed from 0.9 to 0.8``,
     ``... (was ..., now ...)``): what stays the same when the same thing changes again."""
     return reason.split(" changed from ")[0].split(" (was ")[0]
+
+
+class Pool:
+    """A graph memory pool that several captures share.
+
+    Graphs captured into one pool reuse each other's scratch memory, so N graphs cost little
+    more than the largest of them. The rule that makes this safe: replay them one at a time, on
+    one stream (never concurrently). Each graph's outputs stay reserved for it.
+
+    Right::
+
+        pool = cg.Pool()
+        prefill = cg.graph(model.prefill, tokens, pool=pool)
+        decode = cg.graph(model.decode, token, pool=pool)
+
+    Wrong: replaying graphs of one pool from two threads or streams at once.
+    """
+
+    def __init__(self) -> None:
+        self._handle: Any = None
+        self.captures = 0
+        self.bytes = 0
+        # The graphs of one pool make up one thing (a decoder's rungs, a set of buckets): a
+        # warning they would each give is given once.
+        self.notices = Notices()
+
+    @property
+    def handle(self) -> Any:
+        """The CUDA pool handle, created on first use (``torch.cuda.graph_pool_handle()``)."""
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    def record(self, pool_bytes: int) -> None:
+        """Account one capture into this pool."""
+        self.captures += 1
+        self.bytes += pool_bytes
+
+    def __repr__(self) -> str:
+        return f"<cudagraphs.Pool captures={self.captures} MiB={self.bytes / 2**20:.1f}>"
+
+
+class Diagnostics:
+    """Verification of a new graph, and the doctor's findings for a failed capture."""
+
+    def verify(self, graphed: Any, rounds: int) -> None:
+        """Raise :class:`~cudagraphs.errors.VerificationError` if the graph differs from eager.
+
+        Without the diagnostics layer (the core used on its own) a requested verification
+        is refused, never skipped silently."""
+        if rounds:
+            raise ConfigError(
+                explain(
+                    f"verify={rounds} was asked for, but the verifier is not loaded",
+                    "the core does not import the diagnostics layer; cudagraphs.api installs it",
+                    "create graphs through cg.graph (import cudagraphs), or pass verify=0",
+                )
+            )
+
+    def explain_capture_error(
+        self, error: CaptureError, fn: Callable[..., Any], args: Any, kwargs: Any
+    ) -> None:
+        """Add what the doctor finds to a capture error's message."""
+
+
+_installed = Diagnostics()
+
+
+def install_diagnostics(diagnostics: Diagnostics) -> None:
+    """Called once by the API layer: verification and capture-error findings for every graph."""
+    global _installed
+    _installed = diagnostics

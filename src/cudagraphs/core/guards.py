@@ -1,12 +1,14 @@
-"""Address guards: the graph read parameters, buffers and closure tensors by address.
+"""What a replay checks before it runs: tensors still at their addresses, and the modes.
+
+Addresses. The graph read parameters, buffers and closure tensors by address.
 
 A replay reads every tensor the recording touched at the address it had at capture. If the
 program later points a parameter at new memory (``param.data = t``, ``model.to(...)``, a buffer
 reassigned with ``module.buf = t``, a global tensor rebound), the replay silently computes with
 the old memory. The guard records those addresses at capture and checks them before each replay:
 
-- one C call compares the data pointers of all guarded tensors (``addresses.AddressCheck``: a
-  few ns per tensor when its loop could be compiled; cost measured in ``benchmarks/overhead.py``),
+- one C call compares the data pointers of all guarded tensors (:class:`AddressCheck`; its cost
+  per tensor is measured by ``benchmarks/overhead.py``),
   and, in the same call, that every parameter, buffer and child entry of the guarded modules
   still holds the object it held at capture (``module.to()`` and ``module.buf = t`` put new
   objects there while the old ones may stay alive at their old addresses). Nothing in torch is
@@ -18,21 +20,80 @@ the old memory. The guard records those addresses at capture and checks them bef
 
 In-place updates (``load_state_dict``, ``param.copy_(...)``, optimizer steps) keep addresses, so
 they need no recapture and replays see the new values.
+
+How the addresses are read: one call over all guarded tensors, before every replay, so its
+cost is paid per call. Three ways, the fastest that works is used:
+
+1. ``compiled``: the small C++ extension of the host-side work before a replay
+   (``_before_replay.cpp``: this check, the modules' check, the copy nodes' edits), built when
+   the package is installed (optional: installing without a compiler still works). It includes
+   ``Python.h`` only and reads each address through the function pointer that PyTorch exports
+   for Inductor's C++ wrapper (``compat.tensor_address_reader``), so no Python objects are made
+   per tensor.
+2. ``torch helper``: the helper cudagraph trees use (``compat.tensors_at_addresses``, CUDA
+   builds); pybind11 converts every element.
+3. ``python loop``: ``t.data_ptr()`` per tensor, the slowest.
+
+Nothing is compiled or loaded at run time from anywhere but the installed package: a library
+loaded from a shared temporary folder could be planted there by another user.
+``CUDAGRAPHS_NO_COMPILE=1`` skips the compiled loop (2 or 3 is used).
+
+Modes. The modes a call runs under, which a recording freezes.
+
+A CUDA graph records the kernels that the function launched at capture. Those depend on more
+than the tensors: under ``torch.autocast`` a matmul is a bf16 kernel, under ``torch.no_grad()``
+some modules take a fused inference path, with TF32 allowed cuBLAS picks other kernels. A replay
+under other modes would hand back what eager would not (an fp32 result inside a bf16 autocast
+region), so each replay first checks that the modes are those of the capture.
+
+Right::
+
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+        g = cg.graph(model, x)       # captured under bf16 autocast
+        y = g(x)                     # the same modes: replays
+
+Wrong::
+
+    with torch.no_grad():
+        g = cg.graph(model, x)       # captured in fp32
+    with torch.autocast("cuda", dtype=torch.bfloat16), torch.no_grad():
+        g(x)                         # ModeMismatchError: autocast(cuda) was off, is bfloat16
+
+The check is one C call (PyTorch's global-state guard, the one torch.compile checks before
+running compiled code) plus the inference-mode flag. Gradients are separate: a replay records no
+autograd history, so a capture whose outputs would carry a gradient path, and a call that could
+give eager's outputs one (grad mode switched on, a tensor that now requires grad), is refused
+with :class:`~cudagraphs.errors.GradientsNotRecordedError`.
 """
 
 from __future__ import annotations
 
+import array
+import functools
 import inspect
-from collections.abc import Callable, Iterable
+import logging
+import os
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..errors import GradientsNotRecordedError, ModeMismatchError, explain
 from . import compat
-from .addresses import AddressCheck
 
-__all__ = ["AddressGuard", "closure_tensors", "modules_of"]
+__all__ = [
+    "AddressCheck",
+    "AddressGuard",
+    "Modes",
+    "closure_tensors",
+    "compiled_module",
+    "describe_modes",
+    "modules_of",
+    "needs_gradients",
+    "outputs_needing_gradients",
+    "refuse_gradients",
+]
 
 
 def modules_of(fn: Callable[..., Any], extra: Iterable[nn.Module] = ()) -> list[nn.Module]:
@@ -214,3 +275,243 @@ def _then_each(
         )
 
     return check
+
+
+log = logging.getLogger("cudagraphs")
+
+_READER = "_torchinductor_pyobject_tensor_data_ptr"
+_module: Any = None
+_failure: str | None = None
+
+
+def compiled_module() -> Any:
+    """The compiled checker from the installed package; ``None`` (reason in ``_failure``,
+    logged once) where it was not built or is switched off."""
+    global _module, _failure
+    if _module is not None or _failure is not None:
+        return _module
+    try:
+        if os.environ.get("CUDAGRAPHS_NO_COMPILE"):
+            raise ImportError("CUDAGRAPHS_NO_COMPILE is set")
+        reader = compat.tensor_address_reader()
+        if reader is None:
+            raise ImportError(f"this PyTorch does not export {_READER}")
+        from . import _before_replay  # type: ignore[attr-defined]
+
+        _before_replay.bind(reader)
+        _module = _before_replay
+    except ImportError as error:
+        _failure = (
+            f"{error}; the compiled address check is built when cudagraphs is installed "
+            "(pip install . with a C++ compiler and the Python headers)"
+        )
+        log.info("cudagraphs: compiled address check unavailable (%s); using a fallback", error)
+    return _module
+
+
+class AddressCheck:
+    """``check()`` is True while every tensor still has the data pointer it had at construction.
+
+    Right::
+
+        check = AddressCheck(list(model.parameters()))
+        ...
+        if not check():          # one C call over all the tensors
+            recapture()
+
+    Wrong: ``[p.data_ptr() for p in params] == saved`` before every replay: a Python call per
+    tensor, paid by every replay.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor], *, native: bool = True):
+        self.tensors = tuple(tensors)
+        self.ptrs = [t.data_ptr() for t in self.tensors]
+        self.native = native
+        module = compiled_module() if native and self.tensors else None
+        # ``unchanged`` is a C-level partial where possible: no Python frame per check.
+        self.unchanged: Callable[[], bool]
+        if not self.tensors:
+            self.unchanged = lambda: True
+            self.backend = ""
+        elif module is not None:
+            packed = array.array("Q", self.ptrs).tobytes()
+            self.unchanged = functools.partial(module.same, self.tensors, packed)
+            self.backend = "compiled"
+        elif (helper := compat.tensors_at_addresses(self.tensors, self.ptrs)) is not None:
+            self.unchanged = helper
+            self.backend = "torch helper"
+        else:
+            self.unchanged = lambda: [t.data_ptr() for t in self.tensors] == self.ptrs
+            self.backend = "python loop"
+
+    def __call__(self) -> bool:
+        return self.unchanged()
+
+    def with_modes(
+        self,
+        owners: Sequence[Any],
+        modes: Sequence[Any],
+        entries: Sequence[tuple[dict[str, Any], tuple[Any, ...]]] = (),
+    ) -> Callable[[], bool]:
+        """One check for a whole guard: True while each owner's ``training`` is still
+        ``modes[i]`` (the same object), each ``(mapping, values)`` of ``entries`` still holds
+        exactly those objects in that order, and every tensor is at its address. A C-level
+        partial when compiled."""
+        module = compiled_module() if self.native else None
+        if module is not None:
+            packed = array.array("Q", self.ptrs).tobytes()
+            return functools.partial(
+                module.unchanged, self.tensors, packed, tuple(owners), tuple(modes),
+                tuple((d, tuple(v)) for d, v in entries),
+            )  # fmt: skip
+        pairs = tuple(zip(owners, modes))
+        held = tuple((d, tuple(v)) for d, v in entries)
+        addresses = self.unchanged
+
+        def same_objects(mapping: dict[str, Any], values: tuple[Any, ...]) -> bool:
+            return len(mapping) == len(values) and all(
+                a is b for a, b in zip(mapping.values(), values)
+            )
+
+        def unchanged() -> bool:
+            return (
+                all(o.training is m for o, m in pairs)
+                and all(same_objects(d, v) for d, v in held)
+                and addresses()
+            )
+
+        return unchanged
+
+    def moved(self) -> list[int]:
+        """Indices of the tensors whose data pointer changed, or that no longer have one (a
+        parameter swapped for a sparse or storage-less tensor): the slow, exact answer."""
+        return [i for i, (t, p) in enumerate(zip(self.tensors, self.ptrs)) if _address(t) != p]
+
+
+def _address(t: torch.Tensor) -> int | None:
+    try:
+        return t.data_ptr()
+    except RuntimeError:  # no storage to point at
+        return None
+
+
+_AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+def describe_modes() -> dict[str, Any]:
+    """The current modes, in words a message can show (public torch APIs only)."""
+    modes: dict[str, Any] = {
+        "grad mode": "on" if torch.is_grad_enabled() else "off",
+        "inference mode": "on" if torch.is_inference_mode_enabled() else "off",
+    }
+    for device in _AUTOCAST_DEVICES:
+        on = torch.is_autocast_enabled(device)
+        modes[f"autocast({device})"] = (
+            str(torch.get_autocast_dtype(device)).replace("torch.", "") if on else "off"
+        )
+    matmul = torch.backends.cuda.matmul
+    modes["TF32 matmuls"] = "allowed" if matmul.allow_tf32 else "not allowed"
+    modes["fp16 reduced-precision reductions"] = matmul.allow_fp16_reduced_precision_reduction
+    modes["bf16 reduced-precision reductions"] = matmul.allow_bf16_reduced_precision_reduction
+    modes["default dtype"] = str(torch.get_default_dtype()).replace("torch.", "")
+    modes["deterministic algorithms"] = torch.are_deterministic_algorithms_enabled()
+    modes["torch function mode"] = compat.torch_function_enabled()
+    return modes
+
+
+class Modes:
+    """The modes at capture; :meth:`same` is the per-call check, :meth:`refuse` the message.
+
+    ``same()`` costs one C call and one flag read. When the C
+    check reports a change that does not touch the kernels (the CPU thread count), ``refuse``
+    takes the new state as the reference and lets the call through.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._take()
+
+    def _take(self) -> None:
+        self.guard = compat.global_state_guard()
+        self.inference = torch.is_inference_mode_enabled()
+        self.seen = describe_modes()
+
+    def same(self) -> bool:
+        return self.guard.check() and torch.is_inference_mode_enabled() is self.inference
+
+    def refuse(self, sources: Iterable[torch.Tensor] = ()) -> None:
+        """Raise the precise error for a call whose modes differ from the capture's; return
+        (after taking the new state as reference) when nothing that matters changed."""
+        now = describe_modes()
+        changed = [(k, v, now[k]) for k, v in self.seen.items() if now.get(k) != v]
+        if not changed:
+            self._take()  # e.g. torch.set_num_threads: not part of a CUDA recording
+            return
+        if now["grad mode"] == "on" and (why := needs_gradients(sources)) is not None:
+            raise GradientsNotRecordedError(_gradients_message(self.name, why))
+        what = "; ".join(f"{k} was {was} at capture, is {is_} now" for k, was, is_ in changed)
+        per_thread = any(k in ("grad mode", "inference mode") for k, _, _ in changed)
+        threads = (
+            " (grad and inference mode are per thread: a worker thread starts with grad mode "
+            "on, so enter torch.inference_mode() or torch.no_grad() in the thread that calls)"
+            if per_thread
+            else ""
+        )
+        raise ModeMismatchError(
+            explain(
+                f"{self.name} is called under other modes than it was captured under: {what}",
+                "the recording holds the kernels those modes chose at capture (dtypes, fused "
+                "paths, math settings); replaying it would not give eager's answer",
+                "call it under the modes it was captured under, or capture one graph per mode: "
+                f"create (and first call) each graph inside the `with` block it is used in{threads}",
+            )
+        )
+
+
+def needs_gradients(tensors: Iterable[torch.Tensor]) -> str | None:
+    """Under grad mode: which of ``tensors`` (inputs, parameters, closure tensors) requires
+    grad, so that eager would record autograd history; ``None`` if none does or grad is off."""
+    if not torch.is_grad_enabled():
+        return None
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return _tensor_words(t)
+    return None
+
+
+def outputs_needing_gradients(output: Any) -> str | None:
+    """Which output of an eager run carries a gradient path (``None``: none does)."""
+    import optree
+
+    for t in optree.tree_leaves(output, namespace="cudagraphs"):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return f"its output of shape {tuple(t.shape)} requires grad"
+    return None
+
+
+def newly_requiring_grad(tensors: Sequence[Any], at_capture: Sequence[bool]) -> str | None:
+    """Under grad mode: a tensor that requires grad now but did not at capture (eager's
+    outputs may now carry a gradient path); ``None`` if there is none."""
+    for t, before in zip(tensors, at_capture):
+        if not before and isinstance(t, torch.Tensor) and t.requires_grad:
+            return _tensor_words(t) + " (it did not at capture)"
+    return None
+
+
+def refuse_gradients(name: str, why: str) -> None:
+    raise GradientsNotRecordedError(_gradients_message(name, why))
+
+
+def _tensor_words(t: torch.Tensor) -> str:
+    return f"a tensor of shape {tuple(t.shape)} requires grad"
+
+
+def _gradients_message(name: str, why: str) -> str:
+    return explain(
+        f"{name} is called with gradients enabled and {why}",
+        "a graph replay records no autograd history, so eager's output would carry a gradient "
+        "path and the replay's would silently not",
+        "for inference call it under torch.no_grad() or torch.inference_mode(); for training "
+        "graph forward and backward with cg.graph_autograd(module, x), or the whole step with "
+        "cg.train_step",
+    )

@@ -1,4 +1,4 @@
-"""Counters and costs of one graphed callable, as a plain snapshot."""
+"""[stats] Counters and costs of one graphed callable, as a plain snapshot."""
 
 from __future__ import annotations
 
@@ -19,6 +19,14 @@ class Costs:
     static_input_bytes: int = 0
     recaptures: int = 0
     restored_bytes: int = 0
+
+    def record_capture(self, run: Any, *, static_input_bytes: int) -> None:
+        """Account one capture's runs (``capture.Run``)."""
+        self.warmup_s = run.warmup_s
+        self.restored_bytes += run.written.nbytes
+        self.capture_s = run.recording.capture_s
+        self.pool_bytes = run.recording.pool_bytes
+        self.static_input_bytes = static_input_bytes
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,22 @@ from typing import Any
 import optree
 import torch
 
-from ..core.failures import library_setting
-from ..core.frames import user_frame
-from ..core.guards import closure_tensors, modules_of
-from ..core.python_state import Snapshot
-from ..core.reach import reachable_tensors
-from ..core.read_values import Reader
-from ..core.side_effects import SideEffects
-from ..core.tree import NAMESPACE, Signature, flatten, leaf_paths
-from ..core.written_state import RngState, storage_key
+from ..core import (
+    NAMESPACE,
+    PythonSnapshot,
+    Reader,
+    RngState,
+    SideEffects,
+    Signature,
+    closure_tensors,
+    flatten,
+    leaf_paths,
+    library_setting,
+    modules_of,
+    reachable_tensors,
+    storage_key,
+    user_frame,
+)
 from .findings import KINDS, Collector, Finding, Report
 from .verify import random_like
 from .watches import DispatchWatch, FunctionWatch, as_if_capturing, patched_calls, sync_debug
@@ -138,7 +145,7 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     caller = user_frame()
     # Plain Python values the runs change are found (a capture refuses them) and put back.
     leaves = flatten((args, kwargs))[0]
-    plain = Snapshot(fn, [x for x in leaves if not isinstance(x, torch.Tensor)])
+    plain = PythonSnapshot(fn, [x for x in leaves if not isinstance(x, torch.Tensor)])
     reader = Reader()
     try:
         objects = _reachable_state(fn, (args, kwargs))

@@ -11,8 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..core.frames import user_frame
-from ..core.splitter import current_eager_step
+from ..core import current_eager_step, user_frame
 
 __all__ = ["KINDS", "Collector", "Finding", "Report"]
 

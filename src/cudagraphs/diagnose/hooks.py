@@ -6,8 +6,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from ..core.diagnostics import Diagnostics
-from ..core.graphed import Graphed
+from ..core import Diagnostics, Graphed
 from ..errors import CaptureError
 from .doctor import doctor
 from .verify import verify_against_eager

@@ -23,15 +23,20 @@ from typing import TYPE_CHECKING, Any
 import optree
 import torch
 
-from ..core.frames import callable_name, user_stacklevel
-from ..core.reach import named_roots
-from ..core.side_effects import SideEffects
-from ..core.tree import NAMESPACE, leaf_paths
-from ..core.written_state import Snapshot, Written
+from ..core import (
+    NAMESPACE,
+    SideEffects,
+    TensorSnapshot,
+    Written,
+    callable_name,
+    leaf_paths,
+    named_roots,
+    user_stacklevel,
+)
 from ..errors import CudaGraphsWarning, VerificationError, explain
 
 if TYPE_CHECKING:
-    from ..core.graphed import Graphed
+    from ..core import Graphed
 
 __all__ = ["python_values", "random_like", "tolerance", "verify_against_eager"]
 
@@ -94,7 +99,7 @@ def verify_against_eager(graphed: Graphed[Any], rounds: int) -> None:
         again, _ = _eager_from_here(fn, args, kwargs, inputs, plain)
         # The replay's writes happen inside the graph, unseen by a dispatch mode: copy what the
         # eager run wrote, replay, and put it back.
-        snapshot = Snapshot(zip(written.names, written.tensors))
+        snapshot = TensorSnapshot(zip(written.names, written.tensors))
         got = _clone_tree(graphed(*_clone_tree(args), **_clone_tree(kwargs)))
         snapshot.restore()
         differs = _first_difference(expected, again)

@@ -14,7 +14,6 @@ the original, unobserved; on the way out a patch is undone only if it is still t
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import warnings
@@ -26,15 +25,17 @@ import optree
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..core.compat import OPS_DISPATCH_MODE, op_name, op_returns_alias
-from ..core.frames import user_frame
-from ..core.splitter import current_eager_step
-from ..core.written_state import storage_key, written_arguments
+from ..core import (
+    compat,
+    current_eager_step,
+    is_torch_file,
+    storage_key,
+    user_frame,
+    written_arguments,
+)
 from .findings import Collector
 
 __all__ = ["DispatchWatch", "FunctionWatch", "as_if_capturing", "patched_calls", "sync_debug"]
-
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 _SYNC_METHODS = {
@@ -121,7 +122,7 @@ _DYNAMIC_OPS = {
 }
 
 
-class DispatchWatch(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
+class DispatchWatch(compat.OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
     def __init__(
         self,
         collector: Collector,
@@ -144,7 +145,7 @@ class DispatchWatch(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        name = op_name(func)
+        name = compat.op_name(func)
         tensors = [t for t in optree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         shapes = tuple(tuple(t.shape) for t in tensors)
         filename, lineno = user_frame()
@@ -189,7 +190,7 @@ class DispatchWatch(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
                 c.add("closure-tensor", name, where=label)
                 self.known.add(key)  # report each external tensor once
         out = func(*args, **kwargs)
-        aliasing = op_returns_alias(func)
+        aliasing = compat.op_returns_alias(func)
         for t in optree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.known.add(storage_key(t))
@@ -262,7 +263,7 @@ def as_if_capturing() -> Iterator[None]:
         if threading.get_ident() != doctor_thread:  # other threads get the true answer
             return original()
         caller = sys._getframe(1).f_code.co_filename
-        return original() if caller.startswith(_TORCH_DIR) else True
+        return original() if is_torch_file(caller) else True
 
     torch.cuda.is_current_stream_capturing = capturing  # type: ignore[assignment]
     try:

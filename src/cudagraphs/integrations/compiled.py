@@ -5,9 +5,8 @@ The batch and the cache length are dynamic dimensions, so Dynamo traces with sym
 instead of once per shape, and every rung's graph is captured over the same compiled code. The
 step is handed the rung's cache and a tensor of the rung's shape (batch by length, only its
 sizes read), and cuts the layers' keys and values out of the one full-size cache itself
-(``RungCaches.cut``): two symbols instead of two per cache tensor, 13% less to trace
-under torch 2.11 and 30% less under 2.13 (``reports/decode-compile-cost.md``, ``sliced``
-against ``both``). Where
+(``RungCaches.cut``): two symbols instead of two per cache tensor, and less to trace
+(``reports/decode-compile-cost.md``, ``sliced`` against ``both``). Where
 the cache's layers cannot be cut (no tensor write position), the rung views are marked instead.
 
 Two shape classes remain: batch 1, which Dynamo specialises (a size of 1 broadcasts), and

@@ -8,8 +8,7 @@ from typing import Any
 
 import torch
 
-from ..core import compat
-from ..core.failures import LIBRARY_SETTING
+from ..core import LIBRARY_SETTING, compat
 from ..errors import ConfigError, explain
 from ..options import check_positive_int
 

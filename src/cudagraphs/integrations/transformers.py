@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..core.pool import Pool
+from ..core import Pool
 from ..errors import ConfigError, explain
 from ..options import check_bool, check_positive_int, checked_keywords
 from ..shapes.ladders import powers_of_two
@@ -65,7 +65,7 @@ def default_batch_rungs(max_batch: int, compiles: bool) -> list[int]:
     and ``max_batch``. Under ``compile`` they start at 2 where ``max_batch`` is 2 or more:
     Dynamo specialises a batch of 1, so a batch-1 rung would be a second compile of the whole
     model (about half the cold set-up); a single request then runs on the batch-2 graph with
-    one padding row, 3% slower at a 4096 cache (``reports/gpu.md``). Pass
+    one padding row (``reports/gpu.md`` has the cost). Pass
     ``batch_sizes=[1, 2, ...]`` to keep a batch-1 rung."""
     rungs = sorted({*powers_of_two(max_batch), max_batch})
     return [n for n in rungs if n >= 2] if compiles and max_batch >= 2 else rungs

@@ -39,7 +39,7 @@ from typing import Any
 import optree
 import torch
 
-from ..core.tree import NAMESPACE
+from ..core import NAMESPACE
 from ..errors import BatcherClosed, ConfigError, DeadlineExceeded, Overloaded, explain
 from ..options import check_positive_int, refuse_unknown_keywords
 from .metrics import BatcherMetrics, MetricsRecorder, prometheus

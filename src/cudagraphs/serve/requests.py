@@ -17,7 +17,7 @@ from typing import Any
 import optree
 import torch
 
-from ..core.tree import NAMESPACE, leaf_paths, same_value
+from ..core import NAMESPACE, leaf_paths, same_value
 from ..errors import ConfigError, InputMismatchError, explain
 
 __all__ = ["RequestSpec", "concatenate", "split", "to_device"]

@@ -29,14 +29,19 @@ from typing import Any
 import optree
 import torch
 
-from ..core import compat
-from ..core.frames import callable_name
-from ..core.graphed import Graphed, State
-from ..core.pool import Pool
-from ..core.replayer import OutputsInUse
-from ..core.segments import Segments
-from ..core.side_effects import SideEffects
-from ..core.tree import NAMESPACE, Signature, flatten
+from ..core import (
+    NAMESPACE,
+    Graphed,
+    OutputsInUse,
+    Pool,
+    Segments,
+    SideEffects,
+    Signature,
+    State,
+    callable_name,
+    compat,
+    flatten,
+)
 from ..errors import ConfigError, explain
 from ..options import Options
 from .bucket_stats import BucketStats

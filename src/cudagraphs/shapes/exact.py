@@ -11,8 +11,7 @@ from typing import Any
 import optree
 import torch
 
-from ..core.graphed import Graphed
-from ..core.tree import NAMESPACE
+from ..core import NAMESPACE, Graphed
 from ..errors import ConfigError, explain
 from ..options import Options
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import optree
 
-from ..core.tree import flatten, leaf_paths
+from ..core import flatten, leaf_paths
 from ..errors import ConfigError, explain
 from .spec import Buckets, dims_tuple
 

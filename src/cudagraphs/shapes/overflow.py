@@ -12,7 +12,7 @@ from typing import Any
 import optree
 import torch
 
-from ..core.tree import NAMESPACE, leaf_paths
+from ..core import NAMESPACE, leaf_paths
 from ..errors import BucketOverflowError, explain
 
 __all__ = ["Overflow"]

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..core.tree import Signature
+from ..core import Signature
 from ..errors import ConfigError, InputMismatchError, explain
 from ..options import checked_keywords
 

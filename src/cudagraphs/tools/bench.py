@@ -21,7 +21,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from ..core.tree import NAMESPACE
+from ..core import NAMESPACE
 from ..diagnose.verify import random_like
 from ..errors import ConfigError, explain
 from .profile import profile as run_profile

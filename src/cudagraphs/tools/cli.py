@@ -312,7 +312,7 @@ def _report_user_error(raised: UserCodeRaised, *, full: bool) -> int:
     """One line: what was running, the error, and the user's frame; or the whole traceback."""
     import traceback
 
-    from ..core.frames import user_location
+    from ..core import user_location
 
     error = raised.error
     if full:

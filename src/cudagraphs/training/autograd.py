@@ -29,11 +29,16 @@ from typing import Any
 import optree
 import torch
 
-from ..core import compat
-from ..core.frames import callable_name
-from ..core.graphed import Graphed
-from ..core.guards import AddressGuard, modules_of
-from ..core.tree import Signature, flatten, same_value
+from ..core import (
+    AddressGuard,
+    Graphed,
+    Signature,
+    callable_name,
+    compat,
+    flatten,
+    modules_of,
+    same_value,
+)
 from ..errors import ConfigError, InputMismatchError, StaleGraphError, explain
 from ..options import Options
 from .activations import ActivationOrder

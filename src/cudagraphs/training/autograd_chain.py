@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..core import recorder
-from ..core.side_effects import SideEffects
+from ..core import SideEffects, capture_call, default_stream, warm_up
 from ..errors import ConfigError, explain
 from ..options import Options, split_options
 from .activations import ActivationOrder
@@ -30,7 +29,7 @@ AUTOGRAD_OPTIONS = ("warmup", "pool", "stream", "capture_error_mode", "modules")
 
 def capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
     device = stages[0].device
-    stream = options.stream or recorder.default_stream(device)
+    stream = options.stream or default_stream(device)
     shared = options.pool
     pool = shared.handle if hasattr(type(shared), "handle") else shared
     if pool is None:
@@ -47,7 +46,7 @@ def capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
         # Warm-up must not move BatchNorm statistics or any other state: put it back.
         effects = SideEffects(warm_up_all, [], [], options.side_effects)
         with effects.running():
-            recorder.warm_up(warm_up_all, (), {}, options.warmup, stream)
+            warm_up(warm_up_all, (), {}, options.warmup, stream)
         effects.finish()
         for stage in stages:
             recording = _record(stage.run_forward, stream, pool, options)
@@ -62,7 +61,7 @@ def capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
 
 
 def _record(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any, options: Options) -> Any:
-    recording = recorder.capture(
+    recording = capture_call(
         fn, (), {}, stream=stream, pool=pool, capture_error_mode=options.capture_error_mode
     )
     if hasattr(type(options.pool), "record"):

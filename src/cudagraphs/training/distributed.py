@@ -27,8 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import recorder
-from ..core.guards import modules_of
+from ..core import default_stream, modules_of
 from ..errors import ConfigError, explain, require_cuda
 
 __all__ = ["DDP_WARMUP", "capture_stream", "checked_warmup", "ddp"]
@@ -46,7 +45,7 @@ def capture_stream(device: torch.device | int | str | None = None) -> torch.cuda
     require_cuda("cg.capture_stream()")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return recorder.default_stream(
+    return default_stream(
         torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     )
 
@@ -58,8 +57,7 @@ def ddp(module: nn.Module, **ddp_kwargs: Any) -> nn.parallel.DistributedDataPara
 
     ``gradient_as_bucket_view`` defaults to ``True`` here: the gradients then live in DDP's
     all-reduce buckets, which saves copying every gradient in and out of them on each step
-    (on 2 x H200, a 17-layer 512-wide MLP with Adam: 0.98x the speed of the same step captured
-    by hand, against 0.94x with copies). Pass ``gradient_as_bucket_view=False`` for DDP's own
+    (``reports/gpu.md`` compares the two with a step captured by hand). Pass ``gradient_as_bucket_view=False`` for DDP's own
     default.
 
     Right::

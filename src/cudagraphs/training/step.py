@@ -19,15 +19,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import optree
 import torch
 
-from ..core.frames import callable_name
-from ..core.graphed import Graphed
-from ..core.guards import AddressGuard
+from ..core import NAMESPACE, AddressGuard, Graphed, callable_name
 from ..errors import ConfigError, explain
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-from ..core.tree import NAMESPACE
 from ..options import OptionKwargs, Options
 from .distributed import checked_warmup
 from .optimizers import OptimizerWatch, make_graph_safe, optimizer_tensors
@@ -55,13 +52,15 @@ R = TypeVar("R")
 class TrainStep(Graphed[R]):
     """A training step captured whole; create with :func:`cudagraphs.train_step`.
 
-    Besides :class:`~cudagraphs.Graphed`'s attributes: ``optimizers`` and ``eager_warmups_left``
-    (warm-up steps still to run eagerly before the capture).
+    Besides :class:`~cudagraphs.Graphed`'s attributes: ``optimizers``. Its ``warmup`` steps
+    are the caller's first steps, run eagerly; a recapture runs none (they would be optimizer
+    steps).
     """
 
     records_gradients = (
         True  # its backward is inside the recording; replays return the loss detached
     )
+    recapture_warms_up = False
 
     def __init__(
         self,
@@ -83,15 +82,15 @@ class TrainStep(Graphed[R]):
         if not self._prepared:
             if self._on_cuda():
                 # A DDP model needs more eager steps, and to have been built on our stream.
-                self.eager_warmups_left = checked_warmup(
-                    self.fn, self.options.modules, warmup=self.eager_warmups_left,
+                self.warmup = self.warmups_left = checked_warmup(
+                    self.fn, self.options.modules, warmup=self.warmups_left,
                     warmup_given=self.warmup_given, stream=self.options.stream,
                 )  # fmt: skip
                 for optimizer in self.optimizers:
                     make_graph_safe(optimizer, switch=self.switch_optimizer, notices=self.notices)
                 self._hyperparameters = [DeviceHyperparameters(o) for o in self.optimizers]
             else:  # CPU parameters: every step runs eagerly, none is a warm-up
-                self.eager_warmups_left = 0
+                self.warmups_left = 0
             self._prepared = True
         with self.lock:
             # Values a scheduler wrote since the last step go to the tensors the graph reads.
@@ -121,10 +120,6 @@ class TrainStep(Graphed[R]):
             # Gradients set to None are allocated by the recorded backward inside the graph's
             # pool and refilled in place by every replay.
             optimizer.zero_grad(set_to_none=True)
-
-    @property
-    def recapture_warmup(self) -> int:
-        return 0  # warm-up runs would be optimizer steps; the first capture was warmed up already
 
     def make_guard(self) -> AddressGuard | None:
         extra = [named for optimizer in self.optimizers for named in optimizer_tensors(optimizer)]

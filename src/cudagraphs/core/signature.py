@@ -1,4 +1,4 @@
-"""Call signatures: what a graph was captured for, and why a later call does not match it.
+"""[tree] Call signatures: what a graph was captured for, and why a later call does not match it.
 
 Inputs are pytrees (optree) of tensors and plain values. A graph reads each tensor leaf from a
 fixed buffer, so a call must bring the same tree structure and, per tensor leaf, the same shape,
@@ -6,7 +6,7 @@ dtype and device. Plain values were seen once, at capture, and baked into the re
 call must bring equal values. This module records that signature and turns a mismatch into an
 :class:`~cudagraphs.errors.InputMismatchError` that names the leaf (``args[0]['obs']``).
 
-The fast per-call check lives in :mod:`cudagraphs.core.replayer`; everything here runs at
+The fast per-call check lives in :mod:`cudagraphs.core.replay`; everything here runs at
 capture time or after a mismatch, where clarity beats speed.
 """
 

@@ -1,4 +1,5 @@
-"""Warm-up and capture: the two steps before a graph can replay.
+"""Warm-up and capture, the two steps before a graph can replay, and the assembly of a ready
+replay path (:func:`capture_graph`).
 
 Warm-up runs the function a few times on a side stream so that everything lazy happens outside
 the recording: the caching allocator grows its blocks, cuBLAS creates its handles and
@@ -7,6 +8,13 @@ workspaces, cuDNN and Triton autotune, torch.compile compiles. Capture then reco
 A capture that fails is turned into a :class:`~cudagraphs.errors.CaptureError` that names the
 kind of failure in plain words, points at the user's line, and chains the original error. The
 stream, the allocator and Python's gc are always restored, so the process stays usable.
+
+Around the runs (:func:`warm_up_and_capture`): the writes to tensors outside the inputs (``writes.SideEffects``: restored
+after a warm-up on the library's own account), the plain Python values the function changes from run
+to run (``python_values``: refused;
+the values it read are guarded), the inputs the function writes in place (their version
+counters), and the collectives each rank issued (``collectives``: compared across ranks, since
+ranks whose graphs differ would hang at the first replay).
 """
 
 from __future__ import annotations
@@ -15,34 +23,43 @@ import contextlib
 import functools
 import gc
 import logging
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import optree
 import torch
 
 from ..errors import CaptureError, ConfigError, CudaGraphsError, explain
-from . import compat
+from ..options import Options
+from . import collectives, compat, python_values, segments, writes
 from .active_capture import capturing
-from .copy_nodes import CopyNodes, CopyNodesUnavailable, sources_for
-from .copy_nodes import record as record_copies
-from .failures import block_hint, classify_failure
-from .frames import callable_name, failing_module, user_location
-from .segments import Segments
-from .splitter import KeptWrites, NeedsSplitting, Splitter, module_gaps
-from .written_state import DeferredWriteRecorder
+from .frames import block_hint, callable_name, classify_failure, failing_module, user_location
+from .guards import Modes, modules_of, outputs_needing_gradients, refuse_gradients
+from .launch import CopyNodes, CopyNodesUnavailable, sources_for
+from .launch import record as record_copies
+from .replay import Counters, Replayer, detach_outputs
+from .segments import KeptWrites, NeedsSplitting, Segments, Splitter, module_gaps
+from .signature import Signature
+from .writes import DeferredWriteRecorder, Written
 
 __all__ = [
+    "Captured",
+    "capture_graph",
     "Recording",
-    "capture",
+    "Run",
+    "capture_call",
     "default_stream",
+    "eager_modules",
     "graphable",
     "place",
     "run_on_side_stream",
     "uncached_autocast",
     "warm_up",
+    "warm_up_and_capture",
 ]
 
 log = logging.getLogger("cudagraphs")
@@ -159,10 +176,10 @@ class Recording:
     output: Any
     capture_s: float
     pool_bytes: int
-    copies: CopyNodes | None = None  # the inputs' copy-in nodes (copy_nodes.py), if recorded
+    copies: CopyNodes | None = None  # the inputs' copy-in nodes (launch.py), if recorded
 
 
-def capture(
+def capture_call(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -186,7 +203,7 @@ def capture(
     first nodes (``copy_nodes``); captured again without them if they cannot be kept.
     """
     attempt = functools.partial(
-        _capture, fn, args, kwargs, stream=stream, pool=pool,
+        _capture_call, fn, args, kwargs, stream=stream, pool=pool,
         capture_error_mode=capture_error_mode, segments=segments, eager_modules=eager_modules,
     )  # fmt: skip
 
@@ -204,7 +221,7 @@ def capture(
         return split_where_needed(())
 
 
-def _capture(
+def _capture_call(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -386,3 +403,171 @@ def _recover(graph: torch.cuda.CUDAGraph, device: torch.device, stream: torch.cu
     del empty
     with contextlib.suppress(Exception):
         torch.cuda.synchronize(device)
+
+
+_capture_lock = threading.RLock()  # one capture at a time per process: captures share streams
+
+
+@dataclass
+class Run:
+    recording: Recording
+    written: Written  # what warm-up wrote outside the inputs (put back under "restore")
+    mutated: list[int]  # leaf indices of the inputs the function writes in place
+    warmup_s: float
+    # The plain values the capture read, checked before every replay (python_values.py).
+    values: list[tuple[str, Any, str, Any]] = field(default_factory=list)
+
+
+def warm_up_and_capture(
+    fn: Any,
+    signature: Signature,
+    static: list[Any],
+    options: Options,
+    *,
+    warmup: int,
+    stream: Any,
+    settled: bool,
+    copy_inputs: bool = True,
+) -> Run:
+    """``warmup`` eager runs of ``fn`` on the static input leaves ``static``, then the capture.
+
+    ``settled``: the function already ran for real before (the lazy form's eager calls), so
+    the state before the capture counts as a settled run for the Python-state check.
+    ``copy_inputs``: the recording copies the inputs in itself (``copy_nodes``); off where a
+    caller fills the static inputs itself before each replay (buckets).
+    """
+    name = callable_name(fn)
+    args, kwargs = optree.tree_unflatten(signature.spec, static)
+    inputs = [static[i] for i in signature.tensor_index]
+    roots = [static[i] for i in signature.frozen_index]
+    plain = python_values.PythonSnapshot(fn, roots, options.harmless_state)
+    if settled:
+        plain.take()
+    with _capture_lock:
+        effects = writes.SideEffects(fn, inputs, roots, options.side_effects if warmup else "keep")
+        with effects.running():
+            warmup_s = warm_up(
+                fn, args, kwargs, warmup, stream,
+                checked=functools.partial(collectives.compared_across_ranks, f"{name} (warm-up)"),
+                after_each=plain.take,
+            )  # fmt: skip
+        written = effects.finish()
+        writes.report(effects, fn)
+        versions = [compat.version(x) for x in inputs]
+        shared = options.pool
+        # Ranks whose graphs hold different collectives would hang at the first replay.
+        reader = python_values.Reader()
+        with collectives.compared_across_ranks(name), reader:
+            recording = capture_call(
+                fn,
+                args,
+                kwargs,
+                stream=stream,
+                pool=shared.handle if hasattr(type(shared), "handle") else shared,
+                capture_error_mode=options.capture_error_mode,
+                segments=options.segments,
+                eager_modules=eager_modules(fn, options),
+                exclude=inputs,
+                restore=options.side_effects != "keep",
+                copy_inputs=inputs if copy_inputs else (),
+            )
+        plain.take()
+        values = python_values.read_values(reader, plain.runs[-1], options.harmless_state)
+        segments.announce(recording.graph, name)
+        if hasattr(type(shared), "record"):
+            shared.record(recording.pool_bytes)
+        # Values the runs changed go back only where the runs were the library's own.
+        plain.check(restore=bool(warmup) and options.side_effects == "restore")
+    mutated = [
+        i
+        for i, x, before in zip(signature.tensor_index, inputs, versions)
+        if compat.version(x) != before
+    ]
+    return Run(recording, written, mutated, warmup_s, values)
+
+
+def eager_modules(fn: Any, options: Options) -> list[torch.nn.Module]:
+    """The modules the ``eager`` option names: instances as given, classes matched against
+    every module ``fn`` uses. A class that matches nothing is a mistake worth an error."""
+    if not options.eager:
+        return []
+    used = [m for root in modules_of(fn, options.modules) for m in root.modules()]
+    found: list[torch.nn.Module] = []
+    for entry in options.eager:
+        if isinstance(entry, torch.nn.Module):
+            matches = [entry]
+        else:
+            matches = [m for m in used if isinstance(m, entry)]
+            if not matches:
+                raise ConfigError(
+                    explain(
+                        f"eager=[{entry.__name__}] matches no module of {callable_name(fn)}",
+                        "the option names the modules that run eagerly between two graphs",
+                        "check the class (type(model.layers[0].mlp)), or pass the module itself",
+                    )
+                )
+        found += [m for m in matches if all(m is not f for f in found)]
+    # A module inside another eager module runs inside that one's gap already.
+    inside = {id(sub) for m in found for sub in m.modules() if sub is not m}
+    return [m for m in found if id(m) not in inside]
+
+
+@dataclass
+class Captured:
+    """A graph ready to replay: its replay path, its static inputs arranged like the example
+    call, and what the runs found."""
+
+    replayer: Replayer
+    inputs: tuple[Any, ...]
+    input_kwargs: dict[str, Any]
+    run: Run
+    static_input_bytes: int
+
+
+def capture_graph(
+    fn: Any,
+    signature: Signature,
+    leaves: list[Any],
+    options: Options,
+    *,
+    device: torch.device,
+    warmup: int,
+    settled: bool,
+    adopt_inputs: bool,
+    counters: Counters,
+    grad_sources: list[torch.Tensor] | None,
+) -> Captured:
+    """Warm up, record and classify one call of ``fn`` on the example ``leaves``, and build its
+    replay path. ``grad_sources`` is ``None`` for a recording that runs its own backward (a
+    training step); otherwise the tensors whose ``requires_grad`` a replay must refuse."""
+    name = callable_name(fn)
+    # 1. The caller's modes: what every replay is checked against.
+    modes = Modes(name)
+    # 2. Static input buffers: clones of the examples, so that warm-up never touches the
+    #    examples. Normal (not inference) tensors, so that in-place writes by the function show
+    #    in their version counters. A layer above that owns its buffers (buckets) adopts them.
+    static = list(leaves)
+    if not adopt_inputs:
+        with torch.inference_mode(False), torch.no_grad():
+            for i in signature.tensor_index:
+                static[i] = leaves[i].detach().clone()
+    # 3. Warm-up on a side stream, then the recording, with what the runs changed put back.
+    run = warm_up_and_capture(
+        fn, signature, static, options, warmup=warmup,
+        stream=options.stream or default_stream(device), settled=settled,
+        copy_inputs=not adopt_inputs,
+    )  # fmt: skip
+    recording = run.recording
+    # 4. Classify the outputs: eager's carry a gradient path where a replay's never would.
+    why = None if grad_sources is None else outputs_needing_gradients(recording.output)
+    if why is not None and modes.seen["grad mode"] == "on":
+        refuse_gradients(name, why)
+    # 5. The replay path.
+    replayer = Replayer(
+        recording.graph, signature, static, run.mutated, detach_outputs(recording.output),
+        options.outputs, counters, modes=modes, timeout_s=options.replay_timeout_s, name=name,
+        copies=recording.copies, device=device.index, grad_sources=grad_sources,
+    )  # fmt: skip
+    args, kwargs = optree.tree_unflatten(signature.spec, static)
+    input_bytes = sum(static[i].nbytes for i in signature.tensor_index)
+    return Captured(replayer, args, kwargs, run, input_bytes)

@@ -1,0 +1,373 @@
+"""Plain Python values a recording freezes: refused where the function changes them, guarded
+where the program might.
+
+Values the function changes.
+A recording runs the function's Python code once. Every plain value it read then (a step
+counter, a "cache is full" flag, a sliding-window cache's Python position) is baked into the
+kernels it launched: which branch, which index, which constant. If the function itself changes
+such a value from one run to the next, every replay repeats the first run's choice, silently
+(or, for a position that indexes a cache, with an out-of-bounds write on the device).
+
+So around warm-up and capture the library takes a :class:`PythonSnapshot` of the plain values (int,
+float, bool, complex, str, bytes, None, enums, and tuples of these) in the instance dictionaries
+of every object the function reaches (``writes.walk``: the module tree, a bound method's
+``self``, closure cells, globals its code names, attributes of its plain arguments such as a
+cache object). A value that differs between two runs after the first (the first may set things
+up once: a lazily built table, a compile) raises :class:`~cudagraphs.errors.FrozenStateError`
+at capture, naming ``object.attribute``, what it was and what it became.
+
+Right::
+
+    class Counted(nn.Module):
+        def forward(self, x):
+            self.calls += 1                      # a logging counter: harmless
+            return self.net(x)
+
+    g = cg.graph(model, x, harmless_state=("calls",))
+
+Wrong::
+
+    class Stepper(nn.Module):
+        def forward(self, x):
+            self.step += 1
+            return x * 2 if self.step % 2 else x  # FrozenStateError: Stepper.step changed
+
+Random draws. A CUDA graph replays random ops with fresh numbers on every replay (PyTorch advances the
+generator's offset per replay), but a loop body recorded once inside a graph (``cg.while_loop``)
+runs the same recorded draws on every iteration of one replay: an 8-step random walk would add
+the same step 8 times. :class:`RandomDraws` sees each seeded random op (``randn``, ``rand``,
+``dropout``, ``multinomial``, ``normal_``...) while such a body is recorded, so the loop can
+refuse it with the fix instead of repeating noise silently.
+
+Values the program changes after the capture. A recording runs the function's Python code once: every plain value it read then (a module's
+``scale``, a config flag, a module-level ``GAIN``) is baked into the kernels it launched. If
+the program changes such a value after the capture, every replay would silently repeat the old
+answer. So while the capture runs, :class:`Reader` notes which code ran (every Python function
+outside torch, the standard library and this library: the user's model and third-party model
+code such as transformers) and the names that code loads (and its identifier-like string
+constants, for ``getattr(obj, "name")``); :func:`read_values` keeps the plain
+values (:func:`is_plain`) that objects the function reaches hold under those names,
+and the module globals of that code under those names. :class:`ValueWatch` compares them
+before each replay (identity first, then equality), and a changed value makes the guard stale:
+the graph captures again for the new value (``on_stale="recapture"``, logged once per value)
+or raises :class:`~cudagraphs.errors.StaleGraphError` naming it (``on_stale="raise"``).
+
+A name the code loads in a branch it did not take is guarded too: a change of it may be
+harmless, and then costs a recapture, never a wrong answer. Values declared with
+``harmless_state=`` are not guarded.
+
+Right::
+
+    g = cg.graph(model, x)
+    model.scale = 2.0          # seen at the next call: captured again, eager's answer
+    y = g(x)
+
+Wrong (a value the graph cannot see, so no guard can either)::
+
+    model.scale = torch.tensor(2.0)   # fine: a tensor is read by address, not frozen
+    model.scales[0] = 2.0             # a list's items are not plain values: frozen silently
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import gc
+import sys
+import types
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import FrozenStateError, explain
+from .compat import OPS_DISPATCH_MODE, op_argument_defaults, op_argument_names, op_name
+from .frames import callable_name, is_model_code, user_frame
+from .guards import compiled_module
+from .signature import same_value
+from .writes import walk
+
+__all__ = ["RandomDraws", "Reader", "PythonSnapshot", "ValueWatch", "is_plain", "read_values"]
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
+# nn.Module's own bookkeeping: not the model's state.
+_MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
+
+
+def is_plain(value: Any, depth: int = 0) -> bool:
+    """An immutable plain value whose changes a recording would not see."""
+    if isinstance(value, _PLAIN):
+        return True
+    if isinstance(value, tuple) and depth < 3 and len(value) <= 64:
+        return all(is_plain(v, depth + 1) for v in value)
+    return False
+
+
+_Key = tuple[int, str]  # (id of the owner, attribute)
+
+
+class PythonSnapshot:
+    """The plain values ``fn`` can reach; :meth:`take` after each run, :meth:`check` at the
+    end of the capture."""
+
+    def __init__(
+        self, fn: Callable[..., Any], roots: Iterable[Any] = (), harmless: Sequence[str] = ()
+    ):
+        self.fn = fn
+        self.roots = tuple(roots)
+        self.harmless = tuple(harmless)
+        self.first = self._values()
+        self.runs: list[dict[_Key, tuple[str, Any, Any]]] = []
+
+    def _values(self) -> dict[_Key, tuple[str, Any, Any]]:
+        values: dict[_Key, tuple[str, Any, Any]] = {}
+        for name, obj in walk(self.fn, self.roots):
+            attributes = getattr(obj, "__dict__", None)
+            if not isinstance(attributes, dict) or _not_state(obj):
+                continue
+            for key, value in list(attributes.items())[:1000]:
+                if key in _MODULE_INTERNALS or not is_plain(value):
+                    continue
+                values[(id(obj), key)] = (f"{name}.{key}", value, obj)
+        return values
+
+    def take(self) -> None:
+        """After a run: what the plain values are now."""
+        self.runs.append(self._values())
+
+    def changes(self) -> list[tuple[str, Any, Any]]:
+        """``(name, was, became)`` for each value that differs between two consecutive runs
+        after the first, harmless names left out."""
+        found: dict[str, tuple[str, Any, Any]] = {}
+        for before, after in zip(self.runs, self.runs[1:]):
+            for key, (name, was, _) in before.items():
+                if key not in after or name in found or self._is_harmless(name):
+                    continue
+                now = after[key][1]
+                if not _same(now, was):
+                    found[name] = (name, was, now)
+        return list(found.values())
+
+    def _is_harmless(self, name: str) -> bool:
+        return any(name == h or name.endswith("." + h) for h in self.harmless)
+
+    def restore(self) -> None:
+        """Put back every plain value the runs changed (the library's own runs leave no
+        trace), harmless ones included."""
+        latest = self.runs[-1] if self.runs else {}
+        for key, (_, was, obj) in self.first.items():
+            now = latest.get(key)
+            if now is not None and not _same(now[1], was):
+                try:
+                    setattr(obj, key[1], was)
+                except (AttributeError, TypeError):  # a read-only or slotted attribute
+                    continue
+
+    def check(self, *, restore: bool) -> None:
+        """Raise :class:`FrozenStateError` if the function changes a plain value from run to
+        run (after putting values back when ``restore``)."""
+        changes = self.changes()
+        if restore or changes:
+            self.restore()
+        if not changes:
+            return
+        listed = "; ".join(f"{n} was {_short(a)}, became {_short(b)}" for n, a, b in changes[:5])
+        more = f" (and {len(changes) - 5} more)" if len(changes) > 5 else ""
+        first = changes[0][0].rsplit(".", 1)[-1]
+        raise FrozenStateError(
+            explain(
+                f"{callable_name(self.fn)} changes plain Python state from one run to the next: "
+                f"{listed}{more}",
+                "a recording runs the Python code once, so every replay would repeat the "
+                "branch, index or constant of that run while eager would use the new value",
+                "keep such state in a tensor on the device (updated in place), or move it out "
+                "of the graphed function; if the value decides nothing the GPU does (a logging "
+                f"counter), declare it with harmless_state=({first!r},)",
+            ),
+            names=[n for n, _, _ in changes],
+        )
+
+
+def _same(now: Any, was: Any) -> bool:
+    if now is was:
+        return True
+    if type(now) is not type(was):
+        return False
+    if isinstance(now, float) and now != now and was != was:  # NaN stays NaN
+        return True
+    return bool(now == was)
+
+
+def _not_state(obj: Any) -> bool:
+    """Objects whose attributes are not the user's state: Python modules (their globals) and
+    classes, and the library's own objects (a pool's capture count, a graph's counters)."""
+    if isinstance(obj, (types.ModuleType, type)):
+        return True
+    return type(obj).__module__.split(".", 1)[0] == "cudagraphs"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+class RandomDraws(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
+    """``with RandomDraws() as draws: ...``; then ``python_values.found``: ``(op, file:line)`` of each
+    random op run inside (eager code; compiled kernels are not seen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[tuple[str, str]] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # else Dynamo marks a compiled function's code as never to compile again
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
+            filename, line = user_frame()
+            self.found.append((op_name(func), f"{filename}:{line}"))
+        return func(*args, **kwargs)
+
+
+def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether a seeded op draws here: attention and dropout kernels carry the tag but draw
+    nothing with a dropout probability of 0 or outside training."""
+    values = op_argument_defaults(func)
+    values.update(zip(op_argument_names(func), args))
+    values.update(kwargs)
+    for name in ("dropout_p", "p"):
+        if name in values and isinstance(values[name], (int, float)) and values[name] == 0:
+            return False
+    return values.get("train", True) is not False
+
+
+_MISSING = object()
+
+
+class Reader:
+    """While active (one thread: the capture's), the code objects that run outside the
+    libraries, with their module globals; the names they load are what :func:`read_values`
+    keeps. Another profiler of this thread (a debugger, cProfile) is chained, not replaced."""
+
+    def __init__(self) -> None:
+        self.codes: dict[types.CodeType, dict[str, Any]] = {}
+        self._outside: dict[str, bool] = {}  # filename -> user code?
+        self._previous: Any = None
+
+    def __enter__(self) -> Reader:
+        # Code that runs inside the recording without being called by it is not what the
+        # graph computes: a garbage collection's callbacks (a test tool's timestamp global)
+        # would be guarded and recapture at every collection. No collection runs meanwhile.
+        self._collecting = gc.isenabled()
+        gc.disable()
+        self._previous = sys.getprofile()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(self._previous)
+        if self._collecting:
+            gc.enable()
+
+    def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            if code not in self.codes:
+                outside = self._outside.get(code.co_filename)
+                if outside is None:
+                    outside = self._outside[code.co_filename] = is_model_code(code.co_filename)
+                if outside:
+                    self.codes[code] = frame.f_globals
+        if self._previous is not None:
+            self._previous(frame, event, arg)
+
+    @property
+    def names(self) -> set[str]:
+        """Every attribute or global name the code that ran loads, and every identifier among
+        its string constants (``getattr(config, "output_hidden_states")``)."""
+        names: set[str] = set()
+        for code in self.codes:
+            names.update(code.co_names)
+            names.update(_identifiers(code.co_consts))
+        return names
+
+
+def _identifiers(constants: tuple[Any, ...]) -> Iterable[str]:
+    for constant in constants:
+        if isinstance(constant, str) and constant.isidentifier():
+            yield constant
+        elif isinstance(constant, (tuple, frozenset)):
+            yield from _identifiers(tuple(constant))
+
+
+def read_values(
+    reader: Reader, reached: dict[Any, tuple[str, Any, Any]], harmless: Sequence[str] = ()
+) -> list[tuple[str, dict[str, Any], str, Any]]:
+    """``(label, namespace, key, value)`` for each plain value the recorded code read:
+    attributes of reached objects (``reached``: ``PythonSnapshot``'s values after the
+    capture) and module globals, under the names that code loads, harmless ones left out."""
+    names = reader.names
+    found: list[tuple[str, dict[str, Any], str, Any]] = []
+    for (_, key), (label, value, owner) in reached.items():
+        if key in names and not _harmless(label, harmless):
+            namespace = getattr(owner, "__dict__", None)
+            if isinstance(namespace, dict) and namespace.get(key, _MISSING) is value:
+                found.append((label, namespace, key, value))
+    seen: set[tuple[int, str]] = set()
+    for code, namespace in reader.codes.items():
+        module = namespace.get("__name__", "?")
+        for name in code.co_names:
+            value = namespace.get(name, _MISSING)
+            if (id(namespace), name) in seen or value is _MISSING or not is_plain(value):
+                continue
+            seen.add((id(namespace), name))
+            label = f"global {module}.{name}"
+            if not _harmless(label, harmless):
+                found.append((label, namespace, name, value))
+    return found
+
+
+def _harmless(label: str, harmless: Iterable[str]) -> bool:
+    return any(label == h or label.endswith("." + h) for h in harmless)
+
+
+class ValueWatch:
+    """The guard's watch over the plain values a recording read (see the module doc)."""
+
+    def __init__(self, values: Sequence[tuple[str, dict[str, Any], str, Any]]):
+        self.values = tuple(values)
+        self._held = tuple((namespace, key, value) for _, namespace, key, value in values)
+        compiled = compiled_module()
+        self._same = (
+            functools.partial(compiled.values_same, self._held)
+            if compiled is not None and hasattr(compiled, "values_same")
+            else self._same_in_python
+        )
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def stale(self) -> str | None:
+        """``None`` while every value is what the recording read; else which one changed.
+        One C call where the extension is built (identity, then type and equality)."""
+        return None if self._same() else self._why()
+
+    def _same_in_python(self) -> bool:
+        for namespace, key, value in self._held:
+            now = namespace.get(key, _MISSING)
+            if now is not value and not same_value(now, value):
+                return False
+        return True
+
+    def _why(self) -> str | None:
+        for label, namespace, key, value in self.values:
+            now = namespace.get(key, _MISSING)
+            if now is not value and not same_value(now, value):
+                became = "deleted" if now is _MISSING else repr(now)
+                return (
+                    f"{label} changed from {value!r} to {became} (the recording froze the value "
+                    "it read; keep a value that changes in a tensor on the device)"
+                )
+        return None
