@@ -9,8 +9,10 @@ global read at capture is then frozen as in a CUDA graph, so the guards' CPU tes
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import optree
@@ -20,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cudagraphs as cg
 from cudagraphs.core import capture as capture_module
+from cudagraphs.core import compat
 from cudagraphs.core.signature import NAMESPACE
 from cudagraphs.core.writes import WriteRecorder
 
@@ -75,6 +78,61 @@ class ReplayingGraph:
         return (0, 0)
 
 
+class StandInOutput(torch.Tensor):
+    """A guarded output on the CPU. PyTorch marks a storage dead only in its CUDA builds, so
+    the stand-in gives each output (and every view taken of it) the mark of the storage it was
+    built on, and refuses any use once the library marked that storage dead, with the message
+    the library gave: what a CUDA build does to a stale output."""
+
+    _mark: list[str | None]
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = optree.tree_leaves((args, kwargs))
+        marks = [t._mark for t in leaves if isinstance(t, StandInOutput)]
+        for mark in marks:
+            if mark[0] is not None:
+                raise RuntimeError(mark[0])
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if not marks:
+            return out
+        with torch._C.DisableTorchFunctionSubclass():
+            memory = {
+                t.untyped_storage().data_ptr() for t in leaves if isinstance(t, StandInOutput)
+            }
+        return optree.tree_map(lambda o: _marked(o, marks[0], memory), out)
+
+
+def _marked(value: Any, mark: list[str | None], memory: set[int]) -> Any:
+    """A tensor result that shares an output's memory (a view) carries its mark."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, StandInOutput):
+        return value
+    with torch._C.DisableTorchFunctionSubclass():
+        if value.untyped_storage().data_ptr() not in memory:
+            return value
+    view = value.as_subclass(StandInOutput)
+    view._mark = mark
+    return view
+
+
+_MARKS: dict[int, list[str | None]] = {}
+
+
+def _guarded_tensor(meta: dict[str, Any], storage: Any) -> torch.Tensor:
+    plain = torch.empty(0, dtype=meta["dtype"]).set_(
+        storage, meta["storage_offset"], meta["size"], meta["stride"]
+    )
+    out = plain.as_subclass(StandInOutput)
+    out._mark = _MARKS.setdefault(id(storage), [None])
+    return out
+
+
+def _kill_storage(storage: Any, message: str) -> None:
+    _MARKS.pop(id(storage), [None])[0] = message
+
+
 def _tensors(value: Any) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -91,7 +149,7 @@ class _NoStream:
 
 
 @pytest.fixture
-def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """The captured call path on the CPU; a replay reruns the operations the capture logged,
     never the Python function, so whatever Python read at capture stays frozen, as in a
     graph."""
@@ -133,6 +191,10 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *_: _NoStream())
     _replace_everywhere(monkeypatch, "capture_call", capture)
+    monkeypatch.setattr(compat, "guarded_tensor", _guarded_tensor)
+    monkeypatch.setattr(compat, "kill_storage", _kill_storage)
+    yield
+    gc.collect()  # graphs of the test mark their outputs dead while the stand-in is in place
 
 
 def _replace_everywhere(monkeypatch: pytest.MonkeyPatch, name: str, fake: Any) -> None:

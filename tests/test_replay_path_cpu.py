@@ -150,8 +150,11 @@ def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
     stand_in: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # make_graph_safe refuses CPU parameters (it is covered on the GPU); here it records calls,
-    # so that what is checked is the train step's wiring: grads set to None before each
-    # capture, and the optimizer and the closure's module in the guard.
+    # so that what is checked is the train step's wiring (grads set to None before each
+    # capture, the optimizer and the closure's module in the guard) and, after every call,
+    # the parameters against the same steps run eagerly from the same state.
+    import copy
+
     from cudagraphs.training import step as train_module
 
     prepared: list[torch.optim.Optimizer] = []
@@ -160,35 +163,54 @@ def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
     )
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
+    twin = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9)
     grads_at_capture: list[bool] = []
 
-    def step(x: torch.Tensor) -> torch.Tensor:
-        if len(grads_at_capture) < len(prepared):  # the call that records a new capture
-            grads_at_capture.append(all(p.grad is None for p in model.parameters()))
-        loss = model(x).pow(2).mean()
-        loss.backward()
-        opt.step()
-        return loss
+    def make(net: nn.Module, optimizer: torch.optim.Optimizer, log: bool):  # type: ignore[no-untyped-def]
+        def step(x: torch.Tensor) -> torch.Tensor:
+            if log and len(grads_at_capture) < len(prepared):  # a call that records a capture
+                grads_at_capture.append(all(p.grad is None for p in net.parameters()))
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
 
-    graphed = cg.train_step(step, optimizer=opt, outputs="clone")
-    x = torch.randn(8, 4)
-    for p in model.parameters():  # a stale gradient that the capture must not accumulate into
+        return step
+
+    graphed = cg.train_step(make(model, opt, True), optimizer=opt, outputs="clone", warmup=1)
+    eager = make(twin, twin_opt, False)
+
+    def call_both() -> None:
+        x = torch.randn(8, 4)
+        torch.testing.assert_close(graphed(x), eager(x).detach())
+        for mine, theirs in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(mine, theirs)
+
+    call_both()  # the warm-up step: eager, and it creates the optimizer's momentum state
+    assert graphed.state is cg.State.LAZY and not prepared
+    # A stale gradient the capture must not accumulate into: a capture starts from gradients
+    # set to None (what the twin's step leaves too).
+    for p in model.parameters():
         p.grad = torch.ones_like(p)
-    graphed(x)
+    call_both()
     assert graphed.state is cg.State.CAPTURED and grads_at_capture == [True]
-    graphed(x)
+    call_both()
     assert graphed.stats.recaptures == 0
-    opt.param_groups[0]["momentum"] = 0.5  # frozen by a recording: noticed
-    graphed(x)
+    for o in (opt, twin_opt):
+        o.param_groups[0]["momentum"] = 0.5  # frozen by a recording: noticed
+    call_both()
     assert graphed.stats.recaptures == 1
-    opt.load_state_dict(opt.state_dict())
-    graphed(x)
+    opt.load_state_dict(opt.state_dict())  # new state tensors: read by address
+    call_both()
     assert graphed.stats.recaptures == 2
     model.eval()  # the step function's closure module: its mode is guarded too
-    graphed(x)
+    twin.eval()
+    call_both()
     assert graphed.stats.recaptures == 3
-    graphed(x)
+    call_both()
     assert graphed.stats.recaptures == 3 and len(prepared) == 4
     assert grads_at_capture == [True] * 4  # every capture started from gradients set to None
 

@@ -76,57 +76,9 @@ def graph(
         max_graphs: with ``buckets="exact"``, how many shapes keep a graph.
 
     Other Parameters:
-        warmup: eager runs on a side stream before capture (allocator, cuBLAS, autotuning).
-            With examples they run on clones of the examples and what they write is put back;
-            without, the first ``warmup`` calls are your real calls, run eagerly and answered
-            eagerly, and the next call captures and is answered by its own replay.
-        outputs: ``"guarded"`` (default: aliases that raise once a later replay overwrote
-            them), ``"alias"`` (the raw static outputs) or ``"clone"`` (fresh tensors).
-        pool: share memory with other graphs: ``torch.cuda.graph_pool_handle()`` or another
-            captured graphed callable. Graphs sharing a pool must replay in capture order and
-            never concurrently.
-        stream: the side stream to warm up and capture on (default: one per device).
-        capture_error_mode: ``"global"``, ``"thread_local"`` or ``"relaxed"`` (CUDA's
-            ``cudaStreamCaptureMode``); keep the default unless you know why.
-        fallback: ``"raise"`` (a failed capture raises :class:`CaptureError`) or ``"eager"``
-            (log the reason once and run ``fn`` eagerly; ``g.fallback_reason`` says why).
-        guard: ``"replay"`` (default): before each replay, check that the parameters and buffers
-            of the modules involved (``fn`` itself, a bound method's module, ``modules``) and
-            the tensors ``fn`` reads from its closure or globals still live where they lived
-            at capture; ``"capture"``: record them, never check.
-        on_stale: when a guarded tensor moved (``param.data = ...``, ``model.to(...)``, a
-            reassigned buffer, a rebound global): ``"recapture"`` (default, logged) or
-            ``"raise"`` (:class:`StaleGraphError`). In-place updates (``load_state_dict``)
-            keep the graph valid.
-        modules: modules ``fn`` uses that are not ``fn`` itself or its bound ``self``.
-        verify: after capture, compare replays with eager on this many fresh random inputs
-            (``True``: 3), each from the same state (module buffers, caches and RNG are put
-            back between runs); a difference raises :class:`VerificationError` naming the
-            output.
-        side_effects: what happens to state outside the inputs (module buffers, a KV cache,
-            closure tensors, RNG states) that the library's own runs write (warm-up on the
-            examples, bucket probes, verification): ``"restore"`` (default: put back to the
-            exact bytes, so N calls of yours are N executions), ``"keep"`` (warm-up counts, as
-            in older versions) or ``"raise"`` (:class:`StateWriteError`, after putting it back).
-        replay_timeout_s: wait after each replay until the GPU finished it, at most this many
-            seconds, then raise :class:`ReplayTimeoutError` naming the graph (for graphs with
-            collectives: a rank whose peers never replay errors instead of hanging). Costs the
-            overlap of host and GPU; ``None`` (default): no wait.
-        harmless_state: names of plain Python attributes (``"calls"``, or a full path such as
-            ``"Model.calls"``) that ``fn`` may change from run to run without changing what
-            the GPU does (a logging counter). Any other plain value (int, float, bool, str,
-            enum, tuple of these) held by an object ``fn`` reaches that changes between
-            warm-up runs raises :class:`FrozenStateError` at capture, since every replay would
-            repeat the one recorded run's branch or constant.
-        segments: what an eager step reached while recording does (a function marked with
-            :func:`cudagraphs.eager`, a module of ``eager``): ``"split"`` (default: the
-            recording becomes several graphs with the step run eagerly between them at every
-            call; ``g.segments`` lists them) or ``"refuse"`` (:class:`SegmentError`: one graph
-            or nothing).
-        eager: modules (instances, or classes matched against every module ``fn`` uses) whose
-            forward runs eagerly between two graphs at every call: a third-party block with a
-            host read, such as a mixture-of-experts layer that reads its routing counts on
-            the host (``eager=[MixtralSparseMoeBlock]``).
+        **options: every option of :class:`~cudagraphs.options.Options` (``warmup``,
+            ``outputs``, ``pool``, ``guard``, ``on_stale``, ``verify``, ...), described in its
+            one table there.
 
     Raises:
         CaptureError: capture failed (host sync, CPU tensor, ...), with the user's line.

@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, TypedDict
 
@@ -24,6 +25,12 @@ from .errors import ConfigError, explain
 
 __all__ = [
     "CAPTURE_ERROR_MODES",
+    "CaptureErrorMode",
+    "FallbackPolicy",
+    "GuardPolicy",
+    "OnStalePolicy",
+    "SegmentPolicy",
+    "SideEffectsPolicy",
     "OUTPUT_POLICIES",
     "SEGMENT_POLICIES",
     "SIDE_EFFECTS",
@@ -37,37 +44,96 @@ __all__ = [
     "split_options",
 ]
 
+# The options whose value is one of a few names: each Literal is the one list of its choices
+# (validation and messages read them with typing.get_args).
 OutputPolicy = Literal["guarded", "alias", "clone"]
-OUTPUT_POLICIES: tuple[str, ...] = ("alias", "guarded", "clone")
-CAPTURE_ERROR_MODES: tuple[str, ...] = ("global", "thread_local", "relaxed")
+CaptureErrorMode = Literal["global", "thread_local", "relaxed"]
+FallbackPolicy = Literal["raise", "eager"]
+GuardPolicy = Literal["replay", "capture"]
+OnStalePolicy = Literal["recapture", "raise"]
+SideEffectsPolicy = Literal["restore", "keep", "raise"]
+SegmentPolicy = Literal["split", "refuse"]
+
+OUTPUT_POLICIES: tuple[str, ...] = typing.get_args(OutputPolicy)
+CAPTURE_ERROR_MODES: tuple[str, ...] = typing.get_args(CaptureErrorMode)
 #: What happens to state (tensors outside the inputs) that the library's own runs write.
-SIDE_EFFECTS: tuple[str, ...] = ("restore", "keep", "raise")
+SIDE_EFFECTS: tuple[str, ...] = typing.get_args(SideEffectsPolicy)
 #: What an eager step (``@cg.eager``, ``eager=[...]``) reached while recording does.
-SEGMENT_POLICIES: tuple[str, ...] = ("split", "refuse")
+SEGMENT_POLICIES: tuple[str, ...] = typing.get_args(SegmentPolicy)
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The validated options of ``cg.graph``; see :func:`cudagraphs.graph` for their meaning."""
+    """The options of ``cg.graph`` and of the entry points built on it, validated.
+
+    Options:
+        warmup: eager runs on a side stream before capture (allocator, cuBLAS, autotuning).
+            With examples they run on clones of the examples and what they write is put back;
+            without, the first ``warmup`` calls are your real calls, run eagerly and answered
+            eagerly, and the next call captures and is answered by its own replay.
+        outputs: ``"guarded"`` (default: aliases that raise once a later replay overwrote
+            them), ``"alias"`` (the raw static outputs) or ``"clone"`` (fresh tensors).
+        pool: share memory with other graphs: a :class:`cudagraphs.Pool`,
+            ``torch.cuda.graph_pool_handle()`` or another captured graphed callable. Graphs
+            sharing a pool must replay in capture order and never concurrently.
+        stream: the side stream to warm up and capture on (default: one per device).
+        capture_error_mode: CUDA's ``cudaStreamCaptureMode``; keep the default unless you
+            know why.
+        fallback: ``"raise"`` (a failed capture raises :class:`~cudagraphs.CaptureError`) or
+            ``"eager"`` (log the reason once and run ``fn`` eagerly; ``g.fallback_reason``).
+        guard: ``"replay"`` (default): before each replay, check that the tensors the graph
+            reads by address (parameters and buffers of the modules involved, closure and
+            global tensors) still live where they lived at capture, and that the plain Python
+            values the capture read are unchanged; ``"capture"``: record them, never check.
+        on_stale: when a guarded tensor moved (``param.data = ...``, ``model.to(...)``) or a
+            value the capture read changed (``model.scale = 2.0``): ``"recapture"`` (default,
+            logged once per cause) or ``"raise"`` (:class:`~cudagraphs.StaleGraphError`).
+            In-place updates (``load_state_dict``) keep the graph valid.
+        modules: modules ``fn`` uses that are not ``fn`` itself or its bound ``self``.
+        verify: after capture, compare replays with eager on this many fresh random inputs
+            (``True``: 3), each from the same state; a difference raises
+            :class:`~cudagraphs.VerificationError` naming the output.
+        side_effects: what happens to state outside the inputs (module buffers, a KV cache,
+            RNG states) that the library's own runs write (warm-up on the examples, bucket
+            probes, verification): ``"restore"`` (default: put back to the exact bytes, so N
+            calls of yours are N executions), ``"keep"`` or ``"raise"``
+            (:class:`~cudagraphs.StateWriteError`, after putting it back).
+        replay_timeout_s: wait after each replay until the GPU finished it, at most this many
+            seconds, then raise :class:`~cudagraphs.ReplayTimeoutError` (for graphs with
+            collectives: a rank whose peers never replay errors instead of hanging). Costs the
+            overlap of host and GPU; ``None`` (default): no wait.
+        harmless_state: names of plain Python attributes (``"calls"``, or ``"Model.calls"``)
+            that may change from run to run without changing what the GPU does (a logging
+            counter): neither refused at capture nor guarded after it. Any other plain value
+            the function changes between warm-up runs raises
+            :class:`~cudagraphs.FrozenStateError` at capture.
+        segments: what an eager step reached while recording does (a function marked with
+            :func:`cudagraphs.eager`, a module of ``eager``): ``"split"`` (default: several
+            graphs with the step run eagerly between them; ``g.segments`` lists them) or
+            ``"refuse"`` (:class:`~cudagraphs.SegmentError`).
+        eager: modules (instances, or classes matched against every module ``fn`` uses) whose
+            forward runs eagerly between two graphs at every call (a mixture-of-experts block
+            that reads its routing counts on the host: ``eager=[MixtralSparseMoeBlock]``).
+    """
 
     warmup: int = 3
-    outputs: str = "guarded"
+    outputs: OutputPolicy = "guarded"
     pool: Any = None
     stream: Any = None
-    capture_error_mode: str = "global"
-    fallback: str = "raise"
-    guard: str = "replay"
-    on_stale: str = "recapture"
+    capture_error_mode: CaptureErrorMode = "global"
+    fallback: FallbackPolicy = "raise"
+    guard: GuardPolicy = "replay"
+    on_stale: OnStalePolicy = "recapture"
     modules: Sequence[torch.nn.Module] = ()
     verify: int = 0
-    side_effects: str = "restore"
+    side_effects: SideEffectsPolicy = "restore"
     replay_timeout_s: float | None = None
     harmless_state: Sequence[str] = ()
-    segments: str = "split"
+    segments: SegmentPolicy = "split"
     eager: Sequence[Any] = ()
 
     def __post_init__(self) -> None:
-        for name, choices in _CHOICES.items():
+        for name, choices in _choices().items():
             _choice(name, getattr(self, name), choices)
         for name, checked in _CHECKED.items():  # each returns the value in its one form
             object.__setattr__(self, name, checked(getattr(self, name)))
@@ -88,22 +154,23 @@ class Options:
 
 
 class OptionKwargs(TypedDict, total=False):
-    """The options of :class:`Options` as keyword arguments, for ``Unpack`` typing."""
+    """:class:`Options` as keyword arguments, for ``Unpack`` typing (the same names and types;
+    ``tests/test_options.py`` holds the two together)."""
 
     warmup: int
     outputs: OutputPolicy
     pool: Any
     stream: torch.cuda.Stream | None
-    capture_error_mode: Literal["global", "thread_local", "relaxed"]
-    fallback: Literal["raise", "eager"]
-    guard: Literal["replay", "capture"]
-    on_stale: Literal["recapture", "raise"]
+    capture_error_mode: CaptureErrorMode
+    fallback: FallbackPolicy
+    guard: GuardPolicy
+    on_stale: OnStalePolicy
     modules: Sequence[torch.nn.Module]
     verify: bool | int
-    side_effects: Literal["restore", "keep", "raise"]
+    side_effects: SideEffectsPolicy
     replay_timeout_s: float | None
     harmless_state: Sequence[str]
-    segments: Literal["split", "refuse"]
+    segments: SegmentPolicy
     eager: Sequence[Any]
 
 
@@ -399,16 +466,17 @@ def _replay_timeout(timeout: Any) -> float | None:
     return timeout
 
 
-#: Options whose value is one of a few names.
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "outputs": OUTPUT_POLICIES,
-    "capture_error_mode": CAPTURE_ERROR_MODES,
-    "fallback": ("raise", "eager"),
-    "guard": ("replay", "capture"),
-    "on_stale": ("recapture", "raise"),
-    "side_effects": SIDE_EFFECTS,
-    "segments": SEGMENT_POLICIES,
-}
+@functools.cache
+def _choices() -> dict[str, tuple[str, ...]]:
+    """Options whose value is one of a few names: read from their Literal types."""
+    hints = typing.get_type_hints(Options)
+    return {
+        name: typing.get_args(hint)
+        for name, hint in hints.items()
+        if typing.get_origin(hint) is Literal
+    }
+
+
 #: The other options' checks, each returning the value in the one form the library uses.
 _CHECKED: dict[str, Callable[[Any], Any]] = {
     "warmup": _warmup,

@@ -89,8 +89,8 @@ class TrainStep(Graphed[R]):
                 for optimizer in self.optimizers:
                     make_graph_safe(optimizer, switch=self.switch_optimizer, notices=self.notices)
                 self._hyperparameters = [DeviceHyperparameters(o) for o in self.optimizers]
-            else:  # CPU parameters: every step runs eagerly, none is a warm-up
-                self.warmups_left = 0
+            # CPU parameters: the step runs eagerly (its inputs are on the CPU), or, where it
+            # is captured all the same (a stand-in graph), after the same warm-up steps.
             self._prepared = True
         with self.lock:
             # Values a scheduler wrote since the last step go to the tensors the graph reads.
