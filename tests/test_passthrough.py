@@ -118,7 +118,7 @@ def test_no_cuda_reason_is_exposed() -> None:
 def test_options_are_validated_with_named_errors() -> None:
     fn = lambda x: x  # noqa: E731
     for kwargs, message in [
-        ({"outputs": "copy"}, "outputs must be one of 'alias', 'guarded', 'clone'; got 'copy'"),
+        ({"outputs": "copy"}, "outputs must be one of 'guarded', 'alias', 'clone'; got 'copy'"),
         ({"fallback": "ignore"}, "fallback must be one of"),
         ({"capture_error_mode": "strict"}, "capture_error_mode must be one of"),
         ({"warmup": -1}, "warmup must be an int >= 0"),

@@ -66,12 +66,14 @@ from .training.step import TrainStep, train_step
 
 if TYPE_CHECKING:
     from .integrations.dynamo import backend
+    from .tools.auto import auto
     from .tools.bench import bench
     from .tools.profile import Profile, profile
     from .tools.report import BenchReport, ModeResult
 
 # The tools (bench, profile and their reports, which pull in rich) load on first use.
 _LAZY = {
+    "auto": ("tools.auto", "auto"),
     "backend": ("integrations.dynamo", "backend"),
     "bench": ("tools.bench", "bench"),
     "BenchReport": ("tools.report", "BenchReport"),
@@ -138,6 +140,7 @@ __all__ = [
     "TrainStep",
     "VerificationError",
     "__version__",
+    "auto",
     "backend",
     "bench",
     "capture_stream",

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .core import Graphed, install_diagnostics
+import torch
+
+from .core import Graphed, compat, install_diagnostics
 from .diagnose.hooks import LibraryDiagnostics
 from .errors import ConfigError, explain
 from .options import Options, split_options
@@ -25,12 +27,15 @@ def graph(
     *example_args: Any,
     buckets: Buckets | Mapping[str, Sequence[int]] | str | None = None,
     max_graphs: int = 8,
+    compile: bool | str = False,
     **options_and_example_kwargs: Any,
 ) -> Any:
     """Capture ``fn`` into a CUDA graph and return a callable that replays it.
 
     ``fn`` may be a function, an ``nn.Module``, a bound method or a ``torch.compile``'d callable
     (warm-up compiles and autotunes it; the capture records the compiled kernels).
+    ``compile=True`` does that for you: Inductor fuses the kernels, then one graph replays them
+    (the way to get fusion and graphs together, with this library's guards).
 
     With example arguments, warm-up and capture happen now; without them (``cg.graph(fn)``,
     ``@cg.graph`` or ``@cg.graph(warmup=5)``) they happen on the first call, whose arguments
@@ -74,6 +79,10 @@ def graph(
             ``"exact"``: one graph per exact shape seen, at most ``max_graphs``, LRU evicted.
             Returns a :class:`cudagraphs.Bucketed` (or ``ExactShapes``) instead of a ``Graphed``.
         max_graphs: with ``buckets="exact"``, how many shapes keep a graph.
+        compile: ``True`` or a ``torch.compile`` mode that leaves CUDA graphs to the caller
+            (``"default"``, ``"max-autotune-no-cudagraphs"``): capture ``torch.compile(fn)``
+            (``dynamic=False``: a graph fixes the sizes anyway). ``"reduce-overhead"`` and
+            ``"max-autotune"`` are refused: Inductor would record its own graphs inside ours.
 
     Other Parameters:
         **options: every option of :class:`~cudagraphs.options.Options` (``warmup``,
@@ -106,7 +115,7 @@ def graph(
     options_kwargs, example_kwargs = split_options(
         fn,
         options_and_example_kwargs,
-        extra=("buckets", "max_graphs"),
+        extra=("buckets", "max_graphs", "compile"),
         elsewhere={"cg.Buckets(...)": BUCKET_OPTIONS},
     )
     options = Options(**options_kwargs)
@@ -119,7 +128,9 @@ def graph(
                     "call cg.graph(fn, *examples), or use @cg.graph(...) as a decorator",
                 )
             )
-        return lambda f: graph(f, buckets=buckets, max_graphs=max_graphs, **options_kwargs)
+        return lambda f: graph(
+            f, buckets=buckets, max_graphs=max_graphs, compile=compile, **options_kwargs
+        )
     if not callable(fn):
         raise ConfigError(
             explain(
@@ -128,6 +139,7 @@ def graph(
                 "call cg.graph(model, x) (examples after the callable)",
             )
         )
+    fn = compiled(fn, compile)
     if buckets is not None:
         if example_args or example_kwargs:
             return make_bucketed(fn, options, buckets, max_graphs, example_args, example_kwargs)
@@ -184,3 +196,22 @@ class LazyBucketed:
         if inner is None:
             raise AttributeError(f"{name!r}: not built yet (builds on the first call)")
         return getattr(inner, name)
+
+
+def compiled(fn: Callable[..., Any], compile: bool | str) -> Callable[..., Any]:
+    """``fn`` under ``torch.compile`` for ``cg.graph(..., compile=...)``, or ``fn`` itself."""
+    if compile is False:
+        return fn
+    modes = compat.graph_free_compile_modes()
+    if compile is not True and compile not in modes:
+        raise ConfigError(
+            explain(
+                f"compile must be True, False or a torch.compile mode name without CUDA "
+                f"graphs ({', '.join(repr(m) for m in modes)}); got {compile!r}",
+                "cg.graph records the one CUDA graph; a mode that records Inductor's own "
+                "graphs (reduce-overhead, max-autotune) would nest two",
+                "pass compile=True, or compile='max-autotune-no-cudagraphs' for autotuning",
+            )
+        )
+    mode = None if compile is True else compile
+    return torch.compile(fn, mode=mode, dynamic=False)

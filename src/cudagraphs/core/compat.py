@@ -30,6 +30,8 @@ __all__ = [
     "foreach_copy",
     "global_state_guard",
     "graph_exec",
+    "graph_free_compile_modes",
+    "inductor_compile",
     "guarded_storage",
     "guarded_tensor",
     "kill_storage",
@@ -349,6 +351,24 @@ def sleep_cycles(cycles: int) -> None:
 
 
 # --- torch.compile pieces (integrations/dynamo.py) ---------------------------------------------
+
+
+def graph_free_compile_modes() -> tuple[str, ...]:
+    """The ``torch.compile`` modes that leave CUDA graphs to the caller (no Inductor
+    ``triton.cudagraphs``): the ones a graph of this library may be laid over."""
+    import torch._inductor
+
+    modes = torch._inductor.list_mode_options()
+    return tuple(name for name, settings in modes.items() if not settings.get("triton.cudagraphs"))
+
+
+def inductor_compile(gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """Inductor's compile of one Dynamo graph (what ``backend="inductor"`` does), with
+    Inductor's own CUDA graphs off; the result takes the inputs as positional arguments, as
+    Dynamo calls a backend's result."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, list(example_inputs), config_patches={"triton.cudagraphs": False})
 
 
 def module_state_inputs(gm: Any, n: int) -> set[int]:

@@ -38,7 +38,13 @@ from ..errors import CudaGraphsWarning, VerificationError, explain
 if TYPE_CHECKING:
     from ..core import Graphed
 
-__all__ = ["python_values", "random_like", "tolerance", "verify_against_eager"]
+__all__ = [
+    "compare_with_eager",
+    "python_values",
+    "random_like",
+    "tolerance",
+    "verify_against_eager",
+]
 
 
 def tolerance(dtype: torch.dtype) -> dict[str, float]:
@@ -75,8 +81,16 @@ def _clone_tree(tree: Any) -> Any:
 
 def verify_against_eager(graphed: Graphed[Any], rounds: int) -> None:
     """Raise :class:`VerificationError` if a replay differs from eager; see the module doc."""
-    leaves, spec = optree.tree_flatten((graphed.inputs, graphed.input_kwargs), namespace=NAMESPACE)
-    fn = graphed.fn
+    compare_with_eager(graphed, graphed.fn, graphed.inputs, graphed.input_kwargs, rounds)
+
+
+def compare_with_eager(
+    call: Callable[..., Any], fn: Callable[..., Any], args: Any, kwargs: Any, rounds: int
+) -> None:
+    """Raise :class:`VerificationError` if ``call`` (a graph of ``fn``, or any other way of
+    running it) differs from ``fn`` run eagerly, on ``rounds`` fresh random inputs shaped like
+    ``args`` and ``kwargs``, each from the same state (what the eager runs write is put back)."""
+    leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
     inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
     plain = [x for x in leaves if not isinstance(x, torch.Tensor)]
     for _ in range(rounds):
@@ -100,7 +114,7 @@ def verify_against_eager(graphed: Graphed[Any], rounds: int) -> None:
         # The replay's writes happen inside the graph, unseen by a dispatch mode: copy what the
         # eager run wrote, replay, and put it back.
         snapshot = TensorSnapshot(zip(written.names, written.tensors))
-        got = _clone_tree(graphed(*_clone_tree(args), **_clone_tree(kwargs)))
+        got = _clone_tree(call(*_clone_tree(args), **_clone_tree(kwargs)))
         snapshot.restore()
         differs = _first_difference(expected, again)
         if differs is not None:

@@ -1,10 +1,16 @@
-"""``cg.backend``: a torch.compile backend whose every compiled piece is a ``cg.graph``.
+"""``cg.backend``: a torch.compile backend whose every piece is fused by Inductor and then
+captured as a ``cg.graph``.
 
 Right::
 
-    compiled = torch.compile(model, backend=cg.backend)           # defaults
-    compiled = torch.compile(model, backend=cg.backend(warmup=2))  # with cg.graph's options
-    compiled = torch.compile(model, backend=cg.backend, dynamic=False)
+    compiled = torch.compile(model, backend=cg.backend)             # fused, then graphed
+    compiled = torch.compile(model, backend=cg.backend(warmup=2))    # with cg.graph's options
+    compiled = torch.compile(model, backend=cg.backend(fuse=False))  # graphed, not fused
+
+Each traced piece goes through Inductor (kernel fusion, as ``backend="inductor"``) with
+Inductor's own CUDA graphs off, so there is one graph layer: ours, with its guards, output
+policy, mode and thread checks. ``fuse=False`` graphs the traced aten operations as they are
+(no Inductor: no compile time, no Triton).
 
 Dynamo splits a function at what it cannot trace (``.item()`` used in a branch, a print, a
 call into an unsupported library): each traced piece is handed to this backend, and the Python
@@ -32,7 +38,7 @@ import torch
 from ..api import graph
 from ..core import compat
 from ..errors import ConfigError, explain
-from ..options import split_options
+from ..options import check_bool, split_options
 
 __all__ = ["backend"]
 
@@ -43,12 +49,13 @@ _BACKEND_OPTIONS = (
 
 
 class _Piece(torch.nn.Module):
-    """One traced piece with its parameters and buffers held (so ``cg.graph`` guards their
-    addresses) and only the call's own tensors as graph inputs."""
+    """One traced piece (``run``: the Dynamo graph, or Inductor's compile of it) with its
+    parameters and buffers held (so ``cg.graph`` guards their addresses) and only the call's
+    own tensors as graph inputs."""
 
-    def __init__(self, gm: torch.fx.GraphModule, fixed: dict[int, torch.Tensor]) -> None:
+    def __init__(self, run: Callable[..., Any], fixed: dict[int, torch.Tensor]) -> None:
         super().__init__()
-        self.gm = gm
+        self.run = run
         self.slots = sorted(fixed)
         for k, (_, t) in enumerate(sorted(fixed.items())):
             self.register_buffer(f"fixed_{k}", t, persistent=False)
@@ -57,14 +64,15 @@ class _Piece(torch.nn.Module):
         args: list[Any] = list(free)
         for k, i in enumerate(self.slots):
             args.insert(i, getattr(self, f"fixed_{k}"))
-        return self.gm(*args)
+        return self.run(*args)
 
 
 def _compile(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any]
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any], fuse: bool
 ) -> Callable[..., Any]:
     fixed_positions = compat.module_state_inputs(gm, len(example_inputs))
     state: dict[str, Any] = {}
+    traced = compat.inductor_compile(gm, example_inputs) if fuse else gm
 
     def run(*args: Any) -> Any:
         piece = state.get("graphed")
@@ -77,7 +85,7 @@ def _compile(
             }
             state["fixed"] = fixed
             state["free"] = [i for i in range(len(args)) if i not in fixed]
-            state["graphed"] = piece = graph(_Piece(gm, fixed), **options)
+            state["graphed"] = piece = graph(_Piece(traced, fixed), **options)
         fixed = state["fixed"]
         for i, t in fixed.items():
             if args[i] is not t:
@@ -95,18 +103,24 @@ def _compile(
     return run
 
 
-def backend(gm: Any = None, example_inputs: Any = None, **options: Any) -> Any:
-    """The torch.compile backend (``backend=cg.backend``), or, called with ``cg.graph``'s
-    options only, a backend that uses them (``backend=cg.backend(warmup=2)``)."""
+def backend(
+    gm: Any = None, example_inputs: Any = None, *, fuse: bool = True, **options: Any
+) -> Any:
+    """The torch.compile backend (``backend=cg.backend``), or, called with options only, a
+    backend that uses them (``backend=cg.backend(warmup=2)``, ``cg.backend(fuse=False)``).
+
+    ``fuse``: compile each piece with Inductor before capturing it (default), or capture the
+    traced operations unfused. The other options are ``cg.graph``'s."""
     if gm is None:
         opts, rest = split_options(None, options, allowed=_BACKEND_OPTIONS, entry="cg.backend")
         if rest:
             raise ConfigError(
                 explain(
                     f"cg.backend got unknown options {sorted(rest)}",
-                    f"it takes cg.graph's options {', '.join(_BACKEND_OPTIONS)}",
+                    f"it takes fuse= and cg.graph's options {', '.join(_BACKEND_OPTIONS)}",
                     "remove or respell them",
                 )
             )
-        return functools.partial(backend, **opts)
-    return _compile(gm, list(example_inputs or ()), options)
+        check_bool("fuse", fuse, "it says whether Inductor fuses each piece")
+        return functools.partial(backend, fuse=fuse, **opts)
+    return _compile(gm, list(example_inputs or ()), options, fuse)

@@ -50,7 +50,14 @@ import torch
 from ..core import compat
 from ..errors import Notices
 
-__all__ = ["FOLDER_VARIABLE", "SavedCompile", "compile_key", "saved_steps_folder"]
+__all__ = [
+    "FOLDER_VARIABLE",
+    "SavedCompile",
+    "compile_key",
+    "saved_steps_folder",
+    "untrusted",
+    "write_whole",
+]
 
 
 def compile_key(model: Any, fn: Callable[..., Any], settings: dict[str, Any], *extra: Any) -> str:
@@ -171,13 +178,13 @@ class SavedCompile:
             raise RuntimeError("TORCHINDUCTOR_FORCE_DISABLE_CACHES=1")
         self.folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.folder.mkdir(mode=0o700, exist_ok=True)
-        if why := _untrusted(self.folder.parent) or _untrusted(self.folder):
+        if why := untrusted(self.folder.parent) or untrusted(self.folder):
             raise PermissionError(f"{self.folder}: {why}")  # nothing written where others write
         name = f"entry-{len(self.entries or [])}-{os.getpid()}"
         data = type(entry).serialize(entry).serialized_data
         sources = _source_hashes({s.module for s in entry.source_info().inlined_sources})
-        _write(self.folder / f"{name}.bin", data)
-        _write(self.folder / f"{name}.json", json.dumps({"sources": sources}).encode())
+        write_whole(self.folder / f"{name}.bin", data)
+        write_whole(self.folder / f"{name}.json", json.dumps({"sources": sources}).encode())
         self.saved += 1
 
     def _load(self) -> list[Any]:
@@ -186,12 +193,12 @@ class SavedCompile:
         entries: list[Any] = []
         if not self.folder.is_dir():
             return entries
-        if why := _untrusted(self.folder.parent) or _untrusted(self.folder):
+        if why := untrusted(self.folder.parent) or untrusted(self.folder):
             self._refuse(self.folder, why)
             return entries
         for meta in sorted(self.folder.glob("*.json")):
             data = meta.with_suffix(".bin")
-            if why := _untrusted(meta) or _untrusted(data):
+            if why := untrusted(meta) or untrusted(data):
                 self._refuse(data, why)
                 continue
             try:
@@ -232,7 +239,7 @@ def saved_steps_folder() -> Path:
     return Path(chosen) if chosen else Path(_cache()[0]) / "cudagraphs"
 
 
-def _untrusted(path: Path) -> str:
+def untrusted(path: Path) -> str:
     """Why ``path`` may hold what another user wrote ("" where it may not): it belongs to
     someone else, or others may write to it (group- or world-writable), or it is a link."""
     try:
@@ -283,7 +290,7 @@ def _source_hashes(modules: set[str]) -> dict[str, str]:
     return hashes
 
 
-def _write(path: Path, data: bytes) -> None:
+def write_whole(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` whole or not at all (another process may be reading)."""
     handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(handle, "wb") as file:

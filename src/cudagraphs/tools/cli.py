@@ -54,7 +54,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     return parser, {
         name: add(commands)
         for name, add in (("demo", _add_demo), ("doctor", _add_doctor), ("bench", _add_bench),
-                          ("serve", _add_serve))
+                          ("serve", _add_serve), ("auto", _add_auto))
     }  # fmt: skip
 
 
@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
             return _doctor(commands["doctor"], args.target)
         if args.command == "bench":
             return _bench(commands["bench"], args)
+        if args.command == "auto":
+            return _auto(commands["auto"], args)
     except UserCodeRaised as raised:
         return _report_user_error(raised, full=args.traceback)
     if args.command == "demo":
@@ -106,6 +108,36 @@ def _add_doctor(commands: Any) -> argparse.ArgumentParser:
     command.add_argument("target", metavar="FILE.py:FUNC")
     _traceback_option(command)
     return command
+
+
+def _add_auto(commands: Any) -> argparse.ArgumentParser:
+    command = commands.add_parser(
+        "auto",
+        help="try the ways of graphing a function, verify each, print the table and the choice",
+        description="FILE.py:FUNC names a function that takes no arguments and returns "
+        "(callable, args) or (callable, args, kwargs). Each way (graph, graph over compile, "
+        "the fusing backend) is built, compared with eager and timed; the decision is saved "
+        "for the next process. Exit code 3 when your code raised.",
+    )
+    command.add_argument("target", metavar="FILE.py:FUNC")
+    command.add_argument("--json", action="store_true", help="print the report as JSON")
+    command.add_argument(
+        "--fresh", action="store_true", help="decide again instead of using a saved decision"
+    )
+    _traceback_option(command)
+    return command
+
+
+def _auto(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from .auto import auto
+
+    fn, fn_args, fn_kwargs = _load_target(parser, args.target)
+    try:
+        chosen = auto(fn, *fn_args, reuse=not args.fresh, **fn_kwargs)
+    except Exception as error:
+        raise UserCodeRaised(f"trying {args.target}", error) from error
+    print(chosen.report.to_json() if args.json else chosen.report)
+    return 0
 
 
 def _add_bench(commands: Any) -> argparse.ArgumentParser:

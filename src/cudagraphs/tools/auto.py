@@ -1,0 +1,310 @@
+"""``cg.auto``: try the ways of graphing a function, verify each against eager, keep the fastest.
+
+Right::
+
+    fast = cg.auto(model, x)         # a callable with cg.graph's guarantees
+    print(fast.report)               # one row per way tried: µs, speed-up, verified, build s
+    y = fast(x_new)
+
+Wrong: ``cg.auto`` inside a request loop. It times candidates (seconds, cold); build it once at
+start-up. A second process finds the decision saved on disk and builds only the chosen way.
+
+The candidates, where they apply:
+
+- ``graph``: ``cg.graph(fn, *example)``, the plain graph;
+- ``graph over compile``: ``cg.graph(fn, *example, compile=True)``, Inductor's fused kernels in
+  one graph;
+- ``backend``: ``torch.compile(fn, backend=cg.backend)``, each piece Dynamo traces fused and
+  graphed, the Python between pieces eager (graph breaks at host reads);
+- ``buckets``: ``cg.graph(fn, *example, buckets=...)`` when the caller declares varying sizes.
+
+Each is built (its build seconds counted), compared with eager on fresh random inputs from the
+same state (``verify`` rounds; a difference rejects it), and timed side by side with eager; the
+fastest verified one is kept, and eager when none is faster. The decision is saved in
+``saved_steps_folder()/auto``, keyed by the function's code, its model's config and parameter
+layout, the example's shapes, the versions and the GPU (the folder follows the saved compiled
+steps' ownership rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import json
+import platform
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from ..api import graph
+from ..core import NAMESPACE, callable_name, modules_of
+from ..diagnose.verify import compare_with_eager, random_like
+from ..errors import ConfigError, CudaGraphsWarning, explain
+from ..integrations.dynamo import backend
+from ..integrations.saved_compile import saved_steps_folder, untrusted, write_whole
+from .timing import measure_side_by_side
+
+__all__ = ["CANDIDATES", "Auto", "AutoReport", "Candidate", "auto"]
+
+CANDIDATES = ("graph", "graph over compile", "backend", "buckets")
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One way tried: its latency (µs per call, synchronized), speed-up over eager, whether it
+    matched eager, why it was rejected, and what building it cost."""
+
+    name: str
+    us: float | None = None
+    speedup: float | None = None
+    verified: bool = False
+    rejected: str = ""
+    build_s: float = 0.0
+
+
+@dataclasses.dataclass
+class AutoReport:
+    """What ``cg.auto`` tried and chose; ``str()`` is a table, :meth:`to_json` the same data."""
+
+    function: str
+    chosen: str
+    reason: str
+    eager_us: float | None = None
+    candidates: list[Candidate] = dataclasses.field(default_factory=list)
+    decision_s: float = 0.0
+    from_disk: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    def __str__(self) -> str:
+        rows = [f"cg.auto({self.function}): {self.chosen} ({self.reason})"]
+        if self.eager_us is not None:
+            rows.append(f"  eager: {self.eager_us:.1f} µs per call")
+        rows.append(f"  {'candidate':<20} {'µs':>9} {'vs eager':>9} {'verified':>9} {'build s':>8}")
+        for c in self.candidates:
+            us = f"{c.us:.1f}" if c.us is not None else "-"
+            ratio = f"{c.speedup:.2f}x" if c.speedup is not None else "-"
+            state = "yes" if c.verified else ("no: " + c.rejected if c.rejected else "no")
+            rows.append(f"  {c.name:<20} {us:>9} {ratio:>9} {state:>9} {c.build_s:>8.1f}")
+        source = "saved decision" if self.from_disk else f"decided in {self.decision_s:.1f} s"
+        rows.append(f"  ({source})")
+        return "\n".join(rows)
+
+
+class Auto:
+    """The chosen way of running ``fn``; call it like ``fn``. ``report``: what was tried."""
+
+    def __init__(self, call: Callable[..., Any], report: AutoReport) -> None:
+        self.call = call
+        self.report = report
+        self.__wrapped__ = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<cudagraphs.Auto {self.report.function}: {self.report.chosen}>"
+
+
+def auto(
+    fn: Callable[..., Any],
+    *example_args: Any,
+    candidates: Sequence[str] = CANDIDATES,
+    buckets: Any = None,
+    verify: int = 3,
+    budget_s: float = 120.0,
+    reuse: bool = True,
+    **example_kwargs: Any,
+) -> Auto:
+    """Build each applicable candidate, verify it against eager, time it, keep the fastest.
+
+    ``candidates``: which of :data:`CANDIDATES` to try. ``buckets``: the varying sizes, as for
+    ``cg.graph`` (the ``buckets`` candidate runs only with it). ``verify``: rounds of fresh
+    random inputs each candidate must match eager on. ``budget_s``: candidates not started
+    within this many seconds are skipped (and say so). ``reuse``: use a decision saved by an
+    earlier process for the same function, model, example shapes, versions and GPU.
+    """
+    unknown = [c for c in candidates if c not in CANDIDATES]
+    if unknown or not candidates:
+        raise ConfigError(
+            explain(
+                f"cg.auto got candidates={list(candidates)!r}",
+                f"the ways it knows are {', '.join(CANDIDATES)}",
+                "pass a subset of cudagraphs.tools.auto.CANDIDATES, or leave it out",
+            )
+        )
+    name = callable_name(fn)
+    start = time.perf_counter()
+    tensors = [
+        x
+        for x in optree.tree_leaves((example_args, example_kwargs), namespace=NAMESPACE)
+        if isinstance(x, torch.Tensor)
+    ]
+    if not torch.cuda.is_available() or not any(t.is_cuda for t in tensors):
+        why = "no CUDA" if not torch.cuda.is_available() else "the inputs are on the CPU"
+        return Auto(fn, AutoReport(name, "eager", f"{why}: graphs need CUDA tensors"))
+    key = _decision_key(fn, example_args, example_kwargs, candidates, buckets)
+    saved = _load(key) if reuse else None
+    if saved is not None:
+        call = _build(saved.chosen, fn, example_args, example_kwargs, buckets)
+        return Auto(call, dataclasses.replace(saved, from_disk=True))
+    rows: list[Candidate] = []
+    calls: dict[str, Callable[..., Any]] = {}
+    for candidate in candidates:
+        row = Candidate(candidate)
+        rows.append(row)
+        if candidate == "buckets" and buckets is None:
+            row.rejected = "no buckets= given"
+            continue
+        if time.perf_counter() - start > budget_s:
+            row.rejected = f"over the {budget_s:.0f} s budget"
+            continue
+        built = time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CudaGraphsWarning)
+                call = _build(candidate, fn, example_args, example_kwargs, buckets)
+                call(*example_args, **example_kwargs)  # lazy pieces capture on early calls
+                call(*example_args, **example_kwargs)
+                compare_with_eager(call, fn, example_args, example_kwargs, verify)
+        except Exception as error:  # a way that fails or differs is a rejected row, not an end
+            row.rejected = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+            continue
+        finally:
+            row.build_s = time.perf_counter() - built
+        row.verified = True
+        calls[candidate] = call
+    eager_us, timed = _time(fn, calls, example_args, example_kwargs)
+    for row in rows:
+        if row.name in timed:
+            row.us = timed[row.name]
+            row.speedup = eager_us / row.us
+    verified = [r for r in rows if r.verified and r.us is not None]
+    best = min(verified, key=lambda r: r.us or 0.0, default=None)
+    if best is None or (best.us or 0.0) >= eager_us:
+        chosen, reason, call = "eager", "no verified candidate is faster than eager", fn
+    else:
+        chosen, reason, call = best.name, "the fastest verified candidate", calls[best.name]
+    report = AutoReport(
+        name, chosen, reason, eager_us, rows, decision_s=time.perf_counter() - start
+    )
+    _save(key, report)
+    return Auto(call, report)
+
+
+def _build(
+    candidate: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+    buckets: Any,
+) -> Callable[..., Any]:  # fmt: skip
+    if candidate == "eager":
+        return fn
+    if candidate == "graph":
+        return graph(fn, *args, **kwargs)
+    if candidate == "graph over compile":
+        return graph(fn, *args, compile=True, **kwargs)
+    if candidate == "backend":
+        return torch.compile(fn, backend=backend, dynamic=False)
+    return graph(fn, *args, buckets=buckets, **kwargs)
+
+
+def _time(
+    fn: Callable[..., Any],
+    calls: dict[str, Callable[..., Any]],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[float, dict[str, float]]:
+    """µs per synchronized call of eager and each candidate, interleaved window by window."""
+    leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
+    inputs = [
+        optree.tree_unflatten(
+            spec, [random_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+        )
+        for _ in range(4)
+    ]
+    modes = {"eager": fn, **calls}
+    timed = measure_side_by_side(
+        {name: (lambda c: lambda a: c(*a[0], **a[1]))(call) for name, call in modes.items()},
+        inputs,
+        calls=50,
+        windows=5,
+    )
+    return timed["eager"].latency_us, {n: t.latency_us for n, t in timed.items() if n != "eager"}
+
+
+def _decision_key(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    candidates: Sequence[str],
+    buckets: Any,
+) -> str:
+    """What a decision depends on: the code and configuration of the function and its model,
+    the parameters' layout, the example's shapes, the versions and the GPU."""
+    target = getattr(fn, "_orig_mod", fn)
+    code = type(target) if isinstance(target, torch.nn.Module) else target
+    try:
+        source = inspect.getsource(inspect.getmodule(code) or code)
+    except (OSError, TypeError):
+        source = repr(code)
+    modules = modules_of(fn, ())
+    config = [getattr(m, "config", None) for m in modules]
+    layout = [(n, tuple(p.shape), str(p.dtype)) for m in modules for n, p in m.named_parameters()]
+    example = [
+        (tuple(x.shape), str(x.dtype), str(x.device)) if isinstance(x, torch.Tensor) else repr(x)
+        for x in optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
+    ]
+    try:
+        import transformers
+
+        versions = [torch.__version__, transformers.__version__]
+    except ImportError:
+        versions = [torch.__version__]
+    parts = [
+        platform.python_version(), versions, _own_version(), torch.cuda.get_device_name(),
+        hashlib.sha256(source.encode()).hexdigest(), callable_name(fn),
+        [c.to_json_string() if hasattr(c, "to_json_string") else repr(c) for c in config],
+        layout, example, list(candidates), repr(buckets),
+        torch.get_float32_matmul_precision(), str(torch.get_default_dtype()),
+    ]  # fmt: skip
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
+
+def _own_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("cudagraphs")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _folder() -> Any:
+    return saved_steps_folder() / "auto"
+
+
+def _load(key: str) -> AutoReport | None:
+    folder = _folder()
+    path = folder / f"{key}.json"
+    if not path.exists() or untrusted(folder.parent) or untrusted(folder) or untrusted(path):
+        return None
+    try:
+        data = json.loads(path.read_text())
+        rows = [Candidate(**row) for row in data.pop("candidates")]
+        return AutoReport(**data, candidates=rows)
+    except (ValueError, TypeError, KeyError):
+        return None  # written by another version: decided again
+
+
+def _save(key: str, report: AutoReport) -> None:
+    folder = _folder()
+    folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    if untrusted(folder.parent) or untrusted(folder):
+        return  # a folder others can write to holds no decision of ours
+    write_whole(folder / f"{key}.json", report.to_json().encode())
