@@ -14,13 +14,28 @@ import cudagraphs as cg
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
-def test_the_buckets_example_runs_without_cuda() -> None:
+def test_the_tour_runs_as_written_without_cuda() -> None:
     start = README.index('device = "cuda" if torch.cuda.is_available()')
-    block = README[start : README.index("```", start)].split("\n# Two symbols")[0]
+    block = README[start : README.index("```", start)]
     scope: dict = {"torch": torch, "cg": cg}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", cg.CudaGraphsWarning)
         exec(compile(block, "README.md", "exec"), scope)
+    assert scope["rows"].shape == (37, 256) and scope["b"].stats.hits[(64,)] == 1
+    assert type(scope["fused"].fn).__name__ == "OptimizedModule"
+    if not torch.cuda.is_available():
+        assert scope["best"].report.chosen == "eager" and "no CUDA" in scope["best"].report.reason
+    assert isinstance(scope["step"], cg.TrainStep)
+
+
+def test_the_buckets_guide_example_runs_without_cuda() -> None:
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "buckets.md").read_text()
+    start = guide.index('device = "cuda" if torch.cuda.is_available()')
+    block = guide[start : guide.index("```", start)].split("\n# Two symbols")[0]
+    scope: dict = {"torch": torch, "cg": cg}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.CudaGraphsWarning)
+        exec(compile(block, "buckets.md", "exec"), scope)
     assert scope["y"].shape == (37, 256)
     assert scope["g"].stats.hits[(64,)] == 1
 

@@ -266,13 +266,17 @@ def _decision_key(
     except ImportError:
         versions = [torch.__version__]
     parts = [
-        platform.python_version(), versions, _own_version(), torch.cuda.get_device_name(),
+        platform.python_version(), versions, _own_version(), _device_name(),
         hashlib.sha256(source.encode()).hexdigest(), callable_name(fn),
         [c.to_json_string() if hasattr(c, "to_json_string") else repr(c) for c in config],
         layout, example, list(candidates), repr(buckets),
         torch.get_float32_matmul_precision(), str(torch.get_default_dtype()),
     ]  # fmt: skip
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def _own_version() -> str:

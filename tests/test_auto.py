@@ -1,0 +1,115 @@
+"""``cg.auto`` on the CPU: it returns eager with the reason, keys its saved decision by what
+the decision depends on, keeps decisions out of folders others can write to, and its command
+exits 0, or 2 on a mistake."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphs as cg
+from cudagraphs.tools import auto as auto_module
+
+
+def _model(width: int = 8) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.ReLU())
+
+
+def test_without_cuda_auto_returns_eager_and_says_why() -> None:
+    model = _model()
+    x = torch.randn(4, 8)
+    chosen = cg.auto(model, x)
+    assert chosen.report.chosen == "eager" and "no CUDA" in chosen.report.reason
+    torch.testing.assert_close(chosen(x), model(x))
+    assert '"chosen": "eager"' in chosen.report.to_json()
+    assert "eager" in str(chosen.report)
+
+
+def test_an_unknown_candidate_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(cg.ConfigError, match="graph over compile"):
+        cg.auto(_model(), torch.randn(4, 8), candidates=["graph", "magic"])
+
+
+def test_the_decision_key_changes_with_config_parameters_shapes_and_versions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    key = auto_module._decision_key
+    x = torch.randn(4, 8)
+    base = key(_model(), (x,), {}, auto_module.CANDIDATES, None)
+    assert base == key(_model(), (x,), {}, auto_module.CANDIDATES, None)  # stable
+    assert base != key(_model(16), (torch.randn(4, 16),), {}, auto_module.CANDIDATES, None)
+    assert base != key(_model(), (torch.randn(2, 8),), {}, auto_module.CANDIDATES, None)
+    assert base != key(_model(), (x,), {}, ("graph",), None)
+    configured = _model()
+    configured.config = type("Config", (), {"to_json_string": lambda self: '{"layers": 2}'})()
+    other = _model()
+    other.config = type("Config", (), {"to_json_string": lambda self: '{"layers": 3}'})()
+    assert key(configured, (x,), {}, ("graph",), None) != key(other, (x,), {}, ("graph",), None)
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert base != key(_model(), (x,), {}, auto_module.CANDIDATES, None)
+
+
+def test_the_decision_key_changes_with_the_model_source(tmp_path: Path) -> None:
+    keys = []
+    for body in ("return self.fc(x)", "return self.fc(x) * 2"):
+        path = tmp_path / f"model_{len(keys)}.py"
+        path.write_text(
+            textwrap.dedent(
+                f"""
+                import torch
+                class Net(torch.nn.Module):
+                    def __init__(self):
+                        super().__init__()
+                        self.fc = torch.nn.Linear(8, 8)
+                    def forward(self, x):
+                        {body}
+                """
+            )
+        )
+        namespace: dict = {}
+        sys.path.insert(0, str(tmp_path))
+        try:
+            module = __import__(path.stem)
+        finally:
+            sys.path.remove(str(tmp_path))
+        namespace["Net"] = module.Net
+        keys.append(
+            auto_module._decision_key(module.Net(), (torch.randn(2, 8),), {}, ("graph",), None)
+        )
+    assert keys[0] != keys[1]
+
+
+def test_a_saved_decision_is_read_back_only_from_a_folder_of_ones_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path / "steps"))
+    report = auto_module.AutoReport(
+        "Net", "graph", "the fastest verified candidate", 100.0,
+        [auto_module.Candidate("graph", 20.0, 5.0, True, "", 1.5)],
+    )  # fmt: skip
+    auto_module._save("k1", report)
+    loaded = auto_module._load("k1")
+    assert loaded is not None and loaded.chosen == "graph" and loaded.candidates[0].us == 20.0
+    assert auto_module._load("another key") is None
+    (tmp_path / "steps" / "auto").chmod(0o777)  # others may write there now: not trusted
+    assert auto_module._load("k1") is None
+
+
+def test_the_command_prints_the_table_and_exits_0_or_2_on_a_mistake(tmp_path: Path) -> None:
+    target = tmp_path / "target.py"
+    target.write_text(
+        "import torch\ndef make():\n    return torch.nn.Linear(8, 8), (torch.randn(4, 8),)\n"
+    )
+    run = [sys.executable, "-m", "cudagraphs", "auto"]
+    done = subprocess.run([*run, f"{target}:make"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "cg.auto(" in done.stdout and "eager" in done.stdout
+    wrong = subprocess.run([*run, f"{target}:nope"], capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and "has no function 'nope'" in wrong.stderr

@@ -1,0 +1,66 @@
+"""On a GPU: ``cg.auto`` verifies each way against eager, keeps a verified one, answers as
+eager does, and a second decision for the same model comes from disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphs as cg
+
+pytestmark = pytest.mark.cuda
+
+
+def test_auto_keeps_a_verified_way_and_the_next_decision_comes_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(8)])
+    model = model.cuda().eval()
+    x = torch.randn(4, 64, device="cuda")
+    with torch.no_grad():
+        chosen = cg.auto(model, x, verify=2)
+        report = chosen.report
+        rows = {row.name: row for row in report.candidates}
+        assert set(rows) == {"graph", "graph over compile", "backend", "buckets"}
+        assert rows["buckets"].rejected == "no buckets= given"
+        assert any(row.verified for row in rows.values()), str(report)
+        assert report.chosen in rows and rows[report.chosen].verified
+        for _ in range(3):
+            fresh = torch.randn(4, 64, device="cuda")
+            torch.testing.assert_close(chosen(fresh), model(fresh))
+        again = cg.auto(model, x)
+        assert again.report.from_disk and again.report.chosen == report.chosen
+        fresh = torch.randn(4, 64, device="cuda")
+        torch.testing.assert_close(again(fresh), model(fresh))
+
+
+def test_a_candidate_that_differs_from_eager_is_rejected_not_chosen(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A function whose graph would freeze a host read: the plain graph is refused (or
+    differs) and the report says why; whatever is chosen answers as eager."""
+
+    class HostRead(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            return y * 2 if y.sum().item() > 0 else y - 1
+
+    monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
+    model = HostRead().cuda().eval()
+    x = torch.randn(4, 16, device="cuda")
+    with torch.no_grad():
+        chosen = cg.auto(model, x, reuse=False, verify=3)
+        rows = {row.name: row for row in chosen.report.candidates}
+        assert not rows["graph"].verified and rows["graph"].rejected
+        for _ in range(4):
+            fresh = torch.randn(4, 16, device="cuda")
+            torch.testing.assert_close(chosen(fresh), model(fresh))
