@@ -119,6 +119,7 @@ def _backend_in_fresh_process(**env: str) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "code",
     [
@@ -139,6 +140,7 @@ def test_falls_back_without_the_compiled_loop(code):
     assert result.stdout.strip() == ("torch helper" if has_helper else "python loop")
 
 
+@pytest.mark.slow
 def test_a_library_planted_in_a_shared_folder_is_never_loaded(tmp_path):
     # Where an earlier version cached its runtime-built module: a predictable name in the
     # world-writable temporary folder (and the cache variable it honoured). Plant both.

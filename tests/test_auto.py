@@ -102,6 +102,7 @@ def test_a_saved_decision_is_read_back_only_from_a_folder_of_ones_own(
     assert auto_module._load("k1") is None
 
 
+@pytest.mark.slow
 def test_the_command_prints_the_table_and_exits_0_or_2_on_a_mistake(tmp_path: Path) -> None:
     target = tmp_path / "target.py"
     target.write_text(

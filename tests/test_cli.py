@@ -40,6 +40,7 @@ def test_demo_on_gpu_prints_the_table() -> None:
     assert "StaleOutputError" in proc.stdout
 
 
+@pytest.mark.slow
 def test_bad_arguments_are_refused_with_usage() -> None:
     proc = cli("demo", "--calls", "0")
     assert proc.returncode == 2 and "--calls and --windows must be at least 1" in proc.stderr
@@ -47,6 +48,7 @@ def test_bad_arguments_are_refused_with_usage() -> None:
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "target", "message"),
     [
@@ -81,6 +83,7 @@ def test_target_mistakes_are_one_line_with_exit_code_2(
         ),
     ],
 )
+@pytest.mark.slow
 def test_the_users_own_code_raising_is_one_line_with_exit_code_3(
     tmp_path: Path, source: str, message: str, line: int
 ) -> None:
@@ -97,6 +100,7 @@ def test_the_users_own_code_raising_is_one_line_with_exit_code_3(
         assert full.returncode == 3 and "Traceback" in full.stderr
 
 
+@pytest.mark.slow
 def test_piped_tables_keep_whole_column_names(tmp_path: Path) -> None:
     path = tmp_path / "target.py"
     path.write_text(
@@ -112,6 +116,7 @@ def test_piped_tables_keep_whole_column_names(tmp_path: Path) -> None:
     assert "…" not in proc.stdout
 
 
+@pytest.mark.slow
 def test_the_console_script_names_itself(tmp_path: Path) -> None:
     script = Path(sys.executable).parent / "cudagraphs"
     if not script.exists():
@@ -120,6 +125,7 @@ def test_the_console_script_names_itself(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "usage: cudagraphs" in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_non_python_path_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "model.txt"
     path.write_text("")
@@ -128,6 +134,7 @@ def test_a_non_python_path_is_refused(tmp_path: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_version_and_help_on_every_option() -> None:
     proc = cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("cudagraphs ")

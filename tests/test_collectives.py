@@ -142,6 +142,7 @@ def run_two_ranks(scenario: str) -> dict[int, Any]:
     return answers
 
 
+@pytest.mark.slow
 def test_collectives_are_recorded_and_equal_records_pass() -> None:
     answers = run_two_ranks("recorded")
     for rank in (0, 1):
@@ -150,6 +151,7 @@ def test_collectives_are_recorded_and_equal_records_pass() -> None:
         assert values == [3.0] * 8
 
 
+@pytest.mark.slow
 def test_an_extra_collective_on_one_rank_raises_on_every_rank() -> None:
     answers = run_two_ranks("mismatched")
     for rank in (0, 1):
@@ -158,6 +160,7 @@ def test_an_extra_collective_on_one_rank_raises_on_every_rank() -> None:
         assert f"this is rank {rank}" in answers[rank]
 
 
+@pytest.mark.slow
 def test_a_different_size_is_named() -> None:
     answers = run_two_ranks("resized")
     for rank in (0, 1):
@@ -167,6 +170,7 @@ def test_a_different_size_is_named() -> None:
         )
 
 
+@pytest.mark.slow
 def test_the_pass_through_runs_collectives_eagerly_under_gloo() -> None:
     answers = run_two_ranks("pass_through")
     for rank in (0, 1):
@@ -174,12 +178,14 @@ def test_the_pass_through_runs_collectives_eagerly_under_gloo() -> None:
         assert answers[rank] == [[4.0 * k + 3.0] * 4 for k in range(3)], answers[rank]
 
 
+@pytest.mark.slow
 def test_train_step_over_ddp_matches_plain_ddp_training_under_gloo() -> None:
     answers = run_two_ranks("ddp_train_step")
     for rank in (0, 1):
         assert answers[rank] == (True, True), answers[rank]
 
 
+@pytest.mark.slow
 def test_the_tensor_parallel_block_equals_the_single_device_block() -> None:
     answers = run_two_ranks("tensor_parallel")
     for rank in (0, 1):

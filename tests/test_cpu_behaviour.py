@@ -64,6 +64,7 @@ def test_a_module_state_write_is_reported_at_the_users_line() -> None:
     assert writes and all(f.filename == __file__ and f.lineno == line for f in writes)
 
 
+@pytest.mark.slow
 @no_cuda
 def test_no_example_calls_an_eager_cpu_run_a_graph() -> None:
     """Every example runs without a GPU (two at a time) and says so where it would graph."""
@@ -85,6 +86,7 @@ def test_no_example_calls_an_eager_cpu_run_a_graph() -> None:
                 raise AssertionError(f"{example.name}: {line!r} calls an eager run a graph")
 
 
+@pytest.mark.slow
 def test_the_http_example_says_how_to_start_it() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "serve_http.py")],

@@ -28,6 +28,7 @@ def _benchmark(name: str) -> Any:
         sys.path.remove(str(ROOT / "benchmarks"))
 
 
+@pytest.mark.slow
 def test_the_decode_benchmark_reports_every_mode(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
     markdown = tmp_path / "decode.md"
@@ -51,6 +52,7 @@ def test_the_decode_benchmark_reports_every_mode(tmp_path: Path) -> None:
     assert "one launch" in markdown.read_text()
 
 
+@pytest.mark.slow
 def test_a_single_request_on_the_batch_2_graph_decodes_the_same_tokens(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
     modes = "eager loop,cg,cg from 2"
@@ -84,6 +86,7 @@ def test_the_rung_memory_table_gives_the_ratio_and_the_request_mix() -> None:
     assert "1.15x" in text and "64 requests, 7 graphs after it" in text
 
 
+@pytest.mark.slow
 def test_the_decode_benchmark_runs_at_a_configured_cache_length(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
     base = [sys.executable, "benchmarks/decode.py", "--model", "llama-tiny", "--batches", "2",
@@ -105,6 +108,7 @@ def test_the_decode_benchmark_runs_at_a_configured_cache_length(tmp_path: Path) 
     assert short.returncode != 0 and "shorter than --prompt + --new" in short.stderr
 
 
+@pytest.mark.slow
 def test_the_decode_profile_counts_what_each_token_runs(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     subprocess.run(
@@ -125,6 +129,7 @@ def test_the_decode_profile_counts_what_each_token_runs(tmp_path: Path) -> None:
     assert "aten::mm" in {k["kernel"] for k in costliest}  # the projections, on the CPU
 
 
+@pytest.mark.slow
 def test_the_compile_cost_benchmark_times_every_variant(tmp_path: Path) -> None:
     out = tmp_path / "cost.json"
     subprocess.run(

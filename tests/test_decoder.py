@@ -41,6 +41,7 @@ def generate(
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [1, 4, 16])
 def test_greedy_tokens_equal_generate_at_every_rung(llama, steps: int) -> None:
     model, _ = llama
@@ -289,6 +290,7 @@ def test_padding_that_is_not_on_the_left_is_refused(llama) -> None:
         decoder.generate(ids, attention_mask=mask[:, :3], max_new_tokens=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [1, 4])
 def test_the_captured_path_gives_generate_tokens(stand_in: None, steps: int) -> None:
     """Through the captured path (the CPU stand-in: static input buffers, warm-up, capture
@@ -420,6 +422,7 @@ def traces(before: int, decoder: Decoder) -> int:
     return counters["stats"]["unique_graphs"] - before - wasted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cut", [True, False], ids=["cut in the step", "views marked"])
 def test_compiled_forward_compiles_per_shape_class_not_per_rung(
     llama, cut: bool, monkeypatch: pytest.MonkeyPatch, fresh_compile_cache: object
@@ -466,6 +469,7 @@ def test_compiled_forward_compiles_per_shape_class_not_per_rung(
     assert {"greedy batch 1 length 8", "greedy batch 4 length 16", "greedy batch 2"} <= used
 
 
+@pytest.mark.slow
 def test_batch_rungs_from_two_compile_one_class_and_serve_batch_one(
     llama, fresh_compile_cache: object
 ) -> None:
@@ -494,6 +498,7 @@ def test_batch_rungs_from_two_compile_one_class_and_serve_batch_one(
     assert "greedy batch 2 length 8" in used and not any("batch 1" in key for key in used)
 
 
+@pytest.mark.slow
 def test_a_decoder_of_one_shape_compiles_it_statically(llama, fresh_compile_cache: object) -> None:
     """One batch rung and one length rung: every size is a constant (a faster trace and
     specialised kernels), and the tokens equal generate."""

@@ -139,6 +139,7 @@ def test_report_renders_as_text_and_table_and_data() -> None:
     assert str(cg.doctor(lambda t: t * 2, torch.randn(2))).endswith("no findings")
 
 
+@pytest.mark.slow
 def test_cli_doctor_exit_codes(tmp_path: object) -> None:
     from pathlib import Path
 
@@ -221,6 +222,7 @@ COUNTER = (
 )
 
 
+@pytest.mark.slow
 def test_the_doctor_finds_a_plain_value_that_changes_at_the_line_that_writes_it(
     tmp_path: object,
 ) -> None:

@@ -198,6 +198,7 @@ def test_random_draws_are_seen_by_the_loop_check() -> None:
     assert draws.found[0][1].endswith(".py:" + draws.found[0][1].rsplit(":", 1)[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mistral", "gemma2"])
 def test_sliding_window_models_decode_as_generate_does(stand_in: None, kind: str) -> None:
     """Sliding-window layers get full-length layers (the model's sliding mask windows them):

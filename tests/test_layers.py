@@ -118,6 +118,7 @@ def test_no_import_circle_between_modules() -> None:
         visit(node)
 
 
+@pytest.mark.slow
 def test_import_cudagraphs_loads_no_tools_and_no_rich() -> None:
     code = (
         "import sys, cudagraphs; "
@@ -359,6 +360,7 @@ def core_import_edges() -> int:
     return len(edges)
 
 
+@pytest.mark.slow
 def test_importing_the_package_without_numpy_prints_nothing() -> None:
     """numpy is optional: without it, ``import cudagraphs`` (which imports torch) shows no
     "Failed to initialize NumPy" warning."""
@@ -412,3 +414,11 @@ def test_the_decoder_names_a_misspelt_required_keyword_and_its_compile_modes() -
     model, _ = tiny_llama("cpu", hidden=32, layers=1)
     with pytest.raises(cg.ConfigError, match=r"torch.compile mode name.*max-autotune.*got 'yes'"):
         Decoder(model, max_batch=2, max_length=16, compile="yes")
+
+
+def test_design_md_gives_the_cores_module_and_edge_counts_as_they_are() -> None:
+    design = (SRC.parents[1] / "DESIGN.md").read_text()
+    found = re.search(r"\((\d+) modules and (\d+) import edges between them", design)
+    assert found, "DESIGN.md: the core's counts are missing"
+    modules = len([p for p in (SRC / "core").glob("*.py") if p.name != "__init__.py"])
+    assert (int(found.group(1)), int(found.group(2))) == (modules, core_import_edges())

@@ -15,7 +15,7 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 
 def test_the_tour_runs_as_written_without_cuda() -> None:
-    start = README.index('device = "cuda" if torch.cuda.is_available()')
+    start = README.index('device = torch.device("cuda" if torch.cuda.is_available()')
     block = README[start : README.index("```", start)]
     scope: dict = {"torch": torch, "cg": cg}
     with warnings.catch_warnings():

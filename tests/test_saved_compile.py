@@ -96,6 +96,7 @@ def test_a_step_that_cannot_be_saved_is_compiled_as_before(
     assert step.saved == 0 and not list(fresh_compile_cache.glob("cudagraphs/k/*"))
 
 
+@pytest.mark.slow
 def test_a_second_decoder_loads_its_steps_and_decodes_its_own_model(fresh_compile_cache) -> None:
     """A decoder of another model of the same config (other weights) loads the first one's
     compiled steps, traces nothing, and its tokens are its own model's ``generate``."""

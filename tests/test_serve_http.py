@@ -66,6 +66,7 @@ def test_health_and_metrics(server: str) -> None:
     assert 'cudagraphs_batcher_requests_total{batcher="embed"}' in metrics
 
 
+@pytest.mark.slow
 def test_concurrent_requests_equal_the_model_run_directly(server: str) -> None:
     torch.manual_seed(5)
     bodies = [torch.randint(0, 1000, (n, 16)).tolist() for n in (1, 3, 2, 5, 1, 4, 2, 8) * 2]
@@ -127,6 +128,7 @@ json_values = st.recursive(
 )  # fmt: skip
 
 
+@pytest.mark.slow
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -140,6 +142,7 @@ def test_fuzzed_bodies_never_get_a_server_error(server: str, body) -> None:
         assert got.shape[1] == 64 and all(math.isfinite(v) for v in got.flatten().tolist())
 
 
+@pytest.mark.slow
 def test_the_cli_serves_the_example(tmp_path: Path) -> None:
     port = free_port()
     process = subprocess.Popen(
@@ -166,6 +169,7 @@ def test_the_cli_serves_the_example(tmp_path: Path) -> None:
         process.wait(20)
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_a_maker_that_returns_no_app(tmp_path: Path) -> None:
     target = tmp_path / "maker.py"
     target.write_text("def make():\n    return (lambda x: x), ()\n")

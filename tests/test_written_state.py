@@ -229,6 +229,7 @@ def test_doctor_judges_the_capture_path() -> None:
     assert not report.blocking, str(report)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("outputs", ["clone", "alias"])  # guarded needs a CUDA build: GPU tests
 def test_threads_never_get_another_calls_result(stand_in: None, outputs: str) -> None:
     torch.manual_seed(0)
@@ -311,6 +312,7 @@ def test_a_guard_registers_nothing_in_torch() -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lazy", [False, True], ids=["examples", "lazy"])
 def test_transformers_static_cache_decode_equals_generate(stand_in: None, lazy: bool) -> None:
     pytest.importorskip("transformers")
