@@ -65,3 +65,22 @@ def test_a_call_at_an_exact_rung_leaves_later_smaller_calls_padded(stand_in: Non
         x = torch.randn(n, 5)
         torch.testing.assert_close(g(x), column_sums(x))
     assert g.stats.hits == {(4,): 3, (8,): 5}
+
+
+def test_the_batch_fast_path_refuses_a_size_or_dtype_the_copy_would_broadcast_or_cast(
+    stand_in: None,
+) -> None:
+    """A captured batch bucket's fast path: a (3, 1) input would broadcast into the (4, 5)
+    buffer's first rows and a float64 one would be cast, silently; both are refused, naming
+    the input, and the call after them still equals eager."""
+    import pytest
+
+    g = cg.graph(row_sums, torch.randn(16, 5), buckets={"B": [2, 4, 8, 16]}, outputs="clone")
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(g(x), row_sums(x))  # captures the 4-row bucket: fast from here
+    with pytest.raises(cg.InputMismatchError, match=r"args\[0\] has size 1 in dimension 1"):
+        g(torch.randn(3, 1))
+    with pytest.raises(cg.InputMismatchError, match=r"args\[0\] is torch.float64"):
+        g(torch.randn(3, 5, dtype=torch.float64))
+    y = torch.randn(3, 5)
+    torch.testing.assert_close(g(y), row_sums(y))
