@@ -116,3 +116,18 @@ def test_fast_path_pads_and_repads_the_tail() -> None:
     # 39 real rows and 9 padded ones, in x (3 columns) and ids (1 column).
     assert g.stats.hits[(8,)] == 6
     assert g.stats.padding_waste == pytest.approx((9 * 3 + 9) / (39 * 3 + 39))
+
+
+@torch.no_grad()
+def test_a_cpu_tensor_into_a_captured_batch_bucket_is_refused_naming_the_input() -> None:
+    """The batch fast path checks each input's device: a CPU tensor of a bucketed shape would
+    otherwise be copied into the bucket's CUDA buffer across devices. Refused, then the next
+    CUDA call still equals eager. (The row of scripts/break-guards that no CPU test can fail.)"""
+    model = mlp_256().cuda().eval()
+    g = cg.graph(model, torch.randn(16, 256, device="cuda"), buckets={"B": [4, 8, 16]})
+    x = torch.randn(3, 256, device="cuda")
+    torch.testing.assert_close(g(x).clone(), model(x))  # the 4-row bucket: fast from here
+    with pytest.raises(cg.InputMismatchError, match=r"args\[0\]"):
+        g(torch.randn(3, 256))
+    y = torch.randn(3, 256, device="cuda")
+    torch.testing.assert_close(g(y).clone(), model(y))
