@@ -1,7 +1,7 @@
 """What checking the plain Python values a capture read costs per call.
 
 For each workload, a graph is captured (``cg.graph``, or one decode step of a ``Decoder``), and
-the guard's watch over the values the recorded code read (``core/read_values.py``) is timed
+the guard's watch over the values the recorded code read (``core/python_values.py``) is timed
 alone: values guarded, ns per call of the check, ns per value. The whole guard's check (the
 address check and the modes as well) and a whole call of the graph are timed beside it, so the
 share of the value check in a call can be read off. Host time only: the check runs before the
