@@ -81,3 +81,27 @@ def test_another_librarys_apply_patch_made_after_import_survives_guards() -> Non
         assert calls == ["BatchNorm1d", "BatchNorm1d"] and nn.Module._apply is theirs
     finally:
         nn.Module._apply = original
+
+
+def test_compare_with_eager_looks_inside_a_transformers_model_output() -> None:
+    """A ModelOutput is a dataclass: its tensors are compared, not the object (which raised)."""
+    import pytest
+    from transformers import GPT2Config, GPT2Model
+
+    from cudagraphs.diagnose.verify import compare_with_eager
+    from cudagraphs.errors import VerificationError
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, use_cache=False)
+    config.bos_token_id = config.eos_token_id = 0
+    model = GPT2Model(config).eval()
+    ids = torch.randint(0, 64, (1, 8))
+
+    def shifted(x: torch.Tensor) -> object:
+        out = model(x)
+        return type(out)(last_hidden_state=out.last_hidden_state + 1e-2)
+
+    with torch.no_grad():
+        compare_with_eager(model, model, (ids,), {}, rounds=2)
+        with pytest.raises(VerificationError, match="last_hidden_state differs from eager"):
+            compare_with_eager(shifted, model, (ids,), {}, rounds=1)

@@ -24,11 +24,11 @@ import optree
 import torch
 
 from ..core import (
-    NAMESPACE,
     SideEffects,
     TensorSnapshot,
     Written,
     callable_name,
+    flatten,
     leaf_paths,
     named_roots,
     user_stacklevel,
@@ -74,8 +74,11 @@ def random_like(example: torch.Tensor, generator: torch.Generator | None = None)
 
 
 def _clone_tree(tree: Any) -> Any:
-    return optree.tree_map(
-        lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree, namespace=NAMESPACE
+    # flatten registers dataclass outputs (transformers' ModelOutput) as nodes, so their
+    # tensors are cloned rather than the whole object kept by reference.
+    leaves, spec = flatten(tree)
+    return optree.tree_unflatten(
+        spec, [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
     )
 
 
@@ -90,7 +93,7 @@ def compare_with_eager(
     """Raise :class:`VerificationError` if ``call`` (a graph of ``fn``, or any other way of
     running it) differs from ``fn`` run eagerly, on ``rounds`` fresh random inputs shaped like
     ``args`` and ``kwargs``, each from the same state (what the eager runs write is put back)."""
-    leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
+    leaves, spec = flatten((args, kwargs))
     inputs = [x for x in leaves if isinstance(x, torch.Tensor)]
     plain = [x for x in leaves if not isinstance(x, torch.Tensor)]
     for _ in range(rounds):
@@ -179,8 +182,8 @@ def _plain_values(name: str, value: Any, found: dict[str, Any], depth: int) -> N
 
 def _first_difference(a: Any, b: Any) -> str | None:
     """The path of the first output leaf where two eager runs differ beyond tolerance."""
-    la, sa = optree.tree_flatten(a, namespace=NAMESPACE)
-    lb, sb = optree.tree_flatten(b, namespace=NAMESPACE)
+    la, sa = flatten(a)
+    lb, sb = flatten(b)
     if sa != sb:
         return "the output structure"
     for path, x, y in zip(leaf_paths(sa, root="out"), la, lb):
@@ -197,8 +200,8 @@ def _first_difference(a: Any, b: Any) -> str | None:
 
 
 def _compare(expected: Any, got: Any, *, shapes_only: bool) -> None:
-    le, se = optree.tree_flatten(expected, namespace=NAMESPACE)
-    lg, sg = optree.tree_flatten(got, namespace=NAMESPACE)
+    le, se = flatten(expected)
+    lg, sg = flatten(got)
     if se != sg:
         raise VerificationError(
             explain(

@@ -42,7 +42,7 @@ import optree
 import torch
 
 from ..api import graph
-from ..core import NAMESPACE, callable_name, modules_of
+from ..core import callable_name, flatten, modules_of
 from ..diagnose.verify import compare_with_eager, random_like
 from ..errors import ConfigError, CudaGraphsWarning, explain
 from ..integrations.dynamo import backend
@@ -141,11 +141,7 @@ def auto(
         )
     name = callable_name(fn)
     start = time.perf_counter()
-    tensors = [
-        x
-        for x in optree.tree_leaves((example_args, example_kwargs), namespace=NAMESPACE)
-        if isinstance(x, torch.Tensor)
-    ]
+    tensors = [x for x in flatten((example_args, example_kwargs))[0] if isinstance(x, torch.Tensor)]
     if not torch.cuda.is_available() or not any(t.is_cuda for t in tensors):
         why = "no CUDA" if not torch.cuda.is_available() else "the inputs are on the CPU"
         return Auto(fn, AutoReport(name, "eager", f"{why}: graphs need CUDA tensors"))
@@ -220,7 +216,7 @@ def _time(
     kwargs: dict[str, Any],
 ) -> tuple[float, dict[str, float]]:
     """µs per synchronized call of eager and each candidate, interleaved window by window."""
-    leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
+    leaves, spec = flatten((args, kwargs))
     inputs = [
         optree.tree_unflatten(
             spec, [random_like(x) if isinstance(x, torch.Tensor) else x for x in leaves]
@@ -257,7 +253,7 @@ def _decision_key(
     layout = [(n, tuple(p.shape), str(p.dtype)) for m in modules for n, p in m.named_parameters()]
     example = [
         (tuple(x.shape), str(x.dtype), str(x.device)) if isinstance(x, torch.Tensor) else repr(x)
-        for x in optree.tree_leaves((args, kwargs), namespace=NAMESPACE)
+        for x in flatten((args, kwargs))[0]
     ]
     try:
         import transformers
