@@ -114,3 +114,50 @@ def test_the_command_prints_the_table_and_exits_0_or_2_on_a_mistake(tmp_path: Pa
     assert "cg.auto(" in done.stdout and "eager" in done.stdout
     wrong = subprocess.run([*run, f"{target}:nope"], capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 2 and "has no function 'nope'" in wrong.stderr
+
+
+def test_segments_add_the_failing_block_until_capture_succeeds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The segments candidate captures again with each host-reading block's class in
+    ``eager``, and refuses (a row, not a choice) when every step records."""
+    from cudagraphs.errors import CaptureError
+
+    class Router(nn.Module):
+        pass
+
+    class Experts(nn.Module):
+        pass
+
+    blocks = {Router: Router(), Experts: Experts()}
+    tried: list[tuple[type, ...]] = []
+
+    def fake_graph(fn: object, *args: object, eager: list[type], **kwargs: object) -> object:
+        tried.append(tuple(eager))
+        missing = [cls for cls in (Router, Experts) if cls not in eager]
+
+        def call(*a: object, **k: object) -> str:
+            if missing:
+                raise CaptureError("host read", kind="host-sync", block=blocks[missing[0]])
+            return "graphed"
+
+        return call
+
+    monkeypatch.setattr(auto_module, "graph", fake_graph)
+    call = auto_module._graph_around_host_reads(lambda x: x, (1,), {})
+    assert call() == "graphed"
+    assert tried == [(), (Router,), (Router, Experts)]
+
+    monkeypatch.setattr(auto_module, "graph", lambda fn, *a, eager, **k: lambda *x, **y: 1)
+    with pytest.raises(auto_module._NotApplicable, match="the same as graph"):
+        auto_module._graph_around_host_reads(lambda x: x, (1,), {})
+
+    def never_splits(fn: object, *a: object, eager: list[type], **k: object) -> object:
+        def call(*x: object, **y: object) -> None:
+            raise CaptureError("sync", kind="host-sync", block=None)
+
+        return call
+
+    monkeypatch.setattr(auto_module, "graph", never_splits)
+    with pytest.raises(CaptureError):
+        auto_module._graph_around_host_reads(lambda x: x, (1,), {})

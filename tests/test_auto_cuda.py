@@ -26,8 +26,9 @@ def test_auto_keeps_a_verified_way_and_the_next_decision_comes_from_disk(
         chosen = cg.auto(model, x, verify=2)
         report = chosen.report
         rows = {row.name: row for row in report.candidates}
-        assert set(rows) == {"graph", "graph over compile", "backend", "buckets"}
+        assert set(rows) == {"graph", "graph over compile", "segments", "backend", "buckets"}
         assert rows["buckets"].rejected == "no buckets= given"
+        assert rows["segments"].rejected == "every step records: the same as graph"
         assert any(row.verified for row in rows.values()), str(report)
         assert report.chosen in rows and rows[report.chosen].verified
         for _ in range(3):
@@ -64,3 +65,30 @@ def test_a_candidate_that_differs_from_eager_is_rejected_not_chosen(
         for _ in range(4):
             fresh = torch.randn(4, 16, device="cuda")
             torch.testing.assert_close(chosen(fresh), model(fresh))
+
+
+def test_segments_run_the_block_that_reads_the_host_eagerly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router that reads its counts on the host (``.tolist()``): the plain graph cannot
+    record it; the segments candidate runs that module eagerly between two graphs, matches
+    eager, and the state it advances (a step counter) moves as eagerly."""
+    from cudagraphs.tools.segment_workloads import RoutedModel
+
+    monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = RoutedModel(64).cuda().eval()
+    twin = RoutedModel(64).cuda().eval()
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        chosen = cg.auto(model, x, verify=2, candidates=["graph", "segments"])
+        rows = {row.name: row for row in chosen.report.candidates}
+        assert not rows["graph"].verified and rows["graph"].rejected, str(chosen.report)
+        assert rows["segments"].verified, str(chosen.report)
+        assert chosen.report.chosen in ("segments", "eager")
+        twin.load_state_dict(model.state_dict())  # the same step count as the auto'd model
+        for _ in range(3):
+            fresh = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(chosen(fresh), twin(fresh))
+        assert int(model.steps) == int(twin.steps)

@@ -88,15 +88,24 @@ class CaptureError(CudaGraphsError):
     """Capturing the function into a CUDA graph failed.
 
     ``kind`` names the failure in a word (``"host-sync"``, ``"cpu-tensor"``, ...), ``location``
-    is the ``file:line`` in user code where it happened when it could be found, ``findings``
+    is the ``file:line`` in user code where it happened when it could be found, ``block`` the
+    innermost ``nn.Module`` whose ``forward`` held the failing step (or None), ``findings``
     are ``cg.doctor``'s findings for the function (run automatically on the eager path), and
     the original CUDA/PyTorch error is chained as ``__cause__``.
     """
 
-    def __init__(self, message: str, *, kind: str = "unknown", location: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str = "unknown",
+        location: str | None = None,
+        block: Any = None,
+    ):
         super().__init__(message)
         self.kind = kind
         self.location = location
+        self.block = block
         #: ``cg.doctor``'s findings for the function, filled in when capture fails.
         self.findings: list[Any] = []
 

@@ -360,8 +360,9 @@ def _failed_capture(
     primary = failure if failure is not None else end_failure
     assert primary is not None
     kind, what, fix = classify_failure(primary, end_failure)
+    block = failing_module(primary, top=fn)
     if kind in ("host-sync", "cpu-tensor"):
-        fix += block_hint(failing_module(primary, top=fn))
+        fix += block_hint(block)
     location = user_location(primary)
     where = f" at {location}" if location else ""
     detail = f"{type(primary).__name__}: {str(primary).strip().splitlines()[0][:300]}"
@@ -373,6 +374,7 @@ def _failed_capture(
         ),
         kind=kind,
         location=location,
+        block=block,
     )
     error.__cause__ = primary
     return error

@@ -14,6 +14,9 @@ The candidates, where they apply:
 - ``graph``: ``cg.graph(fn, *example)``, the plain graph;
 - ``graph over compile``: ``cg.graph(fn, *example, compile=True)``, Inductor's fused kernels in
   one graph;
+- ``segments``: where the plain graph cannot record a step (a host read such as ``.item()`` or
+  ``.tolist()``), ``cg.graph(fn, *example, eager=[...])`` with the innermost module holding each
+  such step run eagerly between graphs (the module named by the capture error's ``block``);
 - ``backend``: ``torch.compile(fn, backend=cg.backend)``, each piece Dynamo traces fused and
   graphed, the Python between pieces eager (graph breaks at host reads);
 - ``buckets``: ``cg.graph(fn, *example, buckets=...)`` when the caller declares varying sizes.
@@ -44,14 +47,14 @@ import torch
 from ..api import graph
 from ..core import callable_name, flatten, modules_of
 from ..diagnose.verify import compare_with_eager, random_like
-from ..errors import ConfigError, CudaGraphsWarning, explain
+from ..errors import CaptureError, ConfigError, CudaGraphsWarning, explain
 from ..integrations.dynamo import backend
 from ..integrations.saved_compile import saved_steps_folder, untrusted, write_whole
 from .timing import measure_side_by_side
 
 __all__ = ["CANDIDATES", "Auto", "AutoReport", "Candidate", "auto"]
 
-CANDIDATES = ("graph", "graph over compile", "backend", "buckets")
+CANDIDATES = ("graph", "graph over compile", "segments", "backend", "buckets")
 
 
 @dataclasses.dataclass
@@ -169,6 +172,9 @@ def auto(
                 call(*example_args, **example_kwargs)  # lazy pieces capture on early calls
                 call(*example_args, **example_kwargs)
                 compare_with_eager(call, fn, example_args, example_kwargs, verify)
+        except _NotApplicable as error:
+            row.rejected = str(error)
+            continue
         except Exception as error:  # a way that fails or differs is a rejected row, not an end
             row.rejected = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
             continue
@@ -204,9 +210,42 @@ def _build(
         return graph(fn, *args, **kwargs)
     if candidate == "graph over compile":
         return graph(fn, *args, compile=True, **kwargs)
+    if candidate == "segments":
+        return _graph_around_host_reads(fn, args, kwargs)
     if candidate == "backend":
         return torch.compile(fn, backend=backend, dynamic=False)
     return graph(fn, *args, buckets=buckets, **kwargs)
+
+
+class _NotApplicable(Exception):
+    """A candidate that does not apply to this function (its row says why)."""
+
+
+def _graph_around_host_reads(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Callable[..., Any]:
+    """``cg.graph`` with the innermost module of each step that cannot be recorded run eagerly:
+    capture, and on a host read inside a module, add that module's class to ``eager`` and
+    capture again."""
+    blocks: list[type] = []
+    while True:
+        try:
+            call = graph(fn, *args, eager=blocks, **kwargs)
+            call(*args, **kwargs)
+            call(*args, **kwargs)
+        except CaptureError as error:
+            block = type(error.block) if error.block is not None else None
+            if error.kind not in _SPLITTABLE or block is None or block in blocks:
+                raise
+            blocks.append(block)
+            continue
+        if not blocks:
+            raise _NotApplicable("every step records: the same as graph")
+        return call
+
+
+#: Capture failures a segment boundary around the failing module removes.
+_SPLITTABLE = ("host-sync", "cpu-tensor")
 
 
 def _time(
