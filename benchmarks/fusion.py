@@ -7,13 +7,16 @@ documentation says, its output compared with eager on a fresh input (fp32 tolera
 atol 1e-4 after Inductor's reordering), then all modes are timed side by side in one run
 (``cudagraphs.tools.timing``: interleaved windows, latency = a synchronize after each call).
 
-    python benchmarks/fusion.py [--models vit_tiny,efficientnet_b0,convnext_atto,resnet50,gpt2]
+    python benchmarks/fusion.py [--models vit_tiny,...,gru] [--modes eager,reduce-overhead,...]
                                 [--windows 5] [--json F] [--markdown F]
 
 Baselines as a user writes them: ``torch.compile(model, mode="reduce-overhead")``;
 ``cg.graph(model, x)``; ``cg.graph(model, x, compile=True)``;
 ``torch.compile(model, backend=cg.backend)``; ``cg.auto(model, x)`` (its decision time is
-reported, cold: a fresh saved-decision folder).
+reported, cold: a fresh saved-decision folder and Inductor cache, built before the other
+rows; then a second process reuses both and reports the seconds until its first answer).
+The MLP's decision is marked ``@cg.eager`` (as the segments example does); the MoE model uses
+transformers' default experts, which read their routing counts on the host.
 """
 
 from __future__ import annotations
@@ -33,29 +36,110 @@ MODELS = {
     "convnext_atto": "timm convnext_atto, batch 1",
     "resnet50": "timm resnet50, batch 1",
     "gpt2": "HF GPT-2, 6 layers, width 384, 64 tokens, batch 1",
+    "bert": "HF BERT encoder, 6 layers, width 384, batch 8 x 128 tokens",
+    "mlp_item": "20-layer GELU MLP (256 wide) with a `.item()` decision, batch 8",
+    "moe": "HF Mixtral-style MoE (2 layers, 8 experts top-2) forward, batch 4 x 16",
+    "gru": "GRU policy (obs 32, hidden 256) stepping 64 times, 64 envs",
 }
 MODES = ("eager", "reduce-overhead", "cg.graph", "cg.graph compile=True", "cg.backend", "cg.auto")
 
 
-def build(name: str) -> tuple[Any, Any]:
+class GRUPolicy:
+    """A recurrent policy stepped ``steps`` times in one call: observation, GRU cell, action head;
+    returns the actions of every step."""
+
+    def __init__(self, obs: int = 32, hidden: int = 256, actions: int = 8) -> None:
+        import torch
+
+        self.cell = torch.nn.GRUCell(obs, hidden).cuda()
+        self.head = torch.nn.Linear(hidden, actions).cuda()
+
+    def __call__(self, observations: Any, h: Any) -> Any:
+        import torch
+
+        actions = []
+        for t in range(observations.shape[0]):
+            h = self.cell(observations[t], h)
+            actions.append(torch.tanh(self.head(h)))
+        return torch.stack(actions)
+
+
+def build(name: str) -> tuple[Any, tuple[Any, ...]]:
+    """The model and its example arguments."""
     import torch
 
     torch.manual_seed(0)
+    if name == "bert":
+        from transformers import BertConfig, BertModel
+
+        config = BertConfig(
+            num_hidden_layers=6, hidden_size=384, num_attention_heads=6,
+            intermediate_size=1536, vocab_size=30522,
+        )  # fmt: skip
+        model = BertModel(config).cuda().eval()
+        return model, (torch.randint(0, 30522, (8, 128), device="cuda"),)
+    if name == "mlp_item":
+        from cudagraphs.tools.segment_workloads import DecisionMLP
+
+        return DecisionMLP(256, 20).cuda().eval(), (torch.randn(8, 256, device="cuda"),)
+    if name == "moe":
+        import transformers
+
+        config = transformers.MixtralConfig(
+            vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=2,
+            num_attention_heads=16, num_key_value_heads=4, num_local_experts=8,
+            num_experts_per_tok=2, max_position_embeddings=256, use_cache=False,
+        )  # fmt: skip
+        model = transformers.MixtralForCausalLM(config).cuda().eval()
+        return model, (torch.randint(0, 32000, (4, 16), device="cuda"),)
+    if name == "gru":
+        policy = GRUPolicy()
+        return policy, (torch.randn(64, 64, 32, device="cuda"), torch.randn(64, 256, device="cuda"))
     if name == "gpt2":
         from transformers import GPT2Config, GPT2Model
 
         config = GPT2Config(n_layer=6, n_embd=384, n_head=6, vocab_size=50257, use_cache=False)
         model = GPT2Model(config).cuda().eval()
-        ids = torch.randint(0, 50257, (1, 64), device="cuda")
-        return model, ids
+        return model, (torch.randint(0, 50257, (1, 64), device="cuda"),)
     import timm
 
     timm_name = {"vit_tiny": "vit_tiny_patch16_224"}.get(name, name)
     model = timm.create_model(timm_name, pretrained=False).cuda().eval()
-    return model, torch.randn(1, 3, 224, 224, device="cuda")
+    return model, (torch.randn(1, 3, 224, 224, device="cuda"),)
 
 
-def child(name: str, windows: int) -> dict[str, Any]:
+def fresh_like(example: tuple[Any, ...]) -> tuple[Any, ...]:
+    """New random arguments shaped like the example: token ids within the vocabulary, floats
+    from a normal distribution (never zeros)."""
+    import torch
+
+    return tuple(
+        torch.randint_like(x, 0, 30000) if not x.is_floating_point() else torch.randn_like(x)
+        for x in example
+    )
+
+
+def second_process(name: str) -> dict[str, Any]:
+    """A new process that finds the first one's saved decision: seconds until the chosen way
+    has answered its first call (the saved-decision folder and Inductor's cache on disk are
+    the first process's)."""
+    import torch
+
+    import cudagraphs as cg
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model, x = build(name)
+    with torch.no_grad():
+        start = time.perf_counter()
+        chosen = cg.auto(model, *x)
+        chosen(*fresh_like(x))
+        torch.cuda.synchronize()
+        ready = time.perf_counter() - start
+    return {"ready_s": ready, "from_disk": chosen.report.from_disk, "chosen": chosen.report.chosen}
+
+
+def child(name: str, windows: int, only: list[str]) -> dict[str, Any]:
     import torch
 
     import cudagraphs as cg
@@ -64,48 +148,54 @@ def child(name: str, windows: int) -> dict[str, Any]:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model, x = build(name)
-    fresh = (
-        (lambda: torch.randint_like(x, 0, 50257))
-        if name == "gpt2"
-        else (lambda: torch.randn_like(x))
-    )
+
+    def fresh() -> tuple[Any, ...]:
+        return fresh_like(x)
 
     def first(out: Any) -> torch.Tensor:
-        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+        for field in ("last_hidden_state", "logits"):
+            if hasattr(out, field):
+                return getattr(out, field)
+        return out
 
     calls: dict[str, Any] = {}
     rows: dict[str, dict[str, Any]] = {}
     with torch.no_grad():
         builders = {
+            # cg.auto first, so that its decision is cold: no compile cached by another row.
+            "cg.auto": lambda: cg.auto(model, *x),
             "eager": lambda: model,
             "reduce-overhead": lambda: torch.compile(model, mode="reduce-overhead"),
-            "cg.graph": lambda: cg.graph(model, x),
-            "cg.graph compile=True": lambda: cg.graph(model, x, compile=True),
+            "cg.graph": lambda: cg.graph(model, *x),
+            "cg.graph compile=True": lambda: cg.graph(model, *x, compile=True),
             "cg.backend": lambda: torch.compile(model, backend=cg.backend),
-            "cg.auto": lambda: cg.auto(model, x, reuse=False),
         }
         for mode, make in builders.items():
+            if mode not in only:
+                continue
             start = time.perf_counter()
             try:
                 call = make()
                 for _ in range(4):  # compiles, warms up, captures
-                    call(fresh())
+                    call(*fresh())
                 torch.cuda.synchronize()
                 built = time.perf_counter() - start
                 probe = fresh()
-                got, expected = first(call(probe)).clone(), first(model(probe))
+                got, expected = first(call(*probe)).clone(), first(model(*probe))
                 same = torch.allclose(got, expected, rtol=1e-4, atol=1e-4)
                 err = (got - expected).abs().max().item()
                 rows[mode] = {"build_s": built, "verified": bool(same), "max_error": err}
                 if mode == "cg.auto":
                     rows[mode]["choice"] = call.report.chosen
                     rows[mode]["decision_s"] = call.report.decision_s
+                    rows[mode]["candidates"] = [vars(c) for c in call.report.candidates]
                 calls[mode] = call
             except Exception as error:  # a mode that fails is a row saying why
                 rows[mode] = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
+        modes = args_modes(calls)
         inputs = [fresh() for _ in range(4)]
         timed = measure_side_by_side(
-            {mode: _one_argument(call) for mode, call in calls.items()},
+            modes,
             inputs,
             calls=20,
             windows=windows,
@@ -115,19 +205,23 @@ def child(name: str, windows: int) -> dict[str, Any]:
     return {"model": name, "rows": rows, "gpu": torch.cuda.get_device_name()}
 
 
-def _one_argument(call: Any) -> Any:
-    return lambda a: call(a)
+def args_modes(calls: dict[str, Any]) -> dict[str, Any]:
+    """Each mode as a one-argument call on a tuple of arguments (the timing's form)."""
+    return {mode: (lambda c: lambda a: c(*a))(call) for mode, call in calls.items()}
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = [
         "fp32, TF32 off, random weights, `torch.no_grad()`; µs per call with a synchronize "
         "after each (median of interleaved windows, all modes of a model in one run); "
-        "verified = output equal to eager on a fresh input (rtol = atol = 1e-4).",
+        "verified = output equal to eager on a fresh input (rtol = atol = 1e-4); "
+        "auto decision: cold, in the first process; second process: a new process reusing the "
+        "saved decision and Inductor's on-disk cache, seconds until its first answer.",
         "",
-        "| model | " + " | ".join(MODES) + " | auto chose | auto decision s |",
-        "|---|" + "---|" * (len(MODES) + 2),
+        "| model | " + " | ".join(MODES) + " | auto chose | auto decision s | second process s |",
+        "|---|" + "---|" * (len(MODES) + 3),
     ]
+    details = []
     for result in results:
         rows = result["rows"]
         cells = []
@@ -136,15 +230,29 @@ def markdown(results: list[dict[str, Any]]) -> str:
             if "error" in row:
                 cells.append(f"failed: {row['error'][:60]}")
             elif "us" in row:
-                cells.append(f"{row['us']:.1f}" + ("" if row["verified"] else " (NOT verified)"))
+                cells.append(f"{row['us']:.1f}" + (" ✓" if row["verified"] else " (NOT verified)"))
             else:
                 cells.append("-")
         auto = rows.get("cg.auto", {})
+        second = result.get("second", {})
+        ready = f"{second['ready_s']:.1f}" if "ready_s" in second else "-"
+        if "ready_s" in second and not second.get("from_disk"):
+            ready += " (decided again)"
         lines.append(
             f"| {MODELS[result['model']]} | "
             + " | ".join(cells)
-            + f" | {auto.get('choice', '-')} | {auto.get('decision_s', float('nan')):.1f} |"
+            + f" | {auto.get('choice', '-')} | {auto.get('decision_s', float('nan')):.1f}"
+            + f" | {ready} |"
         )
+        for c in auto.get("candidates", []):
+            us = f"{c['us']:.1f} µs" if c.get("us") is not None else "not timed"
+            state = "verified" if c["verified"] else f"rejected: {c['rejected']}"
+            details.append(
+                f"- {result['model']}, {c['name']}: {us}, {state}, built in {c['build_s']:.1f} s"
+            )
+    if details:
+        lines += ["", "cg.auto's candidates, as its report gives them (timed in its own run):", ""]
+        lines += details
     return "\n".join(lines) + "\n"
 
 
@@ -152,26 +260,42 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--windows", type=int, default=5)
+    parser.add_argument("--modes", default=",".join(MODES), help="a subset of the rows")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
+    parser.add_argument("--_second", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
-        print(json.dumps(child(args._child, args.windows)))
+        print(json.dumps(child(args._child, args.windows, args.modes.split(","))))
+        return 0
+    if args._second:
+        print(json.dumps(second_process(args._second)))
         return 0
     results = []
     for name in args.models.split(","):
-        with tempfile.TemporaryDirectory() as saved:  # cg.auto decides cold
-            env = dict(os.environ, CUDAGRAPHS_SAVED_STEPS_DIR=saved)
+        # A fresh saved-decision folder and Inductor cache per model: cg.auto decides cold,
+        # and the second process finds what the first one left on disk.
+        with tempfile.TemporaryDirectory() as saved, tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, CUDAGRAPHS_SAVED_STEPS_DIR=saved, TORCHINDUCTOR_CACHE_DIR=cache)
+            command = [sys.executable, __file__, "--windows", str(args.windows)]
             done = subprocess.run(
-                [sys.executable, __file__, "--_child", name, "--windows", str(args.windows)],
+                [*command, "--_child", name, "--modes", args.modes],
                 capture_output=True, text=True, env=env,
             )  # fmt: skip
-        if done.returncode != 0:
-            print(done.stderr[-3000:], file=sys.stderr)
-            results.append({"model": name, "rows": {"eager": {"error": "the run crashed"}}})
-            continue
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            if done.returncode != 0:
+                print(done.stderr[-3000:], file=sys.stderr)
+                results.append({"model": name, "rows": {"eager": {"error": "the run crashed"}}})
+                continue
+            results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            if "cg.auto" in args.modes.split(","):
+                again = subprocess.run(
+                    [*command, "--_second", name], capture_output=True, text=True, env=env
+                )
+                if again.returncode == 0:
+                    results[-1]["second"] = json.loads(again.stdout.strip().splitlines()[-1])
+                else:
+                    results[-1]["second"] = {"error": again.stderr[-300:]}
         print(markdown(results[-1:]), flush=True)
     text = markdown(results)
     if args.json:
