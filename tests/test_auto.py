@@ -30,6 +30,26 @@ def test_without_cuda_auto_returns_eager_and_says_why() -> None:
     torch.testing.assert_close(chosen(x), model(x))
     assert '"chosen": "eager"' in chosen.report.to_json()
     assert "eager" in str(chosen.report)
+    assert chosen.report.findings == []  # nothing the doctor objects to
+
+
+def test_the_report_carries_the_doctors_findings() -> None:
+    """The host read that keeps a plain graph from recording is named, with its line."""
+
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.fc(x)
+            return y * 2 if y.sum().item() > 0 else y - 1
+
+    report = cg.auto(Branches(), torch.randn(4, 8)).report
+    assert any(
+        line.startswith("host-sync at ") and "test_auto.py" in line for line in report.findings
+    )
+    assert "doctor: host-sync" in str(report) and "host-sync" in report.to_json()
 
 
 def test_an_unknown_candidate_is_refused_naming_the_known_ones() -> None:

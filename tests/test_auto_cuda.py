@@ -29,6 +29,8 @@ def test_auto_keeps_a_verified_way_and_the_next_decision_comes_from_disk(
         assert set(rows) == {"graph", "graph over compile", "segments", "backend", "buckets"}
         assert rows["buckets"].rejected == "no buckets= given"
         assert rows["segments"].rejected == "every step records: the same as graph"
+        assert report.kernels_per_call and report.kernels_per_call >= 16  # 8 Linear + 8 GELU
+        assert report.gpu_idle is not None and 0.0 <= report.gpu_idle <= 1.0
         assert any(row.verified for row in rows.values()), str(report)
         assert report.chosen in rows and rows[report.chosen].verified
         for _ in range(3):
@@ -87,8 +89,39 @@ def test_segments_run_the_block_that_reads_the_host_eagerly(
         assert not rows["graph"].verified and rows["graph"].rejected, str(chosen.report)
         assert rows["segments"].verified, str(chosen.report)
         assert chosen.report.chosen in ("segments", "eager")
+        assert any(line.startswith(("host-sync", "cpu-tensor")) for line in chosen.report.findings)
         twin.load_state_dict(model.state_dict())  # the same step count as the auto'd model
         for _ in range(3):
             fresh = torch.randn(8, 64, device="cuda")
             torch.testing.assert_close(chosen(fresh), twin(fresh))
         assert int(model.steps) == int(twin.steps)
+
+
+def test_deciding_leaves_the_state_the_function_advances_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Profiling and timing call the function hundreds of times; a running statistic it
+    updates in place is put back, so the first real call answers as eager from the same state."""
+
+    class Running(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(32, 32)
+            self.register_buffer("mean", torch.zeros(32))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+            return self.fc(x - self.mean)
+
+    monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = Running().cuda().eval()
+    twin = Running().cuda().eval()
+    twin.load_state_dict(model.state_dict())
+    x = torch.randn(8, 32, device="cuda")
+    with torch.no_grad():
+        chosen = cg.auto(model, x, verify=2, candidates=["graph", "backend"])
+        torch.testing.assert_close(model.mean, twin.mean)
+        for _ in range(3):
+            fresh = torch.randn(8, 32, device="cuda")
+            torch.testing.assert_close(chosen(fresh), twin(fresh))

@@ -21,9 +21,13 @@ The candidates, where they apply:
   graphed, the Python between pieces eager (graph breaks at host reads);
 - ``buckets``: ``cg.graph(fn, *example, buckets=...)`` when the caller declares varying sizes.
 
-Each is built (its build seconds counted), compared with eager on fresh random inputs from the
+First the eager call is profiled (kernels per call, the share of time the GPU sits idle: is it
+launch-bound?) and ``cg.doctor`` lists what in it a graph cannot record (its findings go in the
+report). Then each candidate is built (its build seconds counted), compared with eager on fresh random inputs from the
 same state (``verify`` rounds; a difference rejects it), and timed side by side with eager; the
-fastest verified one is kept, and eager when none is faster. The decision is saved in
+fastest verified one is kept, and eager when none is faster. What the function can reach
+(buffers, a cache, parameters) is copied before and put back after, so deciding does not move
+the state the function advances (it costs that copy's memory while deciding). The decision is saved in
 ``saved_steps_folder()/auto``, keyed by the function's code, its model's config and parameter
 layout, the example's shapes, the versions and the GPU (the folder follows the saved compiled
 steps' ownership rule).
@@ -45,11 +49,13 @@ import optree
 import torch
 
 from ..api import graph
-from ..core import callable_name, flatten, modules_of
+from ..core import TensorSnapshot, callable_name, flatten, modules_of, reachable_tensors
+from ..diagnose.doctor import doctor
 from ..diagnose.verify import compare_with_eager, random_like
 from ..errors import CaptureError, ConfigError, CudaGraphsWarning, explain
 from ..integrations.dynamo import backend
 from ..integrations.saved_compile import saved_steps_folder, untrusted, write_whole
+from .profile import profile
 from .timing import measure_side_by_side
 
 __all__ = ["CANDIDATES", "Auto", "AutoReport", "Candidate", "auto"]
@@ -79,6 +85,12 @@ class AutoReport:
     reason: str
     eager_us: float | None = None
     candidates: list[Candidate] = dataclasses.field(default_factory=list)
+    #: The eager call profiled: kernels per call, and the share of its synchronized wall time
+    #: in which no kernel ran (high: launch-bound, what a graph removes).
+    kernels_per_call: float | None = None
+    gpu_idle: float | None = None
+    #: ``cg.doctor``'s findings on the eager call, one line each (host reads, syncs, ...).
+    findings: list[str] = dataclasses.field(default_factory=list)
     decision_s: float = 0.0
     from_disk: bool = False
 
@@ -89,6 +101,13 @@ class AutoReport:
         rows = [f"cg.auto({self.function}): {self.chosen} ({self.reason})"]
         if self.eager_us is not None:
             rows.append(f"  eager: {self.eager_us:.1f} µs per call")
+        if self.kernels_per_call is not None and self.gpu_idle is not None:
+            rows.append(
+                f"  eager profile: {self.kernels_per_call:.0f} kernels per call, GPU idle "
+                f"{self.gpu_idle:.0%} of the wall time"
+                + (" (launch-bound)" if self.gpu_idle >= 0.3 else "")
+            )
+        rows += [f"  doctor: {line}" for line in self.findings]
         rows.append(f"  {'candidate':<20} {'µs':>9} {'vs eager':>9} {'verified':>9} {'build s':>8}")
         for c in self.candidates:
             us = f"{c.us:.1f}" if c.us is not None else "-"
@@ -147,12 +166,40 @@ def auto(
     tensors = [x for x in flatten((example_args, example_kwargs))[0] if isinstance(x, torch.Tensor)]
     if not torch.cuda.is_available() or not any(t.is_cuda for t in tensors):
         why = "no CUDA" if not torch.cuda.is_available() else "the inputs are on the CPU"
-        return Auto(fn, AutoReport(name, "eager", f"{why}: graphs need CUDA tensors"))
+        report = AutoReport(name, "eager", f"{why}: graphs need CUDA tensors")
+        report.findings = _findings(fn, example_args, example_kwargs)
+        return Auto(fn, report)
     key = _decision_key(fn, example_args, example_kwargs, candidates, buckets)
     saved = _load(key) if reuse else None
     if saved is not None:
         call = _build(saved.chosen, fn, example_args, example_kwargs, buckets)
         return Auto(call, dataclasses.replace(saved, from_disk=True))
+    # Profiling and timing run the function hundreds of times: what it can reach (buffers, a
+    # cache, parameters a training step updates) is copied now and put back at the end.
+    plain = [
+        x for x in flatten((example_args, example_kwargs))[0] if not isinstance(x, torch.Tensor)
+    ]
+    state = TensorSnapshot(reachable_tensors(fn, plain, exclude=tensors))
+    try:
+        report, call = _decide(
+            fn, example_args, example_kwargs, candidates, buckets, verify, budget_s
+        )
+    finally:
+        state.restore()
+    report.decision_s = time.perf_counter() - start
+    _save(key, report)
+    return Auto(call, report)
+
+
+def _decide(
+    fn: Callable[..., Any], example_args: tuple[Any, ...], example_kwargs: dict[str, Any],
+    candidates: Sequence[str], buckets: Any, verify: int, budget_s: float,
+) -> tuple[AutoReport, Callable[..., Any]]:  # fmt: skip
+    """Profile the eager call, build, verify and time the candidates; the report and the
+    fastest verified way (``fn`` itself when none beats eager)."""
+    start = time.perf_counter()
+    findings = _findings(fn, example_args, example_kwargs)
+    measured = profile(fn, *_clones(example_args), calls=10, **_clones(example_kwargs))
     rows: list[Candidate] = []
     calls: dict[str, Callable[..., Any]] = {}
     for candidate in candidates:
@@ -194,10 +241,27 @@ def auto(
     else:
         chosen, reason, call = best.name, "the fastest verified candidate", calls[best.name]
     report = AutoReport(
-        name, chosen, reason, eager_us, rows, decision_s=time.perf_counter() - start
+        callable_name(fn), chosen, reason, eager_us,
+        kernels_per_call=measured.kernels_per_call, gpu_idle=measured.gpu_idle_fraction,
+        findings=findings, candidates=rows,
+    )  # fmt: skip
+    return report, call
+
+
+def _clones(tree: Any) -> Any:
+    leaves, spec = flatten(tree)
+    return optree.tree_unflatten(
+        spec, [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
     )
-    _save(key, report)
-    return Auto(call, report)
+
+
+def _findings(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[str]:
+    """``cg.doctor``'s findings, one line each; a doctor that cannot run says why in one line."""
+    try:
+        report = doctor(fn, *args, **kwargs)
+    except Exception as error:  # the report is advice; the candidates still decide
+        return [f"the doctor could not run: {type(error).__name__}: {str(error)[:120]}"]
+    return [f"{f.kind} at {f.location}: {f.message.splitlines()[0][:120]}" for f in report.findings]
 
 
 def _build(
