@@ -145,3 +145,53 @@ def test_segments_launch_every_graph_directly_and_stay_exact() -> None:
         for x in inputs * 2:
             torch.testing.assert_close(g(x).clone(), net(x), **TOL)
     assert all(recording.launcher(graph).direct for graph in recording.graphs)
+
+
+@torch.no_grad()
+def test_a_call_on_another_stream_waits_for_the_last_callers_stream() -> None:
+    """The last caller's stream still reads the output (a long kernel, then a copy of it) when
+    a call on another stream replays: that replay must wait, or it overwrites the output first."""
+    net = model()
+    g = cg.graph(net, rand(8, 64))
+    inputs = [rand(8, 64) for _ in range(6)]
+    wants = [net(x) for x in inputs]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    copies = []
+    for i, x in enumerate(inputs):
+        with torch.cuda.stream(streams[i % 2]):
+            out = g(x)
+            torch.cuda._sleep(20_000_000)  # the reader is slow: milliseconds on this stream
+            copies.append(out.clone())
+    for stream in streams:
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for copy, want in zip(copies, wants):
+        torch.testing.assert_close(copy, want, **TOL)
+
+
+@torch.no_grad()
+def test_buckets_of_one_pool_keep_call_order_across_streams() -> None:
+    """Buckets share one pool and static buffers: a call on another stream, into another
+    bucket, waits for the last bucket's replay and the copy of its output."""
+    net = model()
+    g = cg.graph(net, rand(8, 64), buckets={"B": [4, 8]})
+    inputs = [rand(4 if i % 2 else 8, 64) for i in range(6)]
+    for x in inputs:
+        g(x)  # captured both
+    wants = [net(x) for x in inputs]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    copies = []
+    for i, x in enumerate(inputs):
+        with torch.cuda.stream(streams[i % 2]):
+            out = g(x)
+            torch.cuda._sleep(20_000_000)
+            copies.append(out.clone())
+    for stream in streams:
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for copy, want in zip(copies, wants):
+        torch.testing.assert_close(copy, want, **TOL)

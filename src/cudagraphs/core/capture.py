@@ -564,11 +564,13 @@ def capture_graph(
     why = None if grad_sources is None else outputs_needing_gradients(recording.output)
     if why is not None and modes.seen["grad mode"] == "on":
         refuse_gradients(name, why)
-    # 5. The replay path.
+    # 5. The replay path; the graphs of one pool share memory, so they keep one stream order.
+    shared = options.pool
+    order = shared.stream_order(device.index) if hasattr(type(shared), "stream_order") else None
     replayer = Replayer(
         recording.graph, signature, static, run.mutated, detach_outputs(recording.output),
         options.outputs, counters, modes=modes, timeout_s=options.replay_timeout_s, name=name,
-        copies=recording.copies, device=device.index, grad_sources=grad_sources,
+        copies=recording.copies, device=device.index, grad_sources=grad_sources, order=order,
     )  # fmt: skip
     args, kwargs = optree.tree_unflatten(signature.spec, static)
     input_bytes = sum(static[i].nbytes for i in signature.tensor_index)

@@ -24,6 +24,7 @@ __all__ = [
     "clear_dynamic_marks",
     "compile_cache",
     "compile_modes",
+    "current_stream_handle",
     "current_stream_reader",
     "declare_amp_scaling",
     "end_allocate_to_pool",
@@ -228,6 +229,16 @@ def current_stream_reader() -> int | None:
         return ctypes.cast(library.aoti_torch_get_current_cuda_stream, ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
+
+
+def current_stream_handle(device: int | None) -> functools.partial[int] | None:
+    """A no-argument call returning the current CUDA stream's handle on ``device`` (default: the
+    current device) as an int, cheap enough for every replay; ``None`` without CUDA or the
+    private reader. The device is the partial's one argument."""
+    read = getattr(_C, "_cuda_getCurrentRawStream", None)
+    if read is None or not torch.cuda.is_available():
+        return None
+    return functools.partial(read, torch.cuda.current_device() if device is None else device)
 
 
 def tensors_at_addresses(

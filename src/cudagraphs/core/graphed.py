@@ -48,7 +48,7 @@ from .guards import (
     refuse_gradients,
 )
 from .python_values import ValueWatch
-from .replay import Counters, OutputsInUse, Replayer
+from .replay import Counters, OutputsInUse, Replayer, StreamOrder
 from .segments import describe_segments, print_segments
 from .signature import NAMESPACE, Signature
 from .stats import Costs, Stats, snapshot
@@ -430,16 +430,24 @@ class Pool:
         prefill = cg.graph(model.prefill, tokens, pool=pool)
         decode = cg.graph(model.decode, token, pool=pool)
 
-    Wrong: replaying graphs of one pool from two threads or streams at once.
+    Wrong: replaying graphs of one pool from two threads at once without a lock of your own.
+    From one call to the next, another stream is fine: the replay waits for the last one's.
     """
 
     def __init__(self) -> None:
         self._handle: Any = None
+        self._order: StreamOrder | None = None
         self.captures = 0
         self.bytes = 0
         # The graphs of one pool make up one thing (a decoder's rungs, a set of buckets): a
         # warning they would each give is given once.
         self.notices = Notices()
+
+    def stream_order(self, device: int | None) -> StreamOrder:
+        """The one stream order of this pool's graphs (see ``replay.StreamOrder``)."""
+        if self._order is None:
+            self._order = StreamOrder(device)
+        return self._order
 
     @property
     def handle(self) -> Any:

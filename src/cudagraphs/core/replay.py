@@ -65,10 +65,47 @@ from .launch import CopyNodes, InputCopying, Launcher
 from .segments import Segments
 from .signature import Signature
 
-__all__ = ["Counters", "OutputsInUse", "Replayer", "detach_outputs", "make_emitter"]
+__all__ = [
+    "Counters",
+    "OutputsInUse",
+    "Replayer",
+    "StreamOrder",
+    "detach_outputs",
+    "make_emitter",
+]
 
 log = logging.getLogger("cudagraphs")
 _get_ident = threading.get_ident
+
+
+class StreamOrder:
+    """Keeps the replays of graphs that share memory (one graph, or one pool's) in call order
+    across streams.
+
+    The stream of the last replay is remembered. A replay on another stream (another thread's,
+    or the same thread's under ``torch.cuda.stream``) first makes its stream wait for what is
+    queued on that one: its copy into the static inputs must not overtake the last replay still
+    reading them, nor its replay overwrite memory the last caller's stream still reads (an
+    output being copied out, a shared pool's scratch). On one stream nothing is added.
+    """
+
+    def __init__(self, device: int | None = None) -> None:
+        #: The current stream's handle on the device; ``None`` without CUDA (nothing to order).
+        self.read = compat.current_stream_handle(device)
+        self.last: int | None = None
+
+    def follow(self) -> None:
+        """Order the current stream after the last replay's (call where they differ)."""
+        assert self.read is not None
+        current = self.read()
+        if self.last is not None:
+            device = self.read.args[0]
+            event = torch.cuda.Event()
+            event.record(torch.cuda.ExternalStream(self.last, device=device))
+            torch.cuda.current_stream(device).wait_event(event)
+        self.last = current
+
+
 _inference_enabled = torch.is_inference_mode_enabled
 
 
@@ -109,13 +146,15 @@ class Replayer:
         name: str = "the graph",
         copies: CopyNodes | None = None,
         device: int | None = None,
+        order: StreamOrder | None = None,
     ):
         """``modes``: taken when the capture began (default: now). ``grad_sources``: the
         tensors besides the inputs whose ``requires_grad`` would give eager's outputs a
         gradient path (parameters, closure tensors); ``None`` for a recording that runs its own
         backward (a training step), which checks no gradients. ``copies``: the recording's
         copy-in nodes, set before each replay (``copy_nodes``). ``device``: the graph's (default:
-        the current one)."""
+        the current one). ``order``: shared by the graphs of one pool (their memory is shared
+        too); by default this graph's own."""
         self.recording = graph  # the graph or segments themselves: only this class launches it
         self.copies = copies
         # Each graph is launched through a Launcher (launch.py); segments hold one per graph.
@@ -153,6 +192,8 @@ class Replayer:
         # no_grad, grad mode on is a mode change (guards.Modes.refuse).
         self.check_grad = grad_sources is not None and self.modes.seen["grad mode"] == "on"
         self.owner: int | None = None  # the thread of the calls so far
+        self.order = order if order is not None else StreamOrder(device)
+        self._stream = self.order.read
         self.shared = False  # a second thread called: outputs are copies from then on
         self.writeback = tuple((i, static[i]) for i in mutated)
         if mutated:
@@ -191,6 +232,8 @@ class Replayer:
             or not (self.same_modes() and _inference_enabled() is self.inference)
         ):
             self.enter(leaves)  # anything to check or refuse there: the slow path explains
+        elif self._stream is not None and self._stream() != self.order.last:
+            self.order.follow()
         dst: list[torch.Tensor] | None = None
         src: list[torch.Tensor] = []
         pointed: list[tuple[int, int]] = []  # (copy node, source address)
@@ -252,6 +295,8 @@ class Replayer:
             self._check_gradients(leaves)
         if _get_ident() != self.owner:
             self._from_thread()
+        if self._stream is not None and self._stream() != self.order.last:
+            self.order.follow()
 
     def _grad_tensors(self, leaves: Sequence[Any]) -> list[Any]:
         """The call's tensor inputs (``None`` each where the call has another arity, which the
