@@ -225,6 +225,8 @@ def args_modes(calls: dict[str, Any]) -> dict[str, Any]:
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
+    """The table; a ``src tree`` column where results carry one (runs joined from several)."""
+    trees = int(any("src_tree" in r for r in results))
     lines = [
         "fp32, TF32 off, random weights, `torch.no_grad()`; µs per call with a synchronize "
         "after each (median of interleaved windows, all modes of a model in one run); "
@@ -233,8 +235,11 @@ def markdown(results: list[dict[str, Any]]) -> str:
         "saved decision and Inductor's on-disk cache, seconds until its first answer (in brackets: "
         "reduce-overhead's first three calls in that same process, for scale).",
         "",
-        "| model | " + " | ".join(MODES) + " | auto chose | auto decision s | second process s |",
-        "|---|" + "---|" * (len(MODES) + 3),
+        "| model | "
+        + " | ".join(MODES)
+        + " | auto chose | auto decision s | second process s |"
+        + (" src tree |" if trees else ""),
+        "|---|" + "---|" * (len(MODES) + 3 + trees),
     ]
     details = []
     for result in results:
@@ -260,6 +265,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
             + " | ".join(cells)
             + f" | {auto.get('choice', '-')} | {auto.get('decision_s', float('nan')):.1f}"
             + f" | {ready} |"
+            + (f" {result.get('src_tree', '-')} |" if trees else "")
         )
         for c in auto.get("candidates", []):
             us = f"{c['us']:.1f} µs" if c.get("us") is not None else "not timed"

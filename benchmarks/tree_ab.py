@@ -100,7 +100,7 @@ def markdown(
     lines = [
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}; one process, both trees "
         f"loaded; µs per call, median of {rounds} rounds (each the median of {windows} "
-        "interleaved windows of {calls} calls, the rounds alternating which mode goes first). "
+        f"interleaved windows of {calls} calls, the rounds alternating which mode goes first). "
         "Latency: a synchronize after each call; throughput: one per window."
         + ("" if extension else " The tree before ran WITHOUT its compiled extension."),
         "",
