@@ -193,6 +193,9 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     _replace_everywhere(monkeypatch, "capture_call", capture)
     monkeypatch.setattr(compat, "guarded_tensor", _guarded_tensor)
     monkeypatch.setattr(compat, "kill_storage", _kill_storage)
+    # No streams here to keep in order (and on a CUDA build without a GPU the real reader would
+    # ask the driver for the current device).
+    monkeypatch.setattr(compat, "current_stream_handle", lambda device: None)
     yield
     gc.collect()  # graphs of the test mark their outputs dead while the stand-in is in place
 
