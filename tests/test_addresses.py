@@ -205,6 +205,29 @@ def test_one_check_covers_modes_entries_and_addresses(native: bool) -> None:
     assert check() is False
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_one_check_also_holds_the_plain_values_a_recording_read(native: bool) -> None:
+    if native and guards.compiled_module() is None:
+        pytest.skip(f"no compiled check here: {guards._failure}")
+    tensors = [torch.randn(3)]
+    namespace = {"scale": 0.5, "flag": True}
+    check = guards.AddressCheck(tensors, native=native).with_modes(
+        [], [], [], [(namespace, "scale", 0.5), (namespace, "flag", True)]
+    )
+    assert check() is True
+    namespace["scale"] = 2.0
+    assert check() is False
+    namespace["scale"] = 0.5  # an equal object of the same type: the same value
+    assert check() is True
+    namespace["flag"] = 1  # equal, but another type: not the value the recording read
+    assert check() is False
+    del namespace["flag"]
+    assert check() is False
+    namespace["flag"] = True
+    tensors[0].data = torch.randn(3)  # the values hold, an address moved
+    assert check() is False
+
+
 def test_compiled_unchanged_rejects_bad_arguments() -> None:
     module = guards.compiled_module()
     if module is None:
@@ -215,5 +238,7 @@ def test_compiled_unchanged_rejects_bad_arguments() -> None:
         module.unchanged((), b"", (object(),), (), ())
     with pytest.raises(TypeError, match="pairs expected"):
         module.unchanged((), b"", (), (), (({}, 2),))
+    with pytest.raises(TypeError, match="values"):
+        module.unchanged((), b"", (), (), (), [({}, "k", 1)])
     # An owner without a `training` attribute: not an error, just "look closer".
     assert module.unchanged((), b"", (object(),), (True,), ()) is False

@@ -62,18 +62,60 @@ static PyObject* same(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBool_FromLong(result);
 }
 
-// unchanged(tensors, addresses, owners: tuple, modes: tuple, entries: tuple) -> bool: each
-// owner's `training` is still the object recorded in `modes`, each (mapping, values) of
+// 1: each dict still holds, under its key, the very object recorded or an equal one of the
+// same type (signature.same_value's rule); 0: one changed; -1: error set. The plain Python values
+// a recording read (python_values.py), checked before every replay.
+static int values_hold(PyObject* held) {
+  if (!PyTuple_Check(held)) {
+    PyErr_SetString(PyExc_TypeError, "values: a tuple of (dict, key, value) expected");
+    return -1;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(held);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* entry = PyTuple_GET_ITEM(held, i);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 ||
+        !PyDict_Check(PyTuple_GET_ITEM(entry, 0))) {
+      PyErr_SetString(PyExc_TypeError, "values: each entry is (dict, key, value)");
+      return -1;
+    }
+    PyObject* value = PyTuple_GET_ITEM(entry, 2);
+    PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
+    if (now == value) continue;
+    if (now == nullptr) return PyErr_Occurred() ? -1 : 0;
+    if (Py_TYPE(now) != Py_TYPE(value)) return 0;
+    Py_INCREF(now);  // the comparison may run Python code that changes the dict
+    int equal = PyObject_RichCompareBool(now, value, Py_EQ);
+    Py_DECREF(now);
+    if (equal < 0) {
+      PyErr_Clear();  // a value whose == fails is not the same value (signature.same_value)
+      return 0;
+    }
+    if (!equal) return 0;
+  }
+  return 1;
+}
+
+// values_same(held: tuple of (dict, key, value)) -> bool
+static PyObject* values_same(PyObject*, PyObject* held) {
+  int result = values_hold(held);
+  if (result < 0) return nullptr;
+  return PyBool_FromLong(result);
+}
+
+// unchanged(tensors, addresses, owners: tuple, modes: tuple, entries: tuple[, values]) -> bool:
+// each owner's `training` is still the object recorded in `modes`, each (mapping, values) of
 // `entries` still holds those very objects (a module's parameters, buffers and children:
-// `.to()` and `module.buf = t` put new objects there), and every tensor is at its address. The
-// whole guard in one C call: it runs before every replay.
+// `.to()` and `module.buf = t` put new objects there), every plain value of `values` is still
+// what the recording read (values_hold), and every tensor is at its address. The whole guard in
+// one C call: it runs before every replay.
 static PyObject* training_name = nullptr;
 
 static PyObject* unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 5 || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3]) ||
+  if ((nargs != 5 && nargs != 6) || !PyTuple_Check(args[2]) || !PyTuple_Check(args[3]) ||
       !PyTuple_Check(args[4])) {
     PyErr_SetString(PyExc_TypeError,
-                    "unchanged(tensors, addresses, owners: tuple, modes: tuple, entries: tuple)");
+                    "unchanged(tensors, addresses, owners: tuple, modes: tuple, entries: tuple"
+                    "[, values: tuple])");
     return nullptr;
   }
   PyObject* owners = args[2];
@@ -116,6 +158,11 @@ static PyObject* unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     while (PyDict_Next(mapping, &pos, &key, &value)) {
       if (value != PyTuple_GET_ITEM(values, k++)) Py_RETURN_FALSE;
     }
+  }
+  if (nargs == 6) {
+    int held = values_hold(args[5]);
+    if (held < 0) return nullptr;
+    if (!held) Py_RETURN_FALSE;
   }
   int result = at_addresses(args[0], args[1]);
   if (result < 0) return nullptr;
@@ -203,42 +250,6 @@ static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs
   if (current != device) set_device(current);
   Py_END_ALLOW_THREADS
   return PyLong_FromLong(result);
-}
-
-// values_same(held: tuple of (dict, key, value)) -> bool: each dict still holds, under its
-// key, the very object recorded or an equal one of the same type (signature.same_value's rule).
-// The plain Python values a recording read (python_values.py), checked before every replay.
-static PyObject* values_same(PyObject*, PyObject* held) {
-  if (!PyTuple_Check(held)) {
-    PyErr_SetString(PyExc_TypeError, "values_same(held: tuple of (dict, key, value))");
-    return nullptr;
-  }
-  Py_ssize_t n = PyTuple_GET_SIZE(held);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* entry = PyTuple_GET_ITEM(held, i);
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 ||
-        !PyDict_Check(PyTuple_GET_ITEM(entry, 0))) {
-      PyErr_SetString(PyExc_TypeError, "values_same: each entry is (dict, key, value)");
-      return nullptr;
-    }
-    PyObject* value = PyTuple_GET_ITEM(entry, 2);
-    PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
-    if (now == value) continue;
-    if (now == nullptr) {
-      if (PyErr_Occurred()) return nullptr;
-      Py_RETURN_FALSE;
-    }
-    if (Py_TYPE(now) != Py_TYPE(value)) Py_RETURN_FALSE;
-    Py_INCREF(now);  // the comparison may run Python code that changes the dict
-    int equal = PyObject_RichCompareBool(now, value, Py_EQ);
-    Py_DECREF(now);
-    if (equal < 0) {
-      PyErr_Clear();  // a value whose == fails is not the same value (signature.same_value)
-      Py_RETURN_FALSE;
-    }
-    if (!equal) Py_RETURN_FALSE;
-  }
-  Py_RETURN_TRUE;
 }
 
 static PyMethodDef methods[] = {

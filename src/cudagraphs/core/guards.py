@@ -81,6 +81,7 @@ from torch import nn
 
 from ..errors import GradientsNotRecordedError, ModeMismatchError, explain
 from . import compat
+from .signature import same_value
 
 __all__ = [
     "AddressCheck",
@@ -206,16 +207,21 @@ class AddressGuard:
         self.training = [(m, m.training) for m in self.modules] if self._modes else []
         # Which object each parameter, buffer and child slot of the modules holds.
         self.entries = [e for m in self.modules for e in compat.module_entries(m)]
-        self.simple = not self.closure_ids and not self.watches  # addresses and modes only
-        # ``check()``: True when nothing watched changed. Addresses, modes and module slots are
-        # one call (C where compiled); rebound names and watched objects, where there are any,
-        # are checked after it one by one (a few per guard), never the module tree in Python.
+        # A watch that holds plain values (``held``: (dict, key, value) triples) is checked
+        # inside the one call below; any other watch is asked after it.
+        held = tuple(v for w in self.watches for v in getattr(w, "held", ()))
+        others = [w for w in self.watches if not hasattr(w, "held")]
+        self.simple = not self.closure_ids and not others  # one call checks everything
+        # ``check()``: True when nothing watched changed. Addresses, modes, module slots and
+        # plain values are one call (C where compiled): a Python frame per watch would be paid
+        # by every replay. Rebound names and other watched objects, where there are any, are
+        # checked after it one by one (a few per guard), never the module tree in Python.
         fast = self.addresses.with_modes(
             [m for m, _ in self.training], [t for _, t in self.training],
-            _by_mapping(self.entries),
+            _by_mapping(self.entries), held,
         )  # fmt: skip
         self.check: Callable[[], bool] = (
-            fast if self.simple else _then_each(fast, self.closure_ids, self.watches)
+            fast if self.simple else _then_each(fast, self.closure_ids, others)
         )
 
     @property
@@ -278,6 +284,7 @@ def _then_each(
 
 
 log = logging.getLogger("cudagraphs")
+_MISSING = object()  # a key deleted since the recording read it
 
 _READER = "_torchinductor_pyobject_tensor_data_ptr"
 _module: Any = None
@@ -352,20 +359,24 @@ class AddressCheck:
         owners: Sequence[Any],
         modes: Sequence[Any],
         entries: Sequence[tuple[dict[str, Any], tuple[Any, ...]]] = (),
+        values: Sequence[tuple[dict[str, Any], str, Any]] = (),
     ) -> Callable[[], bool]:
         """One check for a whole guard: True while each owner's ``training`` is still
         ``modes[i]`` (the same object), each ``(mapping, values)`` of ``entries`` still holds
-        exactly those objects in that order, and every tensor is at its address. A C-level
-        partial when compiled."""
+        exactly those objects in that order, each ``(namespace, key, value)`` of ``values``
+        still holds that value (the same object, or an equal one of the same type), and every
+        tensor is at its address. A C-level partial when compiled."""
         module = compiled_module() if self.native else None
         if module is not None:
             packed = array.array("Q", self.ptrs).tobytes()
+            held_values = (tuple(values),) if values else ()
             return functools.partial(
                 module.unchanged, self.tensors, packed, tuple(owners), tuple(modes),
-                tuple((d, tuple(v)) for d, v in entries),
+                tuple((d, tuple(v)) for d, v in entries), *held_values,
             )  # fmt: skip
         pairs = tuple(zip(owners, modes))
         held = tuple((d, tuple(v)) for d, v in entries)
+        plain = tuple(values)
         addresses = self.unchanged
 
         def same_objects(mapping: dict[str, Any], values: tuple[Any, ...]) -> bool:
@@ -377,6 +388,7 @@ class AddressCheck:
             return (
                 all(o.training is m for o, m in pairs)
                 and all(same_objects(d, v) for d, v in held)
+                and all(same_value(d.get(k, _MISSING), v) for d, k, v in plain)
                 and addresses()
             )
 

@@ -338,10 +338,11 @@ class ValueWatch:
 
     def __init__(self, values: Sequence[tuple[str, dict[str, Any], str, Any]]):
         self.values = tuple(values)
-        self._held = tuple((namespace, key, value) for _, namespace, key, value in values)
+        #: ``(namespace, key, value)`` triples: what a guard checks inside its one call.
+        self.held = tuple((namespace, key, value) for _, namespace, key, value in values)
         compiled = compiled_module()
         self._same = (
-            functools.partial(compiled.values_same, self._held)
+            functools.partial(compiled.values_same, self.held)
             if compiled is not None and hasattr(compiled, "values_same")
             else self._same_in_python
         )
@@ -355,7 +356,7 @@ class ValueWatch:
         return None if self._same() else self._why()
 
     def _same_in_python(self) -> bool:
-        for namespace, key, value in self._held:
+        for namespace, key, value in self.held:
             now = namespace.get(key, _MISSING)
             if now is not value and not same_value(now, value):
                 return False
