@@ -76,6 +76,25 @@ def test_the_decision_key_changes_with_config_parameters_shapes_and_versions(
     assert base != key(_model(), (x,), {}, auto_module.CANDIDATES, None)
 
 
+def test_the_decision_key_follows_transformers_version_without_importing_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A process that never imported transformers (a timm model) must not pay its import
+    # (seconds) for the key; a process that uses it keys on its version.
+    import sys
+    import types
+
+    key = auto_module._decision_key
+    x = torch.randn(4, 8)
+    monkeypatch.delitem(sys.modules, "transformers", raising=False)
+    without = key(_model(), (x,), {}, ("graph",), None)
+    assert "transformers" not in sys.modules
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="1.0"))
+    first = key(_model(), (x,), {}, ("graph",), None)
+    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(__version__="2.0"))
+    assert len({without, first, key(_model(), (x,), {}, ("graph",), None)}) == 3
+
+
 def test_the_decision_key_changes_with_the_model_source(tmp_path: Path) -> None:
     keys = []
     for body in ("return self.fc(x)", "return self.fc(x) * 2"):

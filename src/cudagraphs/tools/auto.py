@@ -40,6 +40,7 @@ import hashlib
 import inspect
 import json
 import platform
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -358,12 +359,10 @@ def _decision_key(
         (tuple(x.shape), str(x.dtype), str(x.device)) if isinstance(x, torch.Tensor) else repr(x)
         for x in flatten((args, kwargs))[0]
     ]
-    try:
-        import transformers
-
-        versions = [torch.__version__, transformers.__version__]
-    except ImportError:
-        versions = [torch.__version__]
+    # transformers' version where the process uses it (a model of its own imports it):
+    # importing it here only to ask would cost a second process seconds.
+    transformers = sys.modules.get("transformers")
+    versions = [torch.__version__, getattr(transformers, "__version__", None)]
     parts = [
         platform.python_version(), versions, _own_version(), _device_name(),
         hashlib.sha256(source.encode()).hexdigest(), callable_name(fn),

@@ -111,13 +111,15 @@ def _add_doctor(commands: Any) -> argparse.ArgumentParser:
 
 
 def _add_auto(commands: Any) -> argparse.ArgumentParser:
+    from .auto import CANDIDATES  # the list the help names is the one auto tries
+
     command = commands.add_parser(
         "auto",
         help="try the ways of graphing a function, verify each, print the table and the choice",
         description="FILE.py:FUNC names a function that takes no arguments and returns "
-        "(callable, args) or (callable, args, kwargs). Each way (graph, graph over compile, "
-        "the fusing backend) is built, compared with eager and timed; the decision is saved "
-        "for the next process. Exit code 3 when your code raised.",
+        f"(callable, args) or (callable, args, kwargs). Each way that applies "
+        f"({', '.join(CANDIDATES)}) is built, compared with eager and timed; the decision is "
+        "saved for the next process. Exit code 3 when your code raised.",
     )
     command.add_argument("target", metavar="FILE.py:FUNC")
     command.add_argument("--json", action="store_true", help="print the report as JSON")
