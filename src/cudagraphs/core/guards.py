@@ -11,8 +11,10 @@ the old memory. The guard records those addresses at capture and checks them bef
   per tensor is measured by ``benchmarks/overhead.py``),
   and, in the same call, that every parameter, buffer and child entry of the guarded modules
   still holds the object it held at capture (``module.to()`` and ``module.buf = t`` put new
-  objects there while the old ones may stay alive at their old addresses). Nothing in torch is
-  patched or hooked for this: the guard reads the user's modules only;
+  objects there while the old ones may stay alive at their old addresses), and that every plain
+  value the recording read (``python_values.ValueWatch``) is still the same object or an equal
+  one of the same type. Nothing in torch is patched or hooked for this: the guard reads the
+  user's modules and namespaces only;
 - closure and global tensors, and plain values (bool, int, float, str) that ``fn``'s own code
   reads from its closure or globals, are checked by identity (a global flag that decided a
   branch at capture must not change unnoticed);
