@@ -9,7 +9,8 @@ eager and the hand-written graph, window by window, in rounds that alternate whi
 first.
 
     python benchmarks/tree_ab.py --before PATH/TO/OLD/src [--models mlp_256,transformer,deep_mlp]
-                                 [--rounds 4] [--windows 9] [--calls 100] [--json F] [--markdown F]
+                                 [--rounds 4] [--windows 9] [--calls 100] [--first this|before]
+                                 [--json F] [--markdown F]
 
 ``PATH/TO/OLD/src`` holds the earlier tree's ``cudagraphs`` package (built in place, so that its
 ``_before_replay`` extension is there; without it that tree runs its pure-Python fallback and
@@ -56,7 +57,11 @@ def has_extension(package: Any) -> bool:
     return any(folder.glob("_before_replay*.so"))
 
 
-def run(before: Any, models: list[str], rounds: int, windows: int, calls: int) -> dict[str, Any]:
+def run(
+    before: Any, models: list[str], rounds: int, windows: int, calls: int, first: str = "this"
+) -> dict[str, Any]:
+    """``first``: whose graph is captured first, ``"this"`` tree's or the tree ``"before"``'s
+    (the one captured second gets its memory after the first's pool)."""
     results: dict[str, Any] = {}
     for name in models:
         torch.manual_seed(0)
@@ -65,8 +70,12 @@ def run(before: Any, models: list[str], rounds: int, windows: int, calls: int) -
         example = torch.randn(*shape, device="cuda")
         inputs = [torch.randn_like(example) for _ in range(4)]
         with torch.no_grad():
-            this_tree = cg.graph(model, example)
-            before_tree = before.graph(model, example)
+            if first == "this":
+                this_tree = cg.graph(model, example)
+                before_tree = before.graph(model, example)
+            else:
+                before_tree = before.graph(model, example)
+                this_tree = cg.graph(model, example)
             for call in (this_tree, before_tree):
                 for x in inputs:  # both answer as eager before anything is timed
                     torch.testing.assert_close(call(x), model(x), rtol=1e-4, atol=1e-4)
@@ -95,13 +104,19 @@ def run(before: Any, models: list[str], rounds: int, windows: int, calls: int) -
 
 
 def markdown(
-    results: dict[str, Any], rounds: int, windows: int, calls: int, extension: bool
-) -> str:
+    results: dict[str, Any], rounds: int, windows: int, calls: int, extension: bool,
+    first: str = "this",
+) -> str:  # fmt: skip
     lines = [
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}; one process, both trees "
         f"loaded; µs per call, median of {rounds} rounds (each the median of {windows} "
         f"interleaved windows of {calls} calls, the rounds alternating which mode goes first). "
-        "Latency: a synchronize after each call; throughput: one per window."
+        "Latency: a synchronize after each call; throughput: one per window. "
+        + (
+            "This tree's graph was captured first."
+            if first == "this"
+            else "The tree before's graph was captured first."
+        )
         + ("" if extension else " The tree before ran WITHOUT its compiled extension."),
         "",
         "| model | eager | hand-written | tree before | this tree | this / before latency "
@@ -130,6 +145,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--windows", type=int, default=9)
     parser.add_argument("--calls", type=int, default=100, help="calls per window")
+    parser.add_argument(
+        "--first", choices=("this", "before"), default="this",
+        help="whose graph is captured first (default this tree's)",
+    )  # fmt: skip
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args()
@@ -138,8 +157,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
         before = load_before(args.before, Path(folder))
         extension = has_extension(before)
-        results = run(before, args.models.split(","), args.rounds, args.windows, args.calls)
-    text = markdown(results, args.rounds, args.windows, args.calls, extension)
+        results = run(
+            before, args.models.split(","), args.rounds, args.windows, args.calls, args.first
+        )
+    text = markdown(results, args.rounds, args.windows, args.calls, extension, args.first)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.markdown:
