@@ -9,7 +9,7 @@ eager and the hand-written graph, window by window, in rounds that alternate whi
 first.
 
     python benchmarks/tree_ab.py --before PATH/TO/OLD/src [--models mlp_256,transformer,deep_mlp]
-                                 [--rounds 4] [--windows 9] [--calls 100] [--first this|before]
+                                 [--rounds 4] [--windows 9] [--calls 100] [--first this|before|both]
                                  [--json F] [--markdown F]
 
 ``PATH/TO/OLD/src`` holds the earlier tree's ``cudagraphs`` package (built in place, so that its
@@ -138,6 +138,25 @@ def markdown(
     return "\n".join(lines) + "\n"
 
 
+def both_orders(runs: dict[str, Any]) -> str:
+    """Per model, this tree's latency over the tree before's with each tree's graph captured
+    first, and their geometric mean: what the order of the captures moves cancels out."""
+    lines = [
+        "| model | this / before, this captured first | this / before, before captured first "
+        "| geometric mean |",
+        "|---|---|---|---|",
+    ]
+    for name in runs["this"]:
+        ratios = [
+            runs[first][name]["latency_us"]["this tree"]
+            / runs[first][name]["latency_us"]["tree before"]
+            for first in ("this", "before")
+        ]
+        mean = (ratios[0] * ratios[1]) ** 0.5
+        lines.append(f"| {name} | {ratios[0]:.3f}x | {ratios[1]:.3f}x | {mean:.3f}x |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--before", required=True, type=Path, help="the earlier tree's src/")
@@ -146,23 +165,34 @@ def main() -> int:
     parser.add_argument("--windows", type=int, default=9)
     parser.add_argument("--calls", type=int, default=100, help="calls per window")
     parser.add_argument(
-        "--first", choices=("this", "before"), default="this",
-        help="whose graph is captured first (default this tree's)",
+        "--first", choices=("this", "before", "both"), default="this",
+        help="whose graph is captured first (default this tree's); both: a run of each order, "
+        "and the geometric mean of their latency ratios",
     )  # fmt: skip
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args()
     if not (args.before / "cudagraphs" / "__init__.py").is_file():
         parser.error(f"--before {args.before}: expected a src/ folder holding cudagraphs/")
+    orders = ["this", "before"] if args.first == "both" else [args.first]
+    runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as folder:
         before = load_before(args.before, Path(folder))
         extension = has_extension(before)
-        results = run(
-            before, args.models.split(","), args.rounds, args.windows, args.calls, args.first
-        )
-    text = markdown(results, args.rounds, args.windows, args.calls, extension, args.first)
+        for first in orders:
+            runs[first] = run(
+                before, args.models.split(","), args.rounds, args.windows, args.calls, first
+            )
+    text = "\n".join(
+        markdown(results, args.rounds, args.windows, args.calls, extension, first)
+        for first, results in runs.items()
+    )
+    if len(runs) == 2:
+        text += "\n" + both_orders(runs)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(
+            json.dumps(runs if len(runs) == 2 else runs[orders[0]], indent=2)
+        )
     if args.markdown:
         Path(args.markdown).write_text(text)
     print(text)
