@@ -80,6 +80,8 @@ def compile_key(model: Any, fn: Callable[..., Any], settings: dict[str, Any], *e
         settings["mode"], _cache()[1], torch.get_float32_matmul_precision(),
         torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(),
         str(torch.get_default_dtype()), [repr(e) for e in extra],
+        # Module classes: a fused projection's forward differs from nn.Linear's.
+        sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}),
     ]  # fmt: skip
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
