@@ -14,6 +14,7 @@ model of the same seed.
     python benchmarks/decode_profile.py --model llama-2048 --compile coordinate-descent
     python benchmarks/decode_profile.py --model llama-2048 --sdpa flash
     python benchmarks/decode_profile.py --variants unfused,fused
+    python benchmarks/decode_profile.py --option triton.enable_pdl=True
 
 ``--sdpa`` picks scaled-dot-product attention's kernel (``torch.nn.attention.sdpa_kernel``) for
 the construction (compile and captures) and every request; ``default`` leaves PyTorch's choice.
@@ -61,7 +62,12 @@ def profile(args: argparse.Namespace, fuse: bool = True) -> dict[str, Any]:
     device = "cuda" if cuda else "cpu"
     model = random_llama(args.model, device, getattr(torch, args.dtype))
     named = {"default": True, "none": False, "coordinate-descent": dict(COORDINATE_DESCENT)}
-    compile_mode: bool | str | dict[str, bool] = named.get(args.compile, args.compile)
+    compile_mode: bool | str | dict[str, Any] = named.get(args.compile, args.compile)
+    if args.option:  # Inductor options on top of the default mode (or coordinate descent)
+        base = compile_mode if isinstance(compile_mode, dict) else {}
+        if not isinstance(compile_mode, dict) and compile_mode is not True:
+            raise SystemExit("--option goes with --compile default or coordinate-descent")
+        compile_mode = {**base, **dict(_option(o) for o in args.option)}
     start = time.perf_counter()
     decoder = Decoder(
         model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode,
@@ -134,6 +140,20 @@ def profile(args: argparse.Namespace, fuse: bool = True) -> dict[str, Any]:
             for name, (count, us) in costliest
         ],
     }
+
+
+def _option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--option``: the value as Python reads it (``1``, ``True``), else the
+    string."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--option {text!r}: expected KEY=VALUE, e.g. triton.enable_pdl=True")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def attention_kernel(name: str) -> Any:
@@ -210,6 +230,14 @@ def main() -> None:
         default="default",
         choices=["default", "flash", "efficient", "cudnn", "math"],
         help="scaled-dot-product attention's kernel (default: PyTorch's choice)",
+    )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an Inductor option for the compile (repeatable), e.g. triton.enable_pdl=True or "
+        "max_autotune_gemm=True",
     )
     p.add_argument(
         "--variants",
