@@ -37,6 +37,11 @@ Wrong::
     fuse_projections(model)   # works (the guard sees the moved parameters and captures again),
                               # but the first capture was wasted: fuse first
 
+Each projection of a group is expected to be called once per forward on the same hidden
+state, as transformers' attention and MLP layers do; a projection called on another tensor
+computes its own rows afresh. Models whose layers already hold one projection per group (Phi-3's
+``qkv_proj`` and ``gate_up_proj``) have nothing to fuse.
+
 Where a layer does not match (a projection that is not a plain ``nn.Linear``, differing input
 sizes, dtypes or devices, a bias on some but not all), that layer is left as it was, and the
 report says why.
