@@ -200,3 +200,46 @@ def test_segments_add_the_failing_block_until_capture_succeeds(
     monkeypatch.setattr(auto_module, "graph", never_splits)
     with pytest.raises(CaptureError):
         auto_module._graph_around_host_reads(lambda x: x, (1,), {})
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) * self.scale
+
+
+@pytest.mark.slow
+def test_the_graph_over_compile_is_saved_and_a_later_build_loads_it(
+    fresh_compile_cache: object,
+) -> None:
+    """The chosen graph over compile of a module is built over a compile saved to disk, which
+    a later build (a second process: Dynamo reset) loads with no trace, and names the model's
+    code for the value guard (READS_LIKE). On the CPU the graph is the pass-through; the
+    captured path and its guard run in test_auto_cuda.py."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from cudagraphs.core import READS_LIKE
+
+    model = _Scaled().eval()
+    x = torch.randn(4, 8)
+    builds = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
+            call = auto_module._build("graph over compile", model, (x,), {}, None, "k")
+            torch.testing.assert_close(call(x), model(x))
+        builds.append(counters["stats"]["unique_graphs"] - before)
+        reads = getattr(call.fn, READS_LIKE)
+        assert any(code is _Scaled.forward.__code__ for code in reads)
+    assert builds == [1, 0]  # traced once, then loaded
+    model.scale = 2.0  # the loaded entry's own guards refuse it: compiled again, eager's answer
+    with torch.no_grad():
+        torch.testing.assert_close(call(x), model(x))
