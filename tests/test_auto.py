@@ -243,3 +243,34 @@ def test_the_graph_over_compile_is_saved_and_a_later_build_loads_it(
     model.scale = 2.0  # the loaded entry's own guards refuse it: compiled again, eager's answer
     with torch.no_grad():
         torch.testing.assert_close(call(x), model(x))
+
+
+@pytest.mark.slow
+def test_a_saved_compile_whose_trace_made_up_module_globals_loads_in_a_later_build(
+    fresh_compile_cache: object,
+) -> None:
+    """transformers' outputs make the trace name a module by a global holding this process's
+    object id (``___module_collections_<id>_c0``): the saved entry records the module's name,
+    and a later build hands it back, so the compile loads instead of being traced again."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    traces = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        for name in [n for n in vars(auto_module) if n.startswith("___module_")]:
+            delattr(auto_module, name)  # as in a new process: the made-up globals are gone
+        before = counters["stats"]["unique_graphs"]
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
+            call = auto_module._build("graph over compile", model, (ids,), {}, None, "gpt2")
+            got, expected = call(ids), model(ids)
+        torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state)
+        traces.append(counters["stats"]["unique_graphs"] - before)
+    assert traces == [1, 0]
