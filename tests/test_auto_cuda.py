@@ -127,16 +127,6 @@ def test_deciding_leaves_the_state_the_function_advances_as_it_was(
             torch.testing.assert_close(chosen(fresh), twin(fresh))
 
 
-class _Scaled(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
-        self.scale = 1.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x) * self.scale
-
-
 def test_a_loaded_graph_over_compile_guards_the_values_the_model_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -146,11 +136,13 @@ def test_a_loaded_graph_over_compile_guards_the_values_the_model_reads(
     in-place weight updates without a new capture."""
     from torch._dynamo.utils import counters
 
+    from test_compile_paths_cuda import Scaled
+
     from cudagraphs.tools import auto as auto_module
 
     monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
     torch.manual_seed(0)
-    model = _Scaled().cuda().eval()
+    model = Scaled().cuda().eval()
     x = torch.randn(8, 64, device="cuda")
     with torch.no_grad():
         for traces in (1, 0):
