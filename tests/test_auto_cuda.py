@@ -134,9 +134,8 @@ def test_a_loaded_graph_over_compile_guards_the_values_the_model_reads(
     nothing, answers as eager, and still captures again when a value the model's forward reads
     changes (its code, noted from an eager run, stands in for the loaded compile's), and sees
     in-place weight updates without a new capture."""
-    from torch._dynamo.utils import counters
-
     from test_compile_paths_cuda import Scaled
+    from torch._dynamo.utils import counters
 
     from cudagraphs.tools import auto as auto_module
 
