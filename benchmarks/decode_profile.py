@@ -3,13 +3,18 @@
 One warm request, then a profiled one (``torch.profiler``, CUDA activity: the kernels a graph
 replay launches are recorded one by one). Reports kernels per token, GPU kernel time per token
 against the wall time per token (the gap is time the GPU waits), the share of the
-weight-streaming roofline (every weight read once per token at the HBM bandwidth), and the ten
-kernels that cost the most per token.
+weight-streaming roofline (every weight read once per token at the HBM bandwidth), kernel time
+per token by class (products, attention, Inductor's fused kernels, copies, other), and the ten
+kernels that cost the most per token. ``--variants`` profiles the Decoder with its projections
+unfused (``fuse=False``) and fused (``fuse=True``, the default) in one run, each on a fresh
+model of the same seed.
 
     python benchmarks/decode_profile.py --model llama-2048 --max-length 168
     python benchmarks/decode_profile.py --model llama-2048 --compile max-autotune-no-cudagraphs
     python benchmarks/decode_profile.py --model llama-2048 --compile coordinate-descent
     python benchmarks/decode_profile.py --model llama-2048 --sdpa flash
+    python benchmarks/decode_profile.py --variants unfused,fused
+    python benchmarks/decode_profile.py --option triton.enable_pdl=True
 
 ``--sdpa`` picks scaled-dot-product attention's kernel (``torch.nn.attention.sdpa_kernel``) for
 the construction (compile and captures) and every request; ``default`` leaves PyTorch's choice.
@@ -29,8 +34,23 @@ from common import RESULTS, write
 from decode import COORDINATE_DESCENT, HBM_BYTES_PER_S, weight_bytes
 from rich.console import Console
 
+#: Kernel classes by name, the first match wins (CUPTI's kernel names; on a CPU smoke run the
+#: operators' names, which mostly fall in "other").
+KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
+    ("products", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "aten::mm",
+                  "aten::addmm", "aten::linear", "rows_linear")),
+    ("copies", ("copy", "memcpy", "memset", "fill")),
+    ("fused (Inductor)", ("triton_",)),
+)  # fmt: skip
 
-def profile(args: argparse.Namespace) -> dict[str, Any]:
+
+def kernel_class(name: str) -> str:
+    lowered = name.lower()
+    return next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
+
+
+def profile(args: argparse.Namespace, fuse: bool = True) -> dict[str, Any]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -42,11 +62,17 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if cuda else "cpu"
     model = random_llama(args.model, device, getattr(torch, args.dtype))
     named = {"default": True, "none": False, "coordinate-descent": dict(COORDINATE_DESCENT)}
-    compile_mode: bool | str | dict[str, bool] = named.get(args.compile, args.compile)
+    compile_mode: bool | str | dict[str, Any] = named.get(args.compile, args.compile)
+    if args.option:  # Inductor options on top of the default mode (or coordinate descent)
+        base = compile_mode if isinstance(compile_mode, dict) else {}
+        if not isinstance(compile_mode, dict) and compile_mode is not True:
+            raise SystemExit("--option goes with --compile default or coordinate-descent")
+        compile_mode = {**base, **dict(_option(o) for o in args.option)}
     start = time.perf_counter()
     decoder = Decoder(
-        model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode
-    )
+        model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode,
+        fuse=fuse,
+    )  # fmt: skip
     setup_s = time.perf_counter() - start
     torch.manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
@@ -76,7 +102,18 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     busy_us = sum(us for _, us in per_kernel.values())
     weights = weight_bytes(model)
     costliest = sorted(per_kernel.items(), key=lambda item: -item[1][1])[:10]
+    classes: dict[str, list[float]] = {}
+    for name, (count, us) in per_kernel.items():
+        totals = classes.setdefault(kernel_class(name), [0.0, 0.0])
+        totals[0] += count / tokens
+        totals[1] += us / tokens
     return {
+        "fuse": fuse,
+        "fused_groups": decoder.stats.fused_groups,
+        "unfused": decoder.stats.unfused,
+        "classes": {
+            c: {"kernels_per_token": k, "us_per_token": us} for c, (k, us) in classes.items()
+        },
         "hardware": torch.cuda.get_device_name() if cuda else "CPU",
         "torch": torch.__version__,
         "model": args.model,
@@ -105,6 +142,20 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--option``: the value as Python reads it (``1``, ``True``), else the
+    string."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise SystemExit(f"--option {text!r}: expected KEY=VALUE, e.g. triton.enable_pdl=True")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def attention_kernel(name: str) -> Any:
     """``sdpa_kernel`` for one backend, or a context that changes nothing for ``default``."""
     if name == "default":
@@ -117,9 +168,10 @@ def attention_kernel(name: str) -> Any:
 
 
 def markdown(r: dict[str, Any]) -> list[str]:
+    fused = f", fuse={r['fuse']}" if "fuse" in r else ""
     lines = [
         f"Hardware: {r['hardware']}, torch {r['torch']}; {r['model']} ({r['dtype']}), batch 1, "
-        f"`Decoder(compile={r.get('compile_argument', repr(r['compile']))})`, "
+        f"`Decoder(compile={r.get('compile_argument', repr(r['compile']))}{fused})`, "
         f"attention kernel {r.get('sdpa', 'default')}, "
         f"cache length {r['cache_length']}, a request of {r['prompt']} + {r['new']} tokens (the "
         "profiled one; the timed one before it unprofiled).",
@@ -130,6 +182,21 @@ def markdown(r: dict[str, Any]) -> list[str]:
         f"{100 * r['roofline_share']:.1f}%"
         + (f"; construction {r['setup_s']:.1f} s" if "setup_s" in r else ""),
         "",
+        f"batch 1, {'fused' if r.get('fuse') else 'unfused'} projections: roofline share "
+        f"{100 * r['roofline_share']:.0f} %",
+        "",
+        f"kernels per token {r['kernels_per_token']:.0f}",
+        "",
+    ]
+    if r.get("fuse"):
+        lines += [f"{r['fused_groups']} projection groups fused"
+                  + "".join(f"; unfused: {why}" for why in r["unfused"]), ""]  # fmt: skip
+    if "classes" in r:
+        lines += ["| kernel class | kernels per token | µs per token |", "|---|---|---|"]
+        for name, c in sorted(r["classes"].items(), key=lambda item: -item[1]["us_per_token"]):
+            lines.append(f"| {name} | {c['kernels_per_token']:.1f} | {c['us_per_token']:.1f} |")
+        lines.append("")
+    lines += [
         "| kernel | calls per token | µs per token | share of kernel time |",
         "|---|---|---|---|",
     ]
@@ -164,13 +231,35 @@ def main() -> None:
         choices=["default", "flash", "efficient", "cudnn", "math"],
         help="scaled-dot-product attention's kernel (default: PyTorch's choice)",
     )
+    p.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an Inductor option for the compile (repeatable), e.g. triton.enable_pdl=True or "
+        "max_autotune_gemm=True",
+    )
+    p.add_argument(
+        "--variants",
+        default="fused",
+        help="comma-separated: 'unfused' (Decoder(fuse=False)) and/or 'fused' (the default), "
+        "profiled in this order in one run",
+    )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     args = p.parse_args()
+    variants = args.variants.split(",")
+    if not variants or any(v not in ("unfused", "fused") for v in variants):
+        p.error(f"--variants {args.variants}: expected 'unfused', 'fused' or both, comma-separated")
     warnings.filterwarnings("ignore")
-    with torch.no_grad(), attention_kernel(args.sdpa):
-        results = profile(args)
-    text = "\n".join(markdown(results))
+    runs = []
+    for variant in variants:
+        with torch.no_grad(), attention_kernel(args.sdpa):
+            runs.append(profile(args, fuse=variant == "fused"))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    results: Any = runs[0] if len(runs) == 1 else runs
+    text = "\n".join(line for r in runs for line in markdown(r))
     print(text, flush=True)
     args.json = args.json or RESULTS / f"decode-profile-{args.model}.json"
     write(results, text + "\n", args, Console())

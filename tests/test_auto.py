@@ -200,3 +200,77 @@ def test_segments_add_the_failing_block_until_capture_succeeds(
     monkeypatch.setattr(auto_module, "graph", never_splits)
     with pytest.raises(CaptureError):
         auto_module._graph_around_host_reads(lambda x: x, (1,), {})
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x)) * self.scale
+
+
+@pytest.mark.slow
+def test_the_graph_over_compile_is_saved_and_a_later_build_loads_it(
+    fresh_compile_cache: object,
+) -> None:
+    """The chosen graph over compile of a module is built over a compile saved to disk, which
+    a later build (a second process: Dynamo reset) loads with no trace, and names the model's
+    code for the value guard (READS_LIKE). On the CPU the graph is the pass-through; the
+    captured path and its guard run in test_auto_cuda.py."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from cudagraphs.core import READS_LIKE
+
+    model = _Scaled().eval()
+    x = torch.randn(4, 8)
+    builds = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
+            call = auto_module._build("graph over compile", model, (x,), {}, None, "k")
+            torch.testing.assert_close(call(x), model(x))
+        builds.append(counters["stats"]["unique_graphs"] - before)
+        reads = getattr(call.fn, READS_LIKE)
+        assert any(code is _Scaled.forward.__code__ for code in reads)
+    assert builds == [1, 0]  # traced once, then loaded
+    model.scale = 2.0  # the loaded entry's own guards refuse it: compiled again, eager's answer
+    with torch.no_grad():
+        torch.testing.assert_close(call(x), model(x))
+
+
+@pytest.mark.slow
+def test_a_saved_compile_whose_trace_made_up_module_globals_loads_in_a_later_build(
+    fresh_compile_cache: object,
+) -> None:
+    """transformers' outputs make the trace name a module by a global holding this process's
+    object id (``___module_collections_<id>_c0``): the saved entry records the module's name,
+    and a later build hands it back, so the compile loads instead of being traced again."""
+    import warnings
+
+    transformers = pytest.importorskip("transformers")
+    from torch._dynamo.utils import counters
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(config).eval()
+    ids = torch.randint(0, config.vocab_size, (1, 8))
+    traces = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        for name in [n for n in vars(auto_module) if n.startswith("___module_")]:
+            delattr(auto_module, name)  # as in a new process: the made-up globals are gone
+        before = counters["stats"]["unique_graphs"]
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
+            call = auto_module._build("graph over compile", model, (ids,), {}, None, "gpt2")
+            got, expected = call(ids), model(ids)
+        torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state)
+        traces.append(counters["stats"]["unique_graphs"] - before)
+    assert traces == [1, 0]

@@ -125,3 +125,37 @@ def test_deciding_leaves_the_state_the_function_advances_as_it_was(
         for _ in range(3):
             fresh = torch.randn(8, 32, device="cuda")
             torch.testing.assert_close(chosen(fresh), twin(fresh))
+
+
+def test_a_loaded_graph_over_compile_guards_the_values_the_model_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graph over a compile loaded from disk (a second process: Dynamo reset) traces
+    nothing, answers as eager, and still captures again when a value the model's forward reads
+    changes (its code, noted from an eager run, stands in for the loaded compile's), and sees
+    in-place weight updates without a new capture."""
+    from test_compile_paths_cuda import Scaled
+    from torch._dynamo.utils import counters
+
+    from cudagraphs.tools import auto as auto_module
+
+    monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = Scaled().cuda().eval()
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for traces in (1, 0):
+            torch._dynamo.reset()
+            before = counters["stats"]["unique_graphs"]
+            g = auto_module._build("graph over compile", model, (x,), {}, None, "test-key")
+            assert g.state is cg.State.CAPTURED
+            assert counters["stats"]["unique_graphs"] - before == traces
+            fresh = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(g(fresh), model(fresh))
+        model.scale = 2.0
+        fresh = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(g(fresh), model(fresh))
+        assert g.stats.recaptures == 1
+        model.net[0].weight.mul_(0.5)  # in place: the next replay reads it
+        torch.testing.assert_close(g(fresh), model(fresh))
+        assert g.stats.recaptures == 1

@@ -198,3 +198,26 @@ def test_the_startup_table_has_a_row_per_run_and_the_ratios() -> None:
         del results["runs"][key]
     text = "\n".join(decode_startup.markdown(results))
     assert "batch rungs [1, 2, 4]" not in text and "compile 1.50x" in text
+
+
+@pytest.mark.slow
+def test_the_decode_profile_compares_fused_and_unfused_projections_in_one_run(
+    tmp_path: Path,
+) -> None:
+    out, text = tmp_path / "profile.json", tmp_path / "profile.md"
+    subprocess.run(
+        [sys.executable, "benchmarks/decode_profile.py", "--model", "llama-tiny", "--compile",
+         "none", "--max-length", "32", "--prompt", "4", "--new", "8", "--dtype", "float32",
+         "--sdpa", "math", "--variants", "unfused,fused", "--json", str(out),
+         "--markdown", str(text)],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    unfused, fused = json.loads(out.read_text())
+    assert (unfused["fuse"], fused["fuse"]) == (False, True)
+    assert unfused["fused_groups"] == 0 and fused["fused_groups"] > 0 and not fused["unfused"]
+    products = [r["classes"]["products"]["kernels_per_token"] for r in (unfused, fused)]
+    assert products[1] < products[0]  # q/k/v and gate/up: one product each instead of 3 and 2
+    page = text.read_text()
+    assert "batch 1, unfused projections: roofline share" in page
+    assert "batch 1, fused projections: roofline share" in page
+    assert page.count("kernels per token ") >= 2

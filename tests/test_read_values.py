@@ -152,3 +152,31 @@ def test_code_that_runs_during_the_capture_without_being_called_is_not_guarded(
         assert g.stats.recaptures == 0
     finally:
         gc.callbacks.remove(tick)
+
+
+def test_code_a_callable_stands_in_for_is_guarded_as_if_it_ran(stand_in: None) -> None:
+    # A compile loaded from disk runs none of the model's Python during the capture. The
+    # callable names the code it stands in for (READS_LIKE, noted from one eager run): a value
+    # that code reads is guarded as if it had run.
+    from cudagraphs.core import READS_LIKE, Reader
+
+    torch.manual_seed(0)
+    model = Scaled()
+    x = torch.randn(4, 8)
+
+    def loaded(inputs: torch.Tensor) -> torch.Tensor:
+        return model.fc(inputs)  # reads none of the values Scaled.forward reads
+
+    with Reader() as reader:
+        model(x)
+    setattr(loaded, READS_LIKE, reader.codes)
+    g = cg.graph(loaded, x)
+    assert g(x).shape == (4, 8) and g.stats.recaptures == 0
+    model.scale = 2.0  # read by Scaled.forward, the code `loaded` stands in for
+    g(x)
+    assert g.stats.recaptures == 1
+    delattr(loaded, READS_LIKE)
+    plain = cg.graph(loaded, x)
+    model.scale = 3.0
+    plain(x)
+    assert plain.stats.recaptures == 0  # without it, nothing it runs reads the value

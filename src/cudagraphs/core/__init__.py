@@ -33,7 +33,7 @@ from .frames import (
 )
 from .graphed import Diagnostics, Graphed, Pool, State, install_diagnostics
 from .guards import AddressGuard, closure_tensors, modules_of
-from .python_values import PythonSnapshot, RandomDraws, Reader
+from .python_values import READS_LIKE, PythonSnapshot, RandomDraws, Reader
 from .replay import OutputsInUse
 from .segments import Segments, current_eager_step, eager
 from .signature import NAMESPACE, Signature, flatten, leaf_paths, same_value
@@ -52,6 +52,7 @@ from .writes import (
 __all__ = [
     "LIBRARY_SETTING",
     "NAMESPACE",
+    "READS_LIKE",
     "AddressGuard",
     "Diagnostics",
     "Graphed",

@@ -458,7 +458,7 @@ def warm_up_and_capture(
         versions = [compat.version(x) for x in inputs]
         shared = options.pool
         # Ranks whose graphs hold different collectives would hang at the first replay.
-        reader = python_values.Reader()
+        reader = python_values.Reader(of=fn)
         with collectives.compared_across_ranks(name), reader:
             recording = capture_call(
                 fn,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -326,6 +327,21 @@ def aot_compiler(fn: Callable[..., Any], settings: dict[str, Any], dynamic: bool
             fn, fullgraph=True, dynamic=dynamic, options={**opts, "guard_filter_fn": _portable}
         )
     return getattr(compiled, "aot_compile", None)
+
+
+def generated_module_globals(entry: Any, fn: Callable[..., Any]) -> dict[str, str]:
+    """The modules an ``aot_compile`` entry's code reaches through globals the trace made up
+    (``___module_collections_<id>_c0``, written into ``fn``'s module globals), by name: another
+    process loading the entry must hand them in (``load_compiled_function(f_globals=...)``),
+    since the names hold an object id of this process. Empty where there are none."""
+    artifacts = getattr(entry, "_artifacts", None)
+    refs = getattr(getattr(artifacts, "runtime_env", None), "external_refs", None) or ()
+    found = {}
+    for ref in refs:
+        value = getattr(fn, "__globals__", {}).get(ref)
+        if ref.startswith("___module_") and isinstance(value, types.ModuleType):
+            found[ref] = value.__name__
+    return found
 
 
 def _portable(entries: Sequence[Any]) -> list[bool]:

@@ -87,7 +87,15 @@ from .guards import compiled_module
 from .signature import same_value
 from .writes import walk
 
-__all__ = ["RandomDraws", "Reader", "PythonSnapshot", "ValueWatch", "is_plain", "read_values"]
+__all__ = [
+    "READS_LIKE",
+    "RandomDraws",
+    "Reader",
+    "PythonSnapshot",
+    "ValueWatch",
+    "is_plain",
+    "read_values",
+]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
 # nn.Module's own bookkeeping: not the model's state.
@@ -246,13 +254,23 @@ def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
 _MISSING = object()
 
 
+#: The attribute by which a callable that runs compiled code in place of the Python code it was
+#: made from names that code (``{code object: its module globals}``, as a :class:`Reader` of
+#: the Python code's run noted them): a compile loaded from disk runs none of the model's code
+#: during a capture, so a :class:`Reader` there would see no value to guard.
+READS_LIKE = "cudagraphs_reads_like"
+
+
 class Reader:
     """While active (one thread: the capture's), the code objects that run outside the
     libraries, with their module globals; the names they load are what :func:`read_values`
-    keeps. Another profiler of this thread (a debugger, cProfile) is chained, not replaced."""
+    keeps. Another profiler of this thread (a debugger, cProfile) is chained, not replaced.
 
-    def __init__(self) -> None:
-        self.codes: dict[types.CodeType, dict[str, Any]] = {}
+    ``of``: the callable about to run; the code it stands in for (:data:`READS_LIKE`) counts
+    as run."""
+
+    def __init__(self, of: Any = None) -> None:
+        self.codes: dict[types.CodeType, dict[str, Any]] = dict(getattr(of, READS_LIKE, None) or {})
         self._outside: dict[str, bool] = {}  # filename -> user code?
         self._previous: Any = None
 

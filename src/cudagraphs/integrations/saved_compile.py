@@ -80,6 +80,8 @@ def compile_key(model: Any, fn: Callable[..., Any], settings: dict[str, Any], *e
         settings["mode"], _cache()[1], torch.get_float32_matmul_precision(),
         torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(),
         str(torch.get_default_dtype()), [repr(e) for e in extra],
+        # Module classes: a fused projection's forward differs from nn.Linear's.
+        sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}),
     ]  # fmt: skip
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
@@ -183,8 +185,10 @@ class SavedCompile:
         name = f"entry-{len(self.entries or [])}-{os.getpid()}"
         data = type(entry).serialize(entry).serialized_data
         sources = _source_hashes({s.module for s in entry.source_info().inlined_sources})
+        modules = compat.generated_module_globals(entry, self.fn)
         write_whole(self.folder / f"{name}.bin", data)
-        write_whole(self.folder / f"{name}.json", json.dumps({"sources": sources}).encode())
+        meta = {"sources": sources, "modules": modules}
+        write_whole(self.folder / f"{name}.json", json.dumps(meta).encode())
         self.saved += 1
 
     def _load(self) -> list[Any]:
@@ -202,11 +206,17 @@ class SavedCompile:
                 self._refuse(data, why)
                 continue
             try:
-                sources = json.loads(meta.read_text())["sources"]
+                written = json.loads(meta.read_text())
+                sources = written["sources"]
                 if _source_hashes(set(sources)) != sources:
                     raise ValueError("a source file changed")
+                # The modules the trace named by made-up globals, found again by their names.
+                named = {
+                    g: importlib.import_module(m) for g, m in written.get("modules", {}).items()
+                }
                 with data.open("rb") as file:
-                    entries.append(torch.compiler.load_compiled_function(file))
+                    load = torch.compiler.load_compiled_function
+                    entries.append(load(file, f_globals=named) if named else load(file))
                 self.loaded += 1
             except Exception:  # stale, torn or from another torch: compile afresh
                 meta.unlink(missing_ok=True)

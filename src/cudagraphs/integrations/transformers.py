@@ -51,6 +51,7 @@ from .decode_requests import (
     trim_finished,
 )
 from .decode_steps import capture_steps, compile_forward, greedy_tail
+from .fused_projections import fuse_projections
 from .kv_cache import RungCaches, cache_keyword, length_rungs
 from .prefill import Prefills, run_prefill
 from .prefill import prefill_lengths as prefill_lengths_of
@@ -91,6 +92,8 @@ class DecodeStats:
     prefill_replays: dict[str, int] = field(default_factory=dict)
     eager_prefills: int = 0  # prompts prefilled eagerly (prefill.py says when)
     notices: dict[str, int] = field(default_factory=dict)  # each warning's cause: shown once
+    fused_groups: int = 0  # q/k/v and gate/up groups computed as one product each
+    unfused: list[str] = field(default_factory=list)  # groups left as they were, and why
 
 
 class Decoder:
@@ -132,6 +135,10 @@ class Decoder:
             (``integrations/saved_compile.py`` says when a file is used; ``stats`` counts
             the loads and saves). ``False``: ``torch.compile`` only, a few seconds less at a
             cold start and a full trace in every process.
+        fuse: compute each layer's q, k and v, and gate and up, as one product each
+            (``integrations/fused_projections.py``): the model's parameters become views of
+            one buffer per group, in place, so in-place weight updates are seen by the next
+            token. ``stats.unfused`` lists the groups that did not match, and why.
     """
 
     @checked_keywords("Decoder")
@@ -152,9 +159,11 @@ class Decoder:
         cache_lengths: Sequence[int] | None = None,
         prefill_lengths: Sequence[int] | None = None,
         save_compile: bool = True,
+        fuse: bool = True,
     ):
         start = time.perf_counter()
         check_model(model)
+        check_bool("fuse", fuse, "it says whether q/k/v and gate/up become one product each")
         for name, value in (
             ("max_batch", max_batch),
             ("max_length", max_length),
@@ -189,6 +198,11 @@ class Decoder:
         self.warmup = warmup
         self.lock = threading.RLock()  # one request at a time: the rungs share cache and pool
         self.stats = DecodeStats()
+        # Before anything is compiled or captured: the parameters become views of one buffer
+        # per group (the same objects), which a trace or a capture then reads.
+        if fuse:
+            fusion = fuse_projections(model)
+            self.stats.fused_groups, self.stats.unfused = len(fusion.fused), fusion.refused
         # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
         # run past its last token (those steps are thrown away).
         cache_len = max_length + steps_per_graph - 1

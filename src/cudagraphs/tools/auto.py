@@ -50,12 +50,22 @@ import optree
 import torch
 
 from ..api import graph
-from ..core import TensorSnapshot, callable_name, flatten, modules_of, reachable_tensors
+from ..core import (
+    READS_LIKE,
+    Reader,
+    TensorSnapshot,
+    callable_name,
+    compat,
+    flatten,
+    modules_of,
+    reachable_tensors,
+)
 from ..diagnose.doctor import doctor
 from ..diagnose.verify import compare_with_eager, random_like
 from ..errors import CaptureError, ConfigError, CudaGraphsWarning, explain
+from ..integrations.compiled import compile_settings
 from ..integrations.dynamo import backend
-from ..integrations.saved_compile import saved_steps_folder, untrusted, write_whole
+from ..integrations.saved_compile import SavedCompile, saved_steps_folder, untrusted, write_whole
 from .profile import profile
 from .timing import measure_side_by_side
 
@@ -173,7 +183,7 @@ def auto(
     key = _decision_key(fn, example_args, example_kwargs, candidates, buckets)
     saved = _load(key) if reuse else None
     if saved is not None:
-        call = _build(saved.chosen, fn, example_args, example_kwargs, buckets)
+        call = _build(saved.chosen, fn, example_args, example_kwargs, buckets, key)
         return Auto(call, dataclasses.replace(saved, from_disk=True))
     # Profiling and timing run the function hundreds of times: what it can reach (buffers, a
     # cache, parameters a training step updates) is copied now and put back at the end.
@@ -183,7 +193,7 @@ def auto(
     state = TensorSnapshot(reachable_tensors(fn, plain, exclude=tensors))
     try:
         report, call = _decide(
-            fn, example_args, example_kwargs, candidates, buckets, verify, budget_s
+            fn, example_args, example_kwargs, candidates, buckets, verify, budget_s, key
         )
     finally:
         state.restore()
@@ -194,7 +204,7 @@ def auto(
 
 def _decide(
     fn: Callable[..., Any], example_args: tuple[Any, ...], example_kwargs: dict[str, Any],
-    candidates: Sequence[str], buckets: Any, verify: int, budget_s: float,
+    candidates: Sequence[str], buckets: Any, verify: int, budget_s: float, key: str,
 ) -> tuple[AutoReport, Callable[..., Any]]:  # fmt: skip
     """Profile the eager call, build, verify and time the candidates; the report and the
     fastest verified way (``fn`` itself when none beats eager)."""
@@ -216,7 +226,7 @@ def _decide(
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", CudaGraphsWarning)
-                call = _build(candidate, fn, example_args, example_kwargs, buckets)
+                call = _build(candidate, fn, example_args, example_kwargs, buckets, key)
                 call(*example_args, **example_kwargs)  # lazy pieces capture on early calls
                 call(*example_args, **example_kwargs)
                 compare_with_eager(call, fn, example_args, example_kwargs, verify)
@@ -267,19 +277,65 @@ def _findings(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 
 def _build(
     candidate: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-    buckets: Any,
+    buckets: Any, key: str,
 ) -> Callable[..., Any]:  # fmt: skip
     if candidate == "eager":
         return fn
     if candidate == "graph":
         return graph(fn, *args, **kwargs)
     if candidate == "graph over compile":
+        module = getattr(fn, "_orig_mod", fn)
+        if isinstance(module, torch.nn.Module) and not kwargs:
+            return _graph_over_saved_compile(fn, module, args, key)
         return graph(fn, *args, compile=True, **kwargs)
     if candidate == "segments":
         return _graph_around_host_reads(fn, args, kwargs)
     if candidate == "backend":
         return torch.compile(fn, backend=backend, dynamic=False)
     return graph(fn, *args, buckets=buckets, **kwargs)
+
+
+def _call_module(module: torch.nn.Module, *args: Any) -> Any:
+    """What the saved compile traces: the module as an argument, so that its parameters and
+    plain values are the trace's inputs and guards (which a loaded entry checks), not constants."""
+    return module(*args)
+
+
+def _graph_over_saved_compile(
+    fn: Callable[..., Any], module: torch.nn.Module, args: tuple[Any, ...], key: str
+) -> Callable[..., Any]:
+    """``cg.graph`` over ``torch.compile``, the compile saved to disk (``SavedCompile``, keyed
+    by the decision): a later process loads it instead of tracing the model again.
+
+    A loaded compile runs none of the model's Python, so the graph's value guard would see no
+    value the model reads (``model.scale``): one eager run of ``fn`` notes the code the
+    compile stands in for (``READS_LIKE``), its state put back after."""
+    settings = compile_settings(True)
+    try:
+        inductor = compat.compile_cache()[1]  # Inductor's settings, which the kernels follow
+    except (ImportError, AttributeError):
+        inductor = ""
+    step_key = hashlib.sha256(
+        json.dumps(
+            [key, repr(sorted((settings["options"] or {}).items())), settings["mode"], inductor,
+             torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled()]
+        ).encode()
+    ).hexdigest()[:32]  # fmt: skip
+    step = SavedCompile(_call_module, settings, dynamic=False, key=f"auto-{step_key}")
+
+    def compiled(*call_args: Any) -> Any:
+        return step(module, *call_args)
+
+    tensors = [x for x in args if isinstance(x, torch.Tensor)]
+    plain = [x for x in args if not isinstance(x, torch.Tensor)]
+    state = TensorSnapshot(reachable_tensors(fn, plain, exclude=tensors))
+    try:
+        with Reader() as reader:
+            fn(*args)
+    finally:
+        state.restore()
+    setattr(compiled, READS_LIKE, reader.codes)
+    return graph(compiled, *args)
 
 
 class _NotApplicable(Exception):

@@ -1,0 +1,237 @@
+"""Fused projections that stay the user's weights: q, k and v (and gate and up) as one product
+over one buffer, with the model's parameters as views into it.
+
+Decoding one token is a chain of small products. A Llama layer projects the same hidden state
+three times (q, k, v) and, in its MLP, twice more (gate, up): five kernel launches, each too
+small to keep the GPU busy. Reading the three (or two) weights as one matrix makes one larger
+product out of them.
+
+:func:`fuse_projections` does that in place, per layer:
+
+* the weights (and biases) of a group are copied into one buffer, and each parameter is pointed
+  at its rows (``param.data = buffer[rows]``): the **same parameter objects**, now views of one
+  buffer. ``load_state_dict``, an optimizer step, an RL weight sync, anything that writes a
+  parameter in place, writes the buffer, and the next product reads it. Nothing is baked in as a
+  constant (no Inductor ``freezing``);
+* each projection module's class becomes a subclass of its own (:class:`FusedLinear`, still an
+  ``nn.Linear``), whose forward asks its group for the fused product: the first projection of a
+  group called on a hidden state computes all of the group's outputs with one product and hands
+  the others theirs when they are called on the same tensor.
+
+The product is one operator, ``cudagraphs::rows_linear``, whose inputs are the parameters
+themselves. At run time it checks that they still lie back to back in one buffer and then
+multiplies by that buffer once; otherwise (a parameter replaced, ``param.data = t``,
+``model.to(dtype)``) it computes each product on its own. Under ``torch.compile`` the check
+runs each call (the operator is opaque to Inductor); inside a CUDA graph it ran at capture, and
+the guards that catch a replaced or moved parameter capture again, which runs it again. So a
+replaced parameter is never read through the old buffer.
+
+Right::
+
+    report = fuse_projections(model)     # before capturing or compiling anything
+    model.load_state_dict(other_weights) # in place: the next call reads the new weights
+
+Wrong::
+
+    g = cg.graph(model, x)
+    fuse_projections(model)   # works (the guard sees the moved parameters and captures again),
+                              # but the first capture was wasted: fuse first
+
+Each projection of a group is expected to be called once per forward on the same hidden
+state, as transformers' attention and MLP layers do; a projection called on another tensor
+computes its own rows afresh. Models whose layers already hold one projection per group (Phi-3's
+``qkv_proj`` and ``gate_up_proj``) have nothing to fuse.
+
+Where a layer does not match (a projection that is not a plain ``nn.Linear``, differing input
+sizes, dtypes or devices, a bias on some but not all), that layer is left as it was, and the
+report says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["FusedLinear", "FusionReport", "fuse_projections", "rows_linear", "unfuse_projections"]
+
+#: The groups fused, by the names of the projections as transformers' decoder layers call them.
+GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _back_to_back(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor whose rows are ``tensors`` in order, where they are contiguous, of one
+    dtype and device, and lie back to back in one storage; else ``None``."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    storage = first.untyped_storage().data_ptr()
+    for t in tensors:
+        if (
+            t.dtype != first.dtype
+            or t.device != first.device
+            or t.shape[1:] != first.shape[1:]
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+            or t.storage_offset() != offset
+        ):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    shape = (rows, *first.shape[1:])
+    return first.as_strided(
+        shape, torch.empty(shape, device="meta").stride(), first.storage_offset()
+    )
+
+
+@torch.library.custom_op("cudagraphs::rows_linear", mutates_args=())
+def rows_linear(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]
+) -> torch.Tensor:
+    """``cat([linear(x, w_i, b_i)], -1)``: one product where the weights (and biases) lie back
+    to back in one buffer, one per weight otherwise. ``biases``: one per weight, or none."""
+    weight = _back_to_back(weights)
+    bias = _back_to_back(biases) if biases else None
+    if weight is not None and (bias is not None or not biases):
+        return F.linear(x, weight, bias)
+    pairs = zip(weights, biases) if biases else ((w, None) for w in weights)
+    return torch.cat([F.linear(x, w, b) for w, b in pairs], dim=-1)
+
+
+@rows_linear.register_fake
+def _(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
+
+
+class _Group:
+    """The projections of one group and the outputs the first call computed for the others."""
+
+    def __init__(self, members: Sequence[nn.Linear]):
+        self.members = tuple(members)
+        self.sizes = [m.out_features for m in members]
+        self.pending: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        pending = self.pending
+        if pending is not None and pending[0] is x and pending[1][index] is not None:
+            outputs = pending[1]
+            out = outputs[index]
+            outputs[index] = None
+            if all(o is None for o in outputs):
+                self.pending = None
+            return out
+        weights = [m.weight for m in self.members]
+        biases = [m.bias for m in self.members]
+        if any(b is None for b in biases) and not all(b is None for b in biases):
+            return F.linear(x, weights[index], biases[index])  # a bias removed since fusing
+        if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
+            return F.linear(x, weights[index], biases[index])  # the operator has no backward
+        fused = rows_linear(x, weights, [b for b in biases if b is not None])
+        outputs = list(fused.split(self.sizes, dim=-1))
+        out = outputs[index]
+        outputs[index] = None
+        self.pending = (x, outputs)
+        return out
+
+
+class FusedLinear(nn.Linear):
+    """An ``nn.Linear`` of a fused group: its forward is its rows of the group's one product."""
+
+    _fused_group: _Group
+    _fused_index: int
+    _unfused_class: type
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused_group.output(x, self._fused_index)
+
+
+@dataclass
+class FusionReport:
+    """What :func:`fuse_projections` did: the groups fused (``"model.layers.0.self_attn:
+    q_proj+k_proj+v_proj"``) and each group left alone with the reason."""
+
+    fused: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"{len(self.fused)} projection groups fused, {len(self.refused)} left unfused"]
+        lines += [f"  unfused: {why}" for why in self.refused]
+        return "\n".join(lines)
+
+
+def _why_not(members: Sequence[Any]) -> str:
+    """Why these modules cannot be one product ("" where they can)."""
+    for m in members:
+        if type(m) is FusedLinear:
+            return "already fused"
+        if type(m) is not nn.Linear:
+            return f"{type(m).__name__} is not a plain nn.Linear"
+    first = members[0]
+    for m in members[1:]:
+        if m.in_features != first.in_features:
+            return f"input sizes differ ({first.in_features} and {m.in_features})"
+        if m.weight.dtype != first.weight.dtype or m.weight.device != first.weight.device:
+            return (
+                f"dtypes or devices differ ({first.weight.dtype} on {first.weight.device}, "
+                f"{m.weight.dtype} on {m.weight.device})"
+            )
+        if (m.bias is None) != (first.bias is None):
+            return "a bias on some projections and not on others"
+    if any(m.weight.device.type == "meta" for m in members):
+        return "the weights are on the meta device"
+    return ""
+
+
+def fuse_projections(model: nn.Module) -> FusionReport:
+    """Fuse every q/k/v and gate/up group of ``model``'s layers in place (see the module doc);
+    the report lists what was fused and what was not, and why."""
+    report = FusionReport()
+    for name, module in model.named_modules():
+        for group in GROUPS:
+            members = [getattr(module, n, None) for n in group]
+            if not all(isinstance(m, nn.Module) for m in members):
+                continue
+            label = f"{name or type(model).__name__}: {'+'.join(group)}"
+            why = _why_not(members)
+            if why:
+                report.refused.append(f"{label}: {why}")
+                continue
+            _fuse(members)
+            report.fused.append(label)
+    return report
+
+
+def _fuse(members: Sequence[nn.Linear]) -> None:
+    with torch.no_grad():
+        for attribute in ("weight", "bias"):
+            params = [getattr(m, attribute) for m in members]
+            if params[0] is None:
+                continue
+            buffer = torch.cat([p.detach() for p in params], dim=0)
+            start = 0
+            for p in params:
+                p.data = buffer[start : start + p.shape[0]]  # the same Parameter, new rows
+                start += p.shape[0]
+    group = _Group(members)
+    for index, m in enumerate(members):
+        m._unfused_class = type(m)  # type: ignore[attr-defined]
+        m.__class__ = FusedLinear
+        # Set on the instance without registering a submodule (nothing new in state_dict).
+        object.__setattr__(m, "_fused_group", group)
+        object.__setattr__(m, "_fused_index", index)
+
+
+def unfuse_projections(model: nn.Module) -> int:
+    """Give every fused projection of ``model`` its own class and forward back (the weights
+    stay where they are: views of the shared buffer are valid parameters); how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is FusedLinear:
+            module.__class__ = module._unfused_class
+            for attribute in ("_fused_group", "_fused_index", "_unfused_class"):
+                module.__dict__.pop(attribute, None)
+            count += 1
+    return count
