@@ -419,3 +419,42 @@ def test_momentum_schedules_replay_without_capturing_again(kind: str) -> None:
     assert graphed.state is cg.State.CAPTURED and graphed.stats.recaptures == 0
     for a, b in zip(graphed_model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _SlowStart(nn.Module):
+    """A spin of a few milliseconds on the GPU, then a small MLP: a replay that is still
+    running when another stream's call copies its input in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(20_000_000)
+        return self.net(x)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_graphed_autograd_calls_on_alternating_streams_answer_as_eager(grad: bool) -> None:
+    """Calls on two streams, one after the other: the second call's copy into the static input
+    must wait for the first call's replay (which reads it at its end) and the copy of its
+    output, or the first answer is computed from the second input."""
+    torch.manual_seed(0)
+    model = _SlowStart().cuda()
+    g = cg.graph_autograd(model, torch.randn(8, 64, device="cuda"))
+    inputs = [torch.randn(8, 64, device="cuda") for _ in range(6)]
+    with torch.no_grad():
+        wants = [model.net(x) for x in inputs]
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    outs = []
+    with torch.set_grad_enabled(grad):
+        for i, x in enumerate(inputs):
+            with torch.cuda.stream(streams[i % 2]):
+                outs.append(g(x).detach().clone())
+    for stream in streams:
+        torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    for out, want in zip(outs, wants):
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

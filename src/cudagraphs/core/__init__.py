@@ -34,7 +34,7 @@ from .frames import (
 from .graphed import Diagnostics, Graphed, Pool, State, install_diagnostics
 from .guards import AddressGuard, closure_tensors, modules_of
 from .python_values import READS_LIKE, PythonSnapshot, RandomDraws, Reader
-from .replay import OutputsInUse
+from .replay import OutputsInUse, StreamOrder
 from .segments import Segments, current_eager_step, eager
 from .signature import NAMESPACE, Signature, flatten, leaf_paths, same_value
 from .stats import Stats
@@ -66,6 +66,7 @@ __all__ = [
     "SideEffects",
     "Signature",
     "State",
+    "StreamOrder",
     "Stats",
     "TensorSnapshot",
     "Written",

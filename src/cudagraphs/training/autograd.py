@@ -33,6 +33,7 @@ from ..core import (
     AddressGuard,
     Graphed,
     Signature,
+    StreamOrder,
     callable_name,
     compat,
     flatten,
@@ -51,6 +52,7 @@ log = logging.getLogger("cudagraphs")
 class _Replay(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, stage: GraphedAutograd, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        stage.follow_stream()
         stage._copy_in(tensors)
         stage.forward_graph.replay()  # type: ignore[union-attr]
         ctx.stage = stage
@@ -64,6 +66,7 @@ class _Replay(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         stage: GraphedAutograd = ctx.stage
         stage.order.backward(stage.index, ctx.token, stage.name)
+        stage.follow_stream()
         for buffer, grad in zip(stage._static_grad_outputs, grads):
             if buffer is None:
                 continue
@@ -133,6 +136,8 @@ class GraphedAutograd:
         self._static_grad_inputs: list[torch.Tensor | None] = []
         self.order = ActivationOrder(1)
         self.index = 0
+        #: Keeps replays in call order across streams (set with the chain; None: no CUDA).
+        self.stream_order: StreamOrder | None = None
         # Train/eval is checked by __call__ itself (it routes to the eval graph), not the guard.
         self._guard = (
             AddressGuard(fn, options.modules, modes=False) if options.guard == "replay" else None
@@ -202,6 +207,14 @@ class GraphedAutograd:
 
     # ------------------------------------------------------------------ calling
 
+    def follow_stream(self) -> None:
+        """Before a replay: on another stream than the last replay of this chain's graphs,
+        wait for that stream first (its copy of an output, or its replay, may still be queued;
+        ``core.StreamOrder``). Nothing is added while the stream stays the same."""
+        order = self.stream_order
+        if order is not None and order.read is not None and order.read() != order.last:
+            order.follow()
+
     def _copy_in(self, tensors: Sequence[torch.Tensor]) -> None:
         dst = []
         src = []
@@ -235,6 +248,7 @@ class GraphedAutograd:
         if torch.is_grad_enabled():
             outputs = _Replay.apply(self, *tensors, *self._params)
         else:
+            self.follow_stream()
             self._copy_in(tensors)
             self.forward_graph.replay()  # type: ignore[union-attr]
             self.order.forward(self.index, expects_backward=False)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..core import SideEffects, capture_call, default_stream, warm_up
+from ..core import SideEffects, StreamOrder, capture_call, default_stream, warm_up
 from ..errors import ConfigError, explain
 from ..options import Options, split_options
 from .activations import ActivationOrder
@@ -35,8 +35,14 @@ def capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
     if pool is None:
         pool = torch.cuda.graph_pool_handle()
     order = ActivationOrder(len(stages))
+    # The stages share one pool's memory: one order of their replays across streams.
+    streams = (
+        shared.stream_order(device.index)
+        if hasattr(type(shared), "stream_order")
+        else StreamOrder(device.index)
+    )
     for index, stage in enumerate(stages):
-        stage.order, stage.index = order, index
+        stage.order, stage.index, stage.stream_order = order, index, streams
 
     def warm_up_all() -> None:
         for stage in stages:
