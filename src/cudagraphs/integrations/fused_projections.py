@@ -150,8 +150,9 @@ class FusedLinear(nn.Linear):
 
 @dataclass
 class FusionReport:
-    """What :func:`fuse_projections` did: the groups fused (``"model.layers.0.self_attn:
-    q_proj+k_proj+v_proj"``) and each group left alone with the reason."""
+    """What :func:`fuse_projections` did: the groups fused, now or by an earlier call
+    (``"model.layers.0.self_attn: q_proj+k_proj+v_proj"``), and each group left alone with the
+    reason."""
 
     fused: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
@@ -166,7 +167,7 @@ def _why_not(members: Sequence[Any]) -> str:
     """Why these modules cannot be one product ("" where they can)."""
     for m in members:
         if type(m) is FusedLinear:
-            return "already fused"
+            return "some projections are fused and others not (a module replaced since fusing)"
         if type(m) is not nn.Linear:
             return f"{type(m).__name__} is not a plain nn.Linear"
     first = members[0]
@@ -195,6 +196,9 @@ def fuse_projections(model: nn.Module) -> FusionReport:
             if not all(isinstance(m, nn.Module) for m in members):
                 continue
             label = f"{name or type(model).__name__}: {'+'.join(group)}"
+            if all(type(m) is FusedLinear for m in members):
+                report.fused.append(label)  # by an earlier call (another Decoder of the model)
+                continue
             why = _why_not(members)
             if why:
                 report.refused.append(f"{label}: {why}")
