@@ -155,6 +155,13 @@ def test_a_call_on_another_stream_waits_for_the_last_callers_stream() -> None:
     g = cg.graph(net, rand(8, 64))
     inputs = [rand(8, 64) for _ in range(6)]
     wants = [net(x) for x in inputs]
+    for copy, want in zip(_slow_readers_on_alternating_streams(g, inputs), wants):
+        torch.testing.assert_close(copy, want, **TOL)
+
+
+def _slow_readers_on_alternating_streams(g: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each call on the other of two streams, its output read slowly there (a spin of
+    milliseconds, then a copy): what each call's stream copied out."""
     streams = [torch.cuda.Stream() for _ in range(2)]
     for stream in streams:
         stream.wait_stream(torch.cuda.current_stream())
@@ -167,8 +174,7 @@ def test_a_call_on_another_stream_waits_for_the_last_callers_stream() -> None:
     for stream in streams:
         torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
-    for copy, want in zip(copies, wants):
-        torch.testing.assert_close(copy, want, **TOL)
+    return copies
 
 
 @torch.no_grad()
@@ -181,17 +187,5 @@ def test_buckets_of_one_pool_keep_call_order_across_streams() -> None:
     for x in inputs:
         g(x)  # captured both
     wants = [net(x) for x in inputs]
-    streams = [torch.cuda.Stream() for _ in range(2)]
-    for stream in streams:
-        stream.wait_stream(torch.cuda.current_stream())
-    copies = []
-    for i, x in enumerate(inputs):
-        with torch.cuda.stream(streams[i % 2]):
-            out = g(x)
-            torch.cuda._sleep(20_000_000)
-            copies.append(out.clone())
-    for stream in streams:
-        torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    for copy, want in zip(copies, wants):
+    for copy, want in zip(_slow_readers_on_alternating_streams(g, inputs), wants):
         torch.testing.assert_close(copy, want, **TOL)
