@@ -25,11 +25,13 @@ naming the path and why. ``CUDAGRAPHS_SAVED_STEPS_DIR`` chooses the folder.
 
 A step that cannot be compiled this way (a graph break, a guard that cannot be written, a
 torch without ``aot_compile``) is compiled by ``torch.compile`` as before; the reason is kept
-in :attr:`SavedCompile.not_saved`. ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns saving off.
+in :attr:`SavedCompile.not_saved`. A trace that failed is remembered beside the entries, so
+that a later process compiles such a step once instead of tracing it twice. ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns saving off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.metadata
@@ -158,8 +160,10 @@ class SavedCompile:
                 raise RuntimeError("this torch has no aot_compile")
             entry = aot_compile((args, {}))
         except Exception as error:  # a graph break, a guard it cannot write: compile as before
-            self.failed_traces += aot_compile is not None
             self._give_up(f"{type(error).__name__}: {str(error)[:300]}")
+            if aot_compile is not None:  # the trace itself failed: the next process skips it
+                self.failed_traces += 1
+                self._remember_unsaved()
             return None
         finally:
             compat.clear_dynamic_marks(args)
@@ -175,13 +179,24 @@ class SavedCompile:
         self.not_saved = reason
         self.fallback = torch.compile(self.fn, dynamic=self.dynamic, **self.settings)
 
-    def _save(self, entry: Any) -> None:
+    def _writable_folder(self) -> Path:
         if os.environ.get("TORCHINDUCTOR_FORCE_DISABLE_CACHES") == "1":
             raise RuntimeError("TORCHINDUCTOR_FORCE_DISABLE_CACHES=1")
         self.folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.folder.mkdir(mode=0o700, exist_ok=True)
         if why := untrusted(self.folder.parent) or untrusted(self.folder):
             raise PermissionError(f"{self.folder}: {why}")  # nothing written where others write
+        return self.folder
+
+    def _remember_unsaved(self) -> None:
+        """Note beside the entries that a trace of this step could not be saved: a later
+        process with the same key (versions, config, settings) compiles with ``torch.compile``
+        at once instead of tracing twice. Delete the folder to try again."""
+        with contextlib.suppress(Exception):  # a read-only disk: the next process tries again
+            write_whole(self._writable_folder() / UNSAVED, self.not_saved.encode())
+
+    def _save(self, entry: Any) -> None:
+        self._writable_folder()
         name = f"entry-{len(self.entries or [])}-{os.getpid()}"
         data = type(entry).serialize(entry).serialized_data
         sources = _source_hashes({s.module for s in entry.source_info().inlined_sources})
@@ -221,6 +236,9 @@ class SavedCompile:
             except Exception:  # stale, torn or from another torch: compile afresh
                 meta.unlink(missing_ok=True)
                 data.unlink(missing_ok=True)
+        unsaved = self.folder / UNSAVED
+        if unsaved.is_file() and not untrusted(unsaved):  # a call no entry fits: no aot trace
+            self._give_up(f"not saved by an earlier process: {unsaved.read_text()[:300]}")
         return entries
 
     def _refuse(self, path: Path, why: str) -> None:
@@ -237,6 +255,8 @@ class SavedCompile:
 
 
 FOLDER_VARIABLE = "CUDAGRAPHS_SAVED_STEPS_DIR"
+#: Beside a step's entries: why a trace of it could not be saved (see ``_remember_unsaved``).
+UNSAVED = "unsaved.reason"
 # One per process: the same untrusted path is named once, whichever decoder meets it.
 _NOTICES = Notices()
 
