@@ -8,6 +8,7 @@ Tested on torch 2.11 (the GPU machine), 2.13 and 2.14.1 (CI); ``pyproject.toml``
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import functools
 import types
@@ -329,19 +330,37 @@ def aot_compiler(fn: Callable[..., Any], settings: dict[str, Any], dynamic: bool
     return getattr(compiled, "aot_compile", None)
 
 
-def generated_module_globals(entry: Any, fn: Callable[..., Any]) -> dict[str, str]:
-    """The modules an ``aot_compile`` entry's code reaches through globals the trace made up
-    (``___module_collections_<id>_c0``, written into ``fn``'s module globals), by name: another
-    process loading the entry must hand them in (``load_compiled_function(f_globals=...)``),
-    since the names hold an object id of this process. Empty where there are none."""
+def with_builtins_in_globals(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` over a globals dict of its own that also holds the builtins under their names:
+    torch 2.11's ``aot_compile`` asks that every global its generated code loads (``type``,
+    for a transformers output) be found in the traced function's globals."""
+    namespace = {**vars(builtins), **fn.__globals__}  # type: ignore[attr-defined]
+    code = fn.__code__  # type: ignore[attr-defined]
+    return types.FunctionType(
+        code,
+        namespace,
+        fn.__name__,
+        fn.__defaults__,
+        fn.__closure__,  # type: ignore[attr-defined]
+    )
+
+
+def saved_entry_globals(
+    entry: Any, fn: Callable[..., Any]
+) -> dict[str, list[str] | dict[str, str]]:
+    """What another process must hand back to load an ``aot_compile`` entry
+    (``load_compiled_function(f_globals=...)``), by name: the modules its code reaches through
+    globals the trace made up (``___module_collections_<id>_c0``, names that hold an object id
+    of this process), and the builtins it loads as globals (``type``)."""
     artifacts = getattr(entry, "_artifacts", None)
     refs = getattr(getattr(artifacts, "runtime_env", None), "external_refs", None) or ()
-    found = {}
-    for ref in refs:
-        value = getattr(fn, "__globals__", {}).get(ref)
-        if ref.startswith("___module_") and isinstance(value, types.ModuleType):
-            found[ref] = value.__name__
-    return found
+    names = getattr(fn, "__globals__", {})
+    modules = {
+        ref: names[ref].__name__
+        for ref in refs
+        if ref.startswith("___module_") and isinstance(names.get(ref), types.ModuleType)
+    }
+    return {"modules": modules, "builtins": sorted(r for r in refs if hasattr(builtins, r))}
 
 
 def _portable(entries: Sequence[Any]) -> list[bool]:

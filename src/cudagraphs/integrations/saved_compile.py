@@ -31,6 +31,7 @@ that a later process compiles such a step once instead of tracing it twice. ``TO
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import hashlib
 import importlib
@@ -200,9 +201,8 @@ class SavedCompile:
         name = f"entry-{len(self.entries or [])}-{os.getpid()}"
         data = type(entry).serialize(entry).serialized_data
         sources = _source_hashes({s.module for s in entry.source_info().inlined_sources})
-        modules = compat.generated_module_globals(entry, self.fn)
         write_whole(self.folder / f"{name}.bin", data)
-        meta = {"sources": sources, "modules": modules}
+        meta = {"sources": sources, **compat.saved_entry_globals(entry, self.fn)}
         write_whole(self.folder / f"{name}.json", json.dumps(meta).encode())
         self.saved += 1
 
@@ -225,10 +225,12 @@ class SavedCompile:
                 sources = written["sources"]
                 if _source_hashes(set(sources)) != sources:
                     raise ValueError("a source file changed")
-                # The modules the trace named by made-up globals, found again by their names.
+                # The modules the trace named by made-up globals, and the builtins its code
+                # loads as globals, found again by their names.
                 named = {
                     g: importlib.import_module(m) for g, m in written.get("modules", {}).items()
                 }
+                named.update({b: getattr(builtins, b) for b in written.get("builtins", [])})
                 with data.open("rb") as file:
                     load = torch.compiler.load_compiled_function
                     entries.append(load(file, f_globals=named) if named else load(file))

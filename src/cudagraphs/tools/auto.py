@@ -321,7 +321,8 @@ def _graph_over_saved_compile(
              torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled()]
         ).encode()
     ).hexdigest()[:32]  # fmt: skip
-    step = SavedCompile(_call_module, settings, dynamic=False, key=f"auto-{step_key}")
+    traced = compat.with_builtins_in_globals(_call_module)
+    step = SavedCompile(traced, settings, dynamic=False, key=f"auto-{step_key}")
 
     def compiled(*call_args: Any) -> Any:
         return step(module, *call_args)
