@@ -37,6 +37,9 @@ Wrong::
     fuse_projections(model)   # works (the guard sees the moved parameters and captures again),
                               # but the first capture was wasted: fuse first
 
+Under autograd (gradients enabled and weights that require them) each projection is its own
+product again: the operator has no backward, and training is not what it is for.
+
 Each projection of a group is expected to be called once per forward on the same hidden
 state, as transformers' attention and MLP layers do; a projection called on another tensor
 computes its own rows afresh. Models whose layers already hold one projection per group (Phi-3's
