@@ -532,3 +532,31 @@ def test_a_decoder_without_cuda_warns_once_for_all_its_graphs(llama) -> None:
     assert len(ours) == 1 and "runs eagerly" in str(ours[0].message), ours
     (count,) = decoder.stats.notices.values()
     assert count == len(decoder.graphs) + len(decoder.prefills.graphs) >= 3
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_a_parameter_replaced_after_a_request_that_filled_the_cache_is_read_next(
+    llama, stand_in: None, steps: int
+) -> None:
+    """Through the captured path (the CPU stand-in): a request runs to the cache's last
+    position, then a projection gets a new Parameter. The next request captures again from
+    position 0 on an empty cache (the warm-up's steps advance the position, which from the
+    last request's end would write past the cache) and gives ``generate``'s tokens with the
+    new weight."""
+    import copy
+
+    from torch import nn
+
+    model = copy.deepcopy(llama[0])
+    model.generation_config.eos_token_id = None  # min_new_tokens would suppress it
+    decoder = Decoder(model, max_batch=2, max_length=40, steps_per_graph=steps, fuse=False)
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 512, (2, 6))
+    full = decoder.generate(prompt, max_new_tokens=34, eos_token_id=None)
+    assert torch.equal(full, generate(model, prompt, 34, min_new_tokens=34))
+    projection = model.model.layers[1].self_attn.v_proj
+    projection.weight = nn.Parameter(torch.randn_like(projection.weight) * 0.3)
+    got = decoder.generate(prompt, max_new_tokens=34, eos_token_id=None)
+    assert decoder.stats.recaptures >= 1
+    expected = generate(model, prompt, 34, min_new_tokens=34)
+    assert torch.equal(got, expected) and not torch.equal(got, full)

@@ -198,6 +198,7 @@ def test_a_decoder_fuses_and_a_weight_update_between_requests_changes_the_next_t
 
     model, _ = tiny_llama("cpu", hidden=64, layers=2)
     unfused = copy.deepcopy(model)
+    unfused.generation_config.eos_token_id = None  # min_new_tokens would suppress it
     decoder = Decoder(model, max_batch=2, max_length=40)
     assert decoder.stats.fused_groups == 4 and decoder.stats.unfused == []
     assert all(g.state is cg.State.CAPTURED for g in decoder.graphs.values())
@@ -219,6 +220,14 @@ def test_a_decoder_fuses_and_a_weight_update_between_requests_changes_the_next_t
     after = decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)
     assert torch.equal(after, expected(prompt)) and not torch.equal(after, before)
     assert decoder.stats.recaptures == 0
+    # A new Parameter object for one projection: the guards capture again, and the product
+    # reads the new parameter, not the old buffer.
+    new = torch.randn_like(model.model.layers[1].self_attn.v_proj.weight)
+    model.model.layers[1].self_attn.v_proj.weight = nn.Parameter(new.clone())
+    unfused.model.layers[1].self_attn.v_proj.weight = nn.Parameter(new.clone())
+    third = decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)
+    assert decoder.stats.recaptures >= 1
+    assert torch.equal(third, expected(prompt))
     plain = Decoder(copy.deepcopy(unfused), max_batch=2, max_length=40, fuse=False)
     assert plain.stats.fused_groups == 0
     assert type(plain.model.model.layers[0].self_attn.q_proj) is nn.Linear

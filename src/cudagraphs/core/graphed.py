@@ -335,13 +335,17 @@ class Graphed(Generic[R]):
         self._costs.eager_calls += 1
         return self.fn(*args, **kwargs)
 
-    def refresh(self) -> bool:
+    def refresh(self, prepare: Callable[[], None] | None = None) -> bool:
         """Before a replay driven from above: capture again if a tensor read by address moved
         (or raise, with ``on_stale="raise"``). True when a new capture replaced the graph (its
-        static buffers are new)."""
+        static buffers are new). ``prepare`` runs first, only when it will capture again: it
+        puts the static inputs where the warm-up's runs of ``fn`` are safe (a decoder whose
+        steps advance a position in place rewinds it)."""
         guard = self.guard
         if guard is None or (reason := guard.stale()) is None:
             return False
+        if prepare is not None:
+            prepare()
         self._on_stale(reason)
         return True
 

@@ -18,7 +18,7 @@ from ..api import graph
 from ..control.flow import while_loop
 from .sampling import greedy, stop_finished
 
-__all__ = ["capture_steps", "compile_forward", "greedy_tail"]
+__all__ = ["capture_steps", "compile_forward", "greedy_tail", "rewind"]
 
 
 def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
@@ -61,10 +61,11 @@ def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
     suffix = "" if length == decoder.caches.max_length else f"_len{length}"
     decode_steps.__qualname__ = decode_steps.__name__ = f"decode_{name}_batch{n}{suffix}"
     device = decoder.device
-    token = torch.zeros(n, 1, dtype=torch.long, device=device)
-    position = torch.zeros(1, dtype=torch.long, device=device)
-    finished = torch.zeros(n, dtype=torch.bool, device=device)
-    left = torch.ones((), dtype=torch.long, device=device)  # steps left (until_eos)
+    token = torch.empty(n, 1, dtype=torch.long, device=device)
+    position = torch.empty(1, dtype=torch.long, device=device)
+    finished = torch.empty(n, dtype=torch.bool, device=device)
+    left = torch.empty((), dtype=torch.long, device=device)  # steps left (until_eos)
+    rewind(token, position, finished, left)
     with torch.no_grad():
         return graph(
             decode_steps,
@@ -83,6 +84,18 @@ def capture_steps(decoder: Any, n: int, length: int, mode: str) -> Any:
             outputs="alias",
             eager=decoder.eager,
         )
+
+
+def rewind(
+    token: torch.Tensor, position: torch.Tensor, finished: torch.Tensor, left: torch.Tensor
+) -> None:
+    """The decode state a capture starts from: position 0, no row finished, one step left.
+    The warm-up before a capture runs steps that advance the position in place, so a capture
+    from a request's last position would write past the end of the cache."""
+    token.zero_()
+    position.zero_()
+    finished.zero_()
+    left.fill_(1)
 
 
 def compile_forward(decoder: Any, mode: str) -> None:

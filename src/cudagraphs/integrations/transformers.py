@@ -50,7 +50,7 @@ from .decode_requests import (
     stop_ids,
     trim_finished,
 )
-from .decode_steps import capture_steps, compile_forward, greedy_tail
+from .decode_steps import capture_steps, compile_forward, greedy_tail, rewind
 from .fused_projections import fuse_projections
 from .kv_cache import RungCaches, cache_keyword, length_rungs
 from .prefill import Prefills, run_prefill
@@ -353,11 +353,17 @@ class Decoder:
             self.prepare(mode)
             n = next(r for r in self.rungs if r >= batch)
             graphs = [self.graphs[n, rung, mode] for rung in self.lengths]
-            # A weight moved to new memory: capture again now, before the prefill resets the
-            # cache and the buffers (a recapture's warm-up runs steps, which would otherwise
-            # advance the cache's position counters in the middle of the request).
+            # A weight moved to new memory: capture again now, before the prefill, from an
+            # empty cache at position 0. A recapture's warm-up runs steps that advance the
+            # position and the cache's counters; from the last request's end they would write
+            # past the cache.
             for graphed in graphs:
-                graphed.refresh()
+
+                def start_over(inputs: tuple[torch.Tensor, ...] = graphed.inputs) -> None:
+                    rewind(*inputs)
+                    self.caches[n].reset()
+
+                graphed.refresh(prepare=start_over)
             # Launch k decodes positions length + (k - 1) * steps onwards and attends to every
             # position before length + k * steps: the shortest length rung that holds them.
             at = self._length_rung(length + self.steps)
