@@ -246,6 +246,39 @@ def test_the_graph_over_compile_is_saved_and_a_later_build_loads_it(
         torch.testing.assert_close(call(x), model(x))
 
 
+class _Activated(nn.Module):
+    """A model whose activation function is chosen when it is built: an attribute holding a
+    function, which neither the decision key nor a saved entry's guards can name."""
+
+    def __init__(self, activation: Any) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.fc(x))
+
+
+@pytest.mark.slow
+def test_a_model_attribute_holding_a_function_is_never_answered_from_another_build(
+    fresh_compile_cache: object,
+) -> None:
+    """Two builds of one model class, one with ``torch.relu`` and one with ``torch.tanh``
+    (as two processes would make them): the second must not load the first's compile, whose
+    saved guards could not check which function the attribute holds. Each answers as eager."""
+    import warnings
+
+    x = torch.randn(4, 8)
+    for activation in (torch.relu, torch.tanh):
+        torch._dynamo.reset()  # as in a new process
+        torch.manual_seed(0)
+        model = _Activated(activation).eval()
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
+            call = auto_module._build("graph over compile", model, (x,), {}, None, "act")
+            torch.testing.assert_close(call(x), model(x))
+
+
 GAIN = 1.5  # a module global the model reads: a saved entry's guards cannot name it
 
 

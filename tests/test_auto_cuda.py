@@ -202,3 +202,27 @@ def test_a_module_global_changed_after_a_loaded_graph_over_compile_is_replayed_a
             assert g.stats.recaptures == 1
     finally:
         GAIN = 1.5
+
+
+def test_a_model_attribute_holding_another_function_is_not_answered_by_a_saved_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two builds of one model class, the activation attribute ``torch.relu`` in the first
+    and ``torch.tanh`` in the second (two processes: Dynamo reset): the second does not load
+    the first's saved compile, whose guards could not name the function, and answers as
+    eager."""
+    from test_auto import _Activated
+
+    from cudagraphs.tools import auto as auto_module
+
+    monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
+    x = torch.randn(8, 8, device="cuda")
+    with torch.no_grad():
+        for activation in (torch.relu, torch.tanh):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = _Activated(activation).cuda().eval()
+            g = auto_module._build("graph over compile", model, (x,), {}, None, "act-key")
+            assert g.state is cg.State.CAPTURED
+            fresh = torch.randn(8, 8, device="cuda")
+            torch.testing.assert_close(g(fresh), model(fresh))
