@@ -203,6 +203,22 @@ def test_segments_add_the_failing_block_until_capture_succeeds(
         auto_module._graph_around_host_reads(lambda x: x, (1,), {})
 
 
+def _build_anew(model: Any, args: tuple[Any, ...], key: str) -> tuple[Any, int]:
+    """``cg.auto``'s graph over compile of ``model`` built as a new process builds it (Dynamo
+    reset), and how many graphs Dynamo traced for it (0: loaded from disk)."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", cg.CudaGraphsWarning)
+        call = auto_module._build("graph over compile", model, args, {}, None, key)
+        call(*args)
+    return call, counters["stats"]["unique_graphs"] - before
+
+
 class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -221,23 +237,16 @@ def test_the_graph_over_compile_is_saved_and_a_later_build_loads_it(
     a later build (a second process: Dynamo reset) loads with no trace, and names the model's
     code for the value guard (READS_LIKE). On the CPU the graph is the pass-through; the
     captured path and its guard run in test_auto_cuda.py."""
-    import warnings
-
-    from torch._dynamo.utils import counters
-
     from cudagraphs.core import READS_LIKE
 
     model = _Scaled().eval()
     x = torch.randn(4, 8)
     builds = []
     for _ in range(2):
-        torch._dynamo.reset()
-        before = counters["stats"]["unique_graphs"]
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
-            call = auto_module._build("graph over compile", model, (x,), {}, None, "k")
+        call, traces = _build_anew(model, (x,), "k")
+        with torch.no_grad():
             torch.testing.assert_close(call(x), model(x))
-        builds.append(counters["stats"]["unique_graphs"] - before)
+        builds.append(traces)
         reads = getattr(call.fn, READS_LIKE)
         assert any(code is _Scaled.forward.__code__ for code in reads)
     assert builds == [1, 0]  # traced once, then loaded
@@ -266,16 +275,12 @@ def test_a_model_attribute_holding_a_function_is_never_answered_from_another_bui
     """Two builds of one model class, one with ``torch.relu`` and one with ``torch.tanh``
     (as two processes would make them): the second must not load the first's compile, whose
     saved guards could not check which function the attribute holds. Each answers as eager."""
-    import warnings
-
     x = torch.randn(4, 8)
     for activation in (torch.relu, torch.tanh):
-        torch._dynamo.reset()  # as in a new process
         torch.manual_seed(0)
         model = _Activated(activation).eval()
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
-            call = auto_module._build("graph over compile", model, (x,), {}, None, "act")
+        call, _ = _build_anew(model, (x,), "act")
+        with torch.no_grad():
             torch.testing.assert_close(call(x), model(x))
 
 
@@ -299,27 +304,18 @@ def test_a_module_global_changed_after_a_saved_compile_gives_the_new_answer(
     ``GAIN`` it was traced under. After the global changes, the step runs under
     ``torch.compile``'s own guards (eager's answer), and a later build under the new value
     does not load the entry saved under the old one."""
-    import warnings
-
     global GAIN
     model = _Gained().eval()
     x = torch.randn(4, 8)
-
-    def build() -> Any:
-        torch._dynamo.reset()  # as in a new process
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
-            call = auto_module._build("graph over compile", model, (x,), {}, None, "gain")
-            torch.testing.assert_close(call(x), model(x))
-        return call
-
-    build()
-    call = build()  # loaded from disk
+    traces = [_build_anew(model, (x,), "gain")[1] for _ in range(2)]
+    call, _ = _build_anew(model, (x,), "gain")  # loaded from disk
+    assert traces == [1, 0]
     try:
         GAIN = 3.0
+        anew, _ = _build_anew(model, (x,), "gain")
         with torch.no_grad():
             torch.testing.assert_close(call(x), model(x))
-            torch.testing.assert_close(build()(x), model(x))
+            torch.testing.assert_close(anew(x), model(x))
     finally:
         GAIN = 1.5
 
@@ -332,10 +328,7 @@ def test_a_saved_compile_whose_trace_made_up_module_globals_loads_in_a_later_bui
     object id (``___module_collections_<id>_c0``) and load builtins as globals (``type``): the
     saved entry records their names, and a later build (its traced function's globals new, as
     in a new process) hands them back, so the compile loads instead of being traced again."""
-    import warnings
-
     transformers = pytest.importorskip("transformers")
-    from torch._dynamo.utils import counters
 
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, use_cache=False)
     torch.manual_seed(0)
@@ -343,13 +336,10 @@ def test_a_saved_compile_whose_trace_made_up_module_globals_loads_in_a_later_bui
     ids = torch.randint(0, config.vocab_size, (1, 8))
     traces = []
     for _ in range(2):
-        torch._dynamo.reset()
-        before = counters["stats"]["unique_graphs"]
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
-            call = auto_module._build("graph over compile", model, (ids,), {}, None, "gpt2")
+        call, traced = _build_anew(model, (ids,), "gpt2")
+        with torch.no_grad():
             got, expected = call(ids), model(ids)
         torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state)
-        traces.append(counters["stats"]["unique_graphs"] - before)
+        traces.append(traced)
     saved = list(Path(str(fresh_compile_cache)).glob("cudagraphs/auto-*/*.bin"))
     assert saved and traces == [1, 0]
