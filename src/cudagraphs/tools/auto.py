@@ -315,12 +315,13 @@ def _graph_over_saved_compile(
     value the model reads (``model.scale``): one eager run of ``fn`` notes the code the
     compile stands in for (``READS_LIKE``), its state put back after.
 
-    A saved entry's own guards cannot name module globals (``aot_compile`` drops them), so
-    the plain globals that code read (``GAIN = 2.0`` in the model's module) are part of the
-    file's key, and once one differs from its value at this build, the step is compiled by
+    A saved entry's own guards cannot name module globals, nor which function or class the
+    model holds (``aot_compile`` drops those guards). So the plain globals that code read
+    (``GAIN = 2.0`` in the model's module) and the model's :func:`_identities` are part of the
+    file's key, and once either differs from this build's, the step is compiled by
     ``torch.compile``, whose guards check them, instead of running the saved entries: the
-    graph's value guard captures again on that change, and the new capture must not replay
-    the old value."""
+    graph's value guard captures again on a changed global, and the new capture must not
+    replay the old value."""
     tensors = [x for x in args if isinstance(x, torch.Tensor)]
     plain = [x for x in args if not isinstance(x, torch.Tensor)]
     state = TensorSnapshot(reachable_tensors(fn, plain, exclude=tensors))
@@ -368,13 +369,12 @@ def _graph_over_saved_compile(
 
 
 def _identities(model: Any) -> list[tuple[str, str]]:
-    """``(path, importable name)`` of every class, function and method the model's attributes
-    hold, and ``(path.__class__, names)`` of each object it is made of (its modules, and plain
-    objects in their attributes; the names of its class and the classes it derives from, by
-    spaces): what a saved compile's guards check only by identity,
-    which they cannot write, so the saved file is keyed by it. The name is "" for a function
-    or class held as a value that another process could not find by name (a lambda); such a
-    model's compile is not saved."""
+    """What a saved compile's guards check only by identity, which they cannot write, so the
+    saved file is keyed by it: ``(path, importable name)`` of every class, function and method
+    the model holds (in attributes, containers, ``functools.partial``, ``__slots__``), and
+    ``(path.__class__, names)`` of each object it is made of (its class and the classes that
+    class derives from, separated by spaces). The name is "" for a function or class that
+    another process could not find by name (a lambda); such a model's compile is not saved."""
     found: list[tuple[str, str]] = []
     seen: set[int] = set()
     stack: list[tuple[str, Any, int]] = [("model", model, 0)]
