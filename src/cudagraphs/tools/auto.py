@@ -284,9 +284,9 @@ def _build(
     if candidate == "graph":
         return graph(fn, *args, **kwargs)
     if candidate == "graph over compile":
-        module = getattr(fn, "_orig_mod", fn)
-        if isinstance(module, torch.nn.Module) and not kwargs:
-            return _graph_over_saved_compile(fn, module, args, key)
+        target = getattr(fn, "_orig_mod", fn)
+        if not kwargs:
+            return _graph_over_saved_compile(fn, target, args, key)
         return graph(fn, *args, compile=True, **kwargs)
     if candidate == "segments":
         return _graph_around_host_reads(fn, args, kwargs)
@@ -295,17 +295,21 @@ def _build(
     return graph(fn, *args, buckets=buckets, **kwargs)
 
 
-def _call_module(module: torch.nn.Module, *args: Any) -> Any:
-    """What the saved compile traces: the module as an argument, so that its parameters and
-    plain values are the trace's inputs and guards (which a loaded entry checks), not constants."""
-    return module(*args)
+def _call_target(target: Callable[..., Any], *args: Any) -> Any:
+    """What the saved compile traces: the model (a module, or any object with ``__call__``) as
+    an argument, so that its parameters and plain values are the trace's inputs and guards
+    (which a loaded entry checks), not constants."""
+    return target(*args)
 
 
 def _graph_over_saved_compile(
-    fn: Callable[..., Any], module: torch.nn.Module, args: tuple[Any, ...], key: str
+    fn: Callable[..., Any], target: Callable[..., Any], args: tuple[Any, ...], key: str
 ) -> Callable[..., Any]:
     """``cg.graph`` over ``torch.compile``, the compile saved to disk (``SavedCompile``, keyed
-    by the decision): a later process loads it instead of tracing the model again.
+    by the decision): a later process loads it instead of tracing the model again. A trace
+    whose guards name this process's objects (a plain function's identity) cannot be saved;
+    ``SavedCompile`` then compiles it as ``torch.compile`` would, and remembers that it could
+    not, so a later process does not try again.
 
     A loaded compile runs none of the model's Python, so the graph's value guard would see no
     value the model reads (``model.scale``): one eager run of ``fn`` notes the code the
@@ -321,11 +325,11 @@ def _graph_over_saved_compile(
              torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled()]
         ).encode()
     ).hexdigest()[:32]  # fmt: skip
-    traced = compat.with_builtins_in_globals(_call_module)
+    traced = compat.with_builtins_in_globals(_call_target)
     step = SavedCompile(traced, settings, dynamic=False, key=f"auto-{step_key}")
 
     def compiled(*call_args: Any) -> Any:
-        return step(module, *call_args)
+        return step(target, *call_args)
 
     tensors = [x for x in args if isinstance(x, torch.Tensor)]
     plain = [x for x in args if not isinstance(x, torch.Tensor)]
