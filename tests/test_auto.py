@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -243,6 +244,51 @@ def test_the_graph_over_compile_is_saved_and_a_later_build_loads_it(
     model.scale = 2.0  # the loaded entry's own guards refuse it: compiled again, eager's answer
     with torch.no_grad():
         torch.testing.assert_close(call(x), model(x))
+
+
+GAIN = 1.5  # a module global the model reads: a saved entry's guards cannot name it
+
+
+class _Gained(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * GAIN
+
+
+@pytest.mark.slow
+def test_a_module_global_changed_after_a_saved_compile_gives_the_new_answer(
+    fresh_compile_cache: object,
+) -> None:
+    """``aot_compile`` drops the guards on module globals, so a saved entry would keep the
+    ``GAIN`` it was traced under. After the global changes, the step runs under
+    ``torch.compile``'s own guards (eager's answer), and a later build under the new value
+    does not load the entry saved under the old one."""
+    import warnings
+
+    global GAIN
+    model = _Gained().eval()
+    x = torch.randn(4, 8)
+
+    def build() -> Any:
+        torch._dynamo.reset()  # as in a new process
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
+            call = auto_module._build("graph over compile", model, (x,), {}, None, "gain")
+            torch.testing.assert_close(call(x), model(x))
+        return call
+
+    build()
+    call = build()  # loaded from disk
+    try:
+        GAIN = 3.0
+        with torch.no_grad():
+            torch.testing.assert_close(call(x), model(x))
+            torch.testing.assert_close(build()(x), model(x))
+    finally:
+        GAIN = 1.5
 
 
 @pytest.mark.slow

@@ -159,3 +159,46 @@ def test_a_loaded_graph_over_compile_guards_the_values_the_model_reads(
         model.net[0].weight.mul_(0.5)  # in place: the next replay reads it
         torch.testing.assert_close(g(fresh), model(fresh))
         assert g.stats.recaptures == 1
+
+
+GAIN = 1.5  # a module global the model reads: a saved entry's own guards cannot name it
+
+
+class _Gained(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * GAIN
+
+
+def test_a_module_global_changed_after_a_loaded_graph_over_compile_is_replayed_anew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The graph over a compile loaded from disk, then ``GAIN`` changed: the value guard
+    captures again, and the new capture runs under ``torch.compile``'s guards, not the saved
+    entry traced under the old value (eager's answer, every element)."""
+    from torch._dynamo.utils import counters
+
+    from cudagraphs.tools import auto as auto_module
+
+    global GAIN
+    monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = _Gained().cuda().eval()
+    x = torch.randn(8, 64, device="cuda")
+    try:
+        with torch.no_grad():
+            for traces in (1, 0):
+                torch._dynamo.reset()
+                before = counters["stats"]["unique_graphs"]
+                g = auto_module._build("graph over compile", model, (x,), {}, None, "gain-key")
+                assert g.state is cg.State.CAPTURED
+                assert counters["stats"]["unique_graphs"] - before == traces
+            GAIN = 3.0
+            fresh = torch.randn(8, 64, device="cuda")
+            torch.testing.assert_close(g(fresh), model(fresh))
+            assert g.stats.recaptures == 1
+    finally:
+        GAIN = 1.5

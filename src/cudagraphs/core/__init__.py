@@ -33,7 +33,7 @@ from .frames import (
 )
 from .graphed import Diagnostics, Graphed, Pool, State, install_diagnostics
 from .guards import AddressGuard, closure_tensors, modules_of
-from .python_values import READS_LIKE, PythonSnapshot, RandomDraws, Reader
+from .python_values import READS_LIKE, PythonSnapshot, RandomDraws, Reader, ValueWatch, read_values
 from .replay import OutputsInUse, StreamOrder
 from .segments import Segments, current_eager_step, eager
 from .signature import NAMESPACE, Signature, flatten, leaf_paths, same_value
@@ -69,6 +69,7 @@ __all__ = [
     "StreamOrder",
     "Stats",
     "TensorSnapshot",
+    "ValueWatch",
     "Written",
     "active_capture",
     "callable_name",
@@ -86,6 +87,7 @@ __all__ = [
     "modules_of",
     "named_roots",
     "reachable_tensors",
+    "read_values",
     "same_value",
     "storage_key",
     "user_frame",

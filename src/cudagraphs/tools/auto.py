@@ -54,11 +54,13 @@ from ..core import (
     READS_LIKE,
     Reader,
     TensorSnapshot,
+    ValueWatch,
     callable_name,
     compat,
     flatten,
     modules_of,
     reachable_tensors,
+    read_values,
 )
 from ..diagnose.doctor import doctor
 from ..diagnose.verify import compare_with_eager, random_like
@@ -306,31 +308,18 @@ def _graph_over_saved_compile(
     fn: Callable[..., Any], target: Callable[..., Any], args: tuple[Any, ...], key: str
 ) -> Callable[..., Any]:
     """``cg.graph`` over ``torch.compile``, the compile saved to disk (``SavedCompile``, keyed
-    by the decision): a later process loads it instead of tracing the model again. A trace
-    whose guards name this process's objects (a plain function's identity) cannot be saved;
-    ``SavedCompile`` then compiles it as ``torch.compile`` would, and remembers that it could
-    not, so a later process does not try again.
+    by the decision): a later process loads it instead of tracing the model again.
 
     A loaded compile runs none of the model's Python, so the graph's value guard would see no
     value the model reads (``model.scale``): one eager run of ``fn`` notes the code the
-    compile stands in for (``READS_LIKE``), its state put back after."""
-    settings = compile_settings(True)
-    try:
-        inductor = compat.compile_cache()[1]  # Inductor's settings, which the kernels follow
-    except (ImportError, AttributeError):
-        inductor = ""
-    step_key = hashlib.sha256(
-        json.dumps(
-            [key, repr(sorted((settings["options"] or {}).items())), settings["mode"], inductor,
-             torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled()]
-        ).encode()
-    ).hexdigest()[:32]  # fmt: skip
-    traced = compat.with_builtins_in_globals(_call_target)
-    step = SavedCompile(traced, settings, dynamic=False, key=f"auto-{step_key}")
+    compile stands in for (``READS_LIKE``), its state put back after.
 
-    def compiled(*call_args: Any) -> Any:
-        return step(target, *call_args)
-
+    A saved entry's own guards cannot name module globals (``aot_compile`` drops them), so
+    the plain globals that code read (``GAIN = 2.0`` in the model's module) are part of the
+    file's key, and once one differs from its value at this build, the step is compiled by
+    ``torch.compile``, whose guards check them, instead of running the saved entries: the
+    graph's value guard captures again on that change, and the new capture must not replay
+    the old value."""
     tensors = [x for x in args if isinstance(x, torch.Tensor)]
     plain = [x for x in args if not isinstance(x, torch.Tensor)]
     state = TensorSnapshot(reachable_tensors(fn, plain, exclude=tensors))
@@ -339,6 +328,31 @@ def _graph_over_saved_compile(
             fn(*args)
     finally:
         state.restore()
+    read = read_values(reader, {})  # module globals only: attributes are the entry's guards
+    globals_read = ValueWatch(read)
+    settings = compile_settings(True)
+    try:
+        inductor = compat.compile_cache()[1]  # Inductor's settings, which the kernels follow
+    except (ImportError, AttributeError):
+        inductor = ""
+    step_key = hashlib.sha256(
+        json.dumps(
+            [key, repr(sorted((settings["options"] or {}).items())), settings["mode"], inductor,
+             torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(),
+             [(label, repr(value)) for label, _, _, value in read]]
+        ).encode()
+    ).hexdigest()[:32]  # fmt: skip
+    traced = compat.with_builtins_in_globals(_call_target)
+    saved = SavedCompile(traced, settings, dynamic=False, key=f"auto-{step_key}")
+    guarded: list[Callable[..., Any]] = []  # torch.compile, once a global read has changed
+
+    def compiled(*call_args: Any) -> Any:
+        if not guarded and globals_read.stale() is None:
+            return saved(target, *call_args)
+        if not guarded:
+            guarded.append(torch.compile(traced, dynamic=False, **settings))
+        return guarded[0](target, *call_args)
+
     setattr(compiled, READS_LIKE, reader.codes)
     return graph(compiled, *args)
 
