@@ -246,6 +246,50 @@ def test_the_graph_over_compile_is_saved_and_a_later_build_loads_it(
         torch.testing.assert_close(call(x), model(x))
 
 
+class _Policy:
+    """A recurrent policy as a plain object with ``__call__`` (not an ``nn.Module``)."""
+
+    def __init__(self) -> None:
+        self.cell = nn.GRUCell(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.scale = 1.0
+
+    def __call__(self, observations: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        actions = []
+        for t in range(observations.shape[0]):
+            h = self.cell(observations[t], h)
+            actions.append(torch.tanh(self.head(h)) * self.scale)
+        return torch.stack(actions)
+
+
+@pytest.mark.slow
+def test_a_plain_callable_object_is_saved_and_a_later_build_loads_it(
+    fresh_compile_cache: object,
+) -> None:
+    """Not only modules: a plain object with ``__call__`` is traced once and loaded by a
+    later build, and a plain value it reads (``policy.scale``) changed after the build gives
+    the new answer."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    policy = _Policy()
+    args = (torch.randn(5, 3, 8), torch.randn(3, 16))
+    traces = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
+            call = auto_module._build("graph over compile", policy, args, {}, None, "policy")
+            torch.testing.assert_close(call(*args), policy(*args))
+        traces.append(counters["stats"]["unique_graphs"] - before)
+    assert traces == [1, 0]
+    policy.scale = 2.0
+    with torch.no_grad():
+        torch.testing.assert_close(call(*args), policy(*args))
+
+
 GAIN = 1.5  # a module global the model reads: a saved entry's guards cannot name it
 
 
