@@ -203,6 +203,22 @@ def test_segments_add_the_failing_block_until_capture_succeeds(
         auto_module._graph_around_host_reads(lambda x: x, (1,), {})
 
 
+def _build_anew(model: Any, args: tuple[Any, ...], key: str) -> tuple[Any, int]:
+    """``cg.auto``'s graph over compile of ``model`` built as a new process builds it (Dynamo
+    reset), and how many graphs Dynamo traced for it (0: loaded from disk)."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", cg.CudaGraphsWarning)
+        call = auto_module._build("graph over compile", model, args, {}, None, key)
+        call(*args)
+    return call, counters["stats"]["unique_graphs"] - before
+
+
 class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -221,29 +237,51 @@ def test_the_graph_over_compile_is_saved_and_a_later_build_loads_it(
     a later build (a second process: Dynamo reset) loads with no trace, and names the model's
     code for the value guard (READS_LIKE). On the CPU the graph is the pass-through; the
     captured path and its guard run in test_auto_cuda.py."""
-    import warnings
-
-    from torch._dynamo.utils import counters
-
     from cudagraphs.core import READS_LIKE
 
     model = _Scaled().eval()
     x = torch.randn(4, 8)
     builds = []
     for _ in range(2):
-        torch._dynamo.reset()
-        before = counters["stats"]["unique_graphs"]
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
-            call = auto_module._build("graph over compile", model, (x,), {}, None, "k")
+        call, traces = _build_anew(model, (x,), "k")
+        with torch.no_grad():
             torch.testing.assert_close(call(x), model(x))
-        builds.append(counters["stats"]["unique_graphs"] - before)
+        builds.append(traces)
         reads = getattr(call.fn, READS_LIKE)
         assert any(code is _Scaled.forward.__code__ for code in reads)
     assert builds == [1, 0]  # traced once, then loaded
     model.scale = 2.0  # the loaded entry's own guards refuse it: compiled again, eager's answer
     with torch.no_grad():
         torch.testing.assert_close(call(x), model(x))
+
+
+class _Activated(nn.Module):
+    """A model whose activation function is chosen when it is built: an attribute holding a
+    function, which neither the decision key nor a saved entry's guards can name."""
+
+    def __init__(self, activation: Any) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.fc(x))
+
+
+@pytest.mark.slow
+def test_a_model_attribute_holding_a_function_is_never_answered_from_another_build(
+    fresh_compile_cache: object,
+) -> None:
+    """Two builds of one model class, one with ``torch.relu`` and one with ``torch.tanh``
+    (as two processes would make them): the second must not load the first's compile, whose
+    saved guards could not check which function the attribute holds. Each answers as eager."""
+    x = torch.randn(4, 8)
+    for activation in (torch.relu, torch.tanh):
+        torch.manual_seed(0)
+        model = _Activated(activation).eval()
+        call, _ = _build_anew(model, (x,), "act")
+        with torch.no_grad():
+            torch.testing.assert_close(call(x), model(x))
 
 
 class _Policy:
@@ -269,21 +307,14 @@ def test_a_plain_callable_object_is_saved_and_a_later_build_loads_it(
     """Not only modules: a plain object with ``__call__`` is traced once and loaded by a
     later build, and a plain value it reads (``policy.scale``) changed after the build gives
     the new answer."""
-    import warnings
-
-    from torch._dynamo.utils import counters
-
     policy = _Policy()
     args = (torch.randn(5, 3, 8), torch.randn(3, 16))
     traces = []
     for _ in range(2):
-        torch._dynamo.reset()
-        before = counters["stats"]["unique_graphs"]
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
-            call = auto_module._build("graph over compile", policy, args, {}, None, "policy")
+        call, traced = _build_anew(policy, args, "policy")
+        traces.append(traced)
+        with torch.no_grad():
             torch.testing.assert_close(call(*args), policy(*args))
-        traces.append(counters["stats"]["unique_graphs"] - before)
     assert traces == [1, 0]
     policy.scale = 2.0
     with torch.no_grad():
@@ -310,27 +341,18 @@ def test_a_module_global_changed_after_a_saved_compile_gives_the_new_answer(
     ``GAIN`` it was traced under. After the global changes, the step runs under
     ``torch.compile``'s own guards (eager's answer), and a later build under the new value
     does not load the entry saved under the old one."""
-    import warnings
-
     global GAIN
     model = _Gained().eval()
     x = torch.randn(4, 8)
-
-    def build() -> Any:
-        torch._dynamo.reset()  # as in a new process
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
-            call = auto_module._build("graph over compile", model, (x,), {}, None, "gain")
-            torch.testing.assert_close(call(x), model(x))
-        return call
-
-    build()
-    call = build()  # loaded from disk
+    traces = [_build_anew(model, (x,), "gain")[1] for _ in range(2)]
+    call, _ = _build_anew(model, (x,), "gain")  # loaded from disk
+    assert traces == [1, 0]
     try:
         GAIN = 3.0
+        anew, _ = _build_anew(model, (x,), "gain")
         with torch.no_grad():
             torch.testing.assert_close(call(x), model(x))
-            torch.testing.assert_close(build()(x), model(x))
+            torch.testing.assert_close(anew(x), model(x))
     finally:
         GAIN = 1.5
 
@@ -343,10 +365,7 @@ def test_a_saved_compile_whose_trace_made_up_module_globals_loads_in_a_later_bui
     object id (``___module_collections_<id>_c0``) and load builtins as globals (``type``): the
     saved entry records their names, and a later build (its traced function's globals new, as
     in a new process) hands them back, so the compile loads instead of being traced again."""
-    import warnings
-
     transformers = pytest.importorskip("transformers")
-    from torch._dynamo.utils import counters
 
     config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, use_cache=False)
     torch.manual_seed(0)
@@ -354,13 +373,10 @@ def test_a_saved_compile_whose_trace_made_up_module_globals_loads_in_a_later_bui
     ids = torch.randint(0, config.vocab_size, (1, 8))
     traces = []
     for _ in range(2):
-        torch._dynamo.reset()
-        before = counters["stats"]["unique_graphs"]
-        with warnings.catch_warnings(), torch.no_grad():
-            warnings.simplefilter("ignore", cg.CudaGraphsWarning)
-            call = auto_module._build("graph over compile", model, (ids,), {}, None, "gpt2")
+        call, traced = _build_anew(model, (ids,), "gpt2")
+        with torch.no_grad():
             got, expected = call(ids), model(ids)
         torch.testing.assert_close(got.last_hidden_state, expected.last_hidden_state)
-        traces.append(counters["stats"]["unique_graphs"] - before)
+        traces.append(traced)
     saved = list(Path(str(fresh_compile_cache)).glob("cudagraphs/auto-*/*.bin"))
     assert saved and traces == [1, 0]

@@ -4,6 +4,7 @@ eager does, and a second decision for the same model comes from disk."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -127,6 +128,24 @@ def test_deciding_leaves_the_state_the_function_advances_as_it_was(
             torch.testing.assert_close(chosen(fresh), twin(fresh))
 
 
+def _built_twice(model: nn.Module, x: torch.Tensor, key: str) -> Any:
+    """``cg.auto``'s graph over compile of ``model`` built as two processes build it (Dynamo
+    reset): traced by the first, loaded from disk by the second, which is returned."""
+    from torch._dynamo.utils import counters
+
+    from cudagraphs.tools import auto as auto_module
+
+    for traces in (1, 0):
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        g = auto_module._build("graph over compile", model, (x,), {}, None, key)
+        assert g.state is cg.State.CAPTURED
+        assert counters["stats"]["unique_graphs"] - before == traces
+        fresh = torch.randn_like(x)
+        torch.testing.assert_close(g(fresh), model(fresh))
+    return g
+
+
 def test_a_loaded_graph_over_compile_guards_the_values_the_model_reads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -135,23 +154,13 @@ def test_a_loaded_graph_over_compile_guards_the_values_the_model_reads(
     changes (its code, noted from an eager run, stands in for the loaded compile's), and sees
     in-place weight updates without a new capture."""
     from test_compile_paths_cuda import Scaled
-    from torch._dynamo.utils import counters
-
-    from cudagraphs.tools import auto as auto_module
 
     monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
     torch.manual_seed(0)
     model = Scaled().cuda().eval()
     x = torch.randn(8, 64, device="cuda")
     with torch.no_grad():
-        for traces in (1, 0):
-            torch._dynamo.reset()
-            before = counters["stats"]["unique_graphs"]
-            g = auto_module._build("graph over compile", model, (x,), {}, None, "test-key")
-            assert g.state is cg.State.CAPTURED
-            assert counters["stats"]["unique_graphs"] - before == traces
-            fresh = torch.randn(8, 64, device="cuda")
-            torch.testing.assert_close(g(fresh), model(fresh))
+        g = _built_twice(model, x, "test-key")
         model.scale = 2.0
         fresh = torch.randn(8, 64, device="cuda")
         torch.testing.assert_close(g(fresh), model(fresh))
@@ -179,10 +188,6 @@ def test_a_module_global_changed_after_a_loaded_graph_over_compile_is_replayed_a
     """The graph over a compile loaded from disk, then ``GAIN`` changed: the value guard
     captures again, and the new capture runs under ``torch.compile``'s guards, not the saved
     entry traced under the old value (eager's answer, every element)."""
-    from torch._dynamo.utils import counters
-
-    from cudagraphs.tools import auto as auto_module
-
     global GAIN
     monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
     torch.manual_seed(0)
@@ -190,15 +195,34 @@ def test_a_module_global_changed_after_a_loaded_graph_over_compile_is_replayed_a
     x = torch.randn(8, 64, device="cuda")
     try:
         with torch.no_grad():
-            for traces in (1, 0):
-                torch._dynamo.reset()
-                before = counters["stats"]["unique_graphs"]
-                g = auto_module._build("graph over compile", model, (x,), {}, None, "gain-key")
-                assert g.state is cg.State.CAPTURED
-                assert counters["stats"]["unique_graphs"] - before == traces
+            g = _built_twice(model, x, "gain-key")
             GAIN = 3.0
             fresh = torch.randn(8, 64, device="cuda")
             torch.testing.assert_close(g(fresh), model(fresh))
             assert g.stats.recaptures == 1
     finally:
         GAIN = 1.5
+
+
+def test_a_model_attribute_holding_another_function_is_not_answered_by_a_saved_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two builds of one model class, the activation attribute ``torch.relu`` in the first
+    and ``torch.tanh`` in the second (two processes: Dynamo reset): the second does not load
+    the first's saved compile, whose guards could not name the function, and answers as
+    eager."""
+    from test_auto import _Activated
+
+    from cudagraphs.tools import auto as auto_module
+
+    monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
+    x = torch.randn(8, 8, device="cuda")
+    with torch.no_grad():
+        for activation in (torch.relu, torch.tanh):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = _Activated(activation).cuda().eval()
+            g = auto_module._build("graph over compile", model, (x,), {}, None, "act-key")
+            assert g.state is cg.State.CAPTURED
+            fresh = torch.randn(8, 8, device="cuda")
+            torch.testing.assert_close(g(fresh), model(fresh))

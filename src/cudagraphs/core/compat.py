@@ -318,14 +318,24 @@ def mark_dynamic(tensor: torch.Tensor, dim: int, high: int | None = None) -> Non
         torch._dynamo.mark_dynamic(tensor, dim, min=2, max=high)
 
 
-def aot_compiler(fn: Callable[..., Any], settings: dict[str, Any], dynamic: bool | None) -> Any:
+def aot_compiler(
+    fn: Callable[..., Any],
+    settings: dict[str, Any],
+    dynamic: bool | None,
+    *,
+    arguments_only: bool = False,
+) -> Any:
     """``torch.compile(fn, fullgraph=True).aot_compile`` (or ``None``): a compile that another
-    process loads with no trace; unwritable guards (globals, identities) left to the caller."""
+    process loads with no trace; unwritable guards (globals, identities) left to the caller.
+    ``arguments_only``: a trace that would drop an identity guard on something reached from
+    its arguments raises, unless the object has an importable name (a class, a module-level
+    function: :func:`qualified_name`), which the caller then keys the compile by."""
     mode, options = settings["mode"], settings["options"]
     opts = {**(torch._inductor.list_mode_options(mode) if mode else {}), **(options or {})}
+    keep = _portable_arguments if arguments_only else _portable
     with torch._dynamo.config.patch(enable_aot_compile=True):
         compiled = torch.compile(
-            fn, fullgraph=True, dynamic=dynamic, options={**opts, "guard_filter_fn": _portable}
+            fn, fullgraph=True, dynamic=dynamic, options={**opts, "guard_filter_fn": keep}
         )
     return getattr(compiled, "aot_compile", None)
 
@@ -367,6 +377,38 @@ def _portable(entries: Sequence[Any]) -> list[bool]:
     bad = {"DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH", "CLASS_MATCH",
            "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"}  # fmt: skip
     return [not (e.is_global or {e.guard_type, *e.derived_guard_types} & bad) for e in entries]
+
+
+def _portable_arguments(entries: Sequence[Any]) -> list[bool]:
+    keep = _portable(entries)
+    for entry, kept in zip(entries, keep):
+        if kept or entry.is_global:
+            continue
+        value = entry.value if entry.has_value else None
+        if not (entry.has_value and qualified_name(value)):
+            raise RuntimeError(
+                f"the guard {entry.guard_type} on {entry.name} cannot be saved: it checks the "
+                "identity of an object that has no importable name"
+            )
+    return keep
+
+
+def qualified_name(value: Any) -> str:
+    """``module.qualname`` of a class, function or builtin another process finds by that name,
+    the place of a code object ("" for anything else: an instance, a lambda, a function
+    defined inside another)."""
+    if isinstance(value, types.CodeType):  # a function's code: its source file is hashed
+        return f"{value.co_filename}:{value.co_firstlineno}:{value.co_name}"
+    if isinstance(value, types.MethodType):
+        owner = qualified_name(type(value.__self__))
+        return f"{owner}.{value.__func__.__name__}" if owner else ""
+    module = getattr(value, "__module__", None)
+    name = getattr(value, "__qualname__", None)
+    if not isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return ""
+    if not module or not name or "<" in name:
+        return ""
+    return f"{module}.{name}"
 
 
 def clear_dynamic_marks(tensors: Sequence[Any]) -> None:

@@ -108,12 +108,17 @@ class SavedCompile:
         key: str,
         mark: Callable[[tuple[Any, ...]], None] | None = None,
         unsaved: str = "",
+        arguments_checked: bool = False,
     ):
         """``settings``: ``torch.compile``'s mode and options (``compiled.compile_settings``);
         ``dynamic``: its ``dynamic`` (``None``: the dimensions ``mark`` marks on a call's
         arguments, ``compat.mark_dynamic``, before a trace); ``unsaved``: why this step is
-        not saved (then plain ``torch.compile``, nothing written or read), or ``""``."""
+        not saved (then plain ``torch.compile``, nothing written or read), or ``""``;
+        ``arguments_checked``: a trace is saved only where its saved guards check everything
+        it read off the arguments (an attribute holding a function, which ``key`` does not
+        name, makes the step compile with ``torch.compile`` instead)."""
         self.fn, self.settings, self.dynamic, self.mark = fn, settings, dynamic, mark
+        self.arguments_checked = arguments_checked
         self.folder = saved_steps_folder() / key
         self.entries: list[Any] | None = None  # loaded (or compiled) AOT-compiled functions
         self.fallback: Callable[..., Any] | None = None  # torch.compile, once aot_compile failed
@@ -156,7 +161,9 @@ class SavedCompile:
             self.mark(args)
         aot_compile = None
         try:
-            aot_compile = compat.aot_compiler(self.fn, self.settings, self.dynamic)
+            aot_compile = compat.aot_compiler(
+                self.fn, self.settings, self.dynamic, arguments_only=self.arguments_checked
+            )
             if aot_compile is None:
                 raise RuntimeError("this torch has no aot_compile")
             entry = aot_compile((args, {}))

@@ -42,6 +42,7 @@ import json
 import platform
 import sys
 import time
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -330,6 +331,7 @@ def _graph_over_saved_compile(
         state.restore()
     read = read_values(reader, {})  # module globals only: attributes are the entry's guards
     globals_read = ValueWatch(read)
+    identities = _identities(target)
     settings = compile_settings(True)
     try:
         inductor = compat.compile_cache()[1]  # Inductor's settings, which the kernels follow
@@ -339,15 +341,21 @@ def _graph_over_saved_compile(
         json.dumps(
             [key, repr(sorted((settings["options"] or {}).items())), settings["mode"], inductor,
              torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(),
-             [(label, repr(value)) for label, _, _, value in read]]
+             [(label, repr(value)) for label, _, _, value in read], identities]
         ).encode()
     ).hexdigest()[:32]  # fmt: skip
     traced = compat.with_builtins_in_globals(_call_target)
-    saved = SavedCompile(traced, settings, dynamic=False, key=f"auto-{step_key}")
+    # Any model, so no config names what its attributes hold: only a trace whose saved guards
+    # check everything it read off the model is saved.
+    unnamed = next((path for path, name in identities if not name), "")
+    saved = SavedCompile(
+        traced, settings, dynamic=False, key=f"auto-{step_key}", arguments_checked=True,
+        unsaved=f"{unnamed} holds a function with no importable name" if unnamed else "",
+    )  # fmt: skip
     guarded: list[Callable[..., Any]] = []  # torch.compile, once a global read has changed
 
     def compiled(*call_args: Any) -> Any:
-        if not guarded and globals_read.stale() is None:
+        if not guarded and globals_read.stale() is None and _identities(target) == identities:
             return saved(target, *call_args)
         if not guarded:
             guarded.append(torch.compile(traced, dynamic=False, **settings))
@@ -355,6 +363,38 @@ def _graph_over_saved_compile(
 
     setattr(compiled, READS_LIKE, reader.codes)
     return graph(compiled, *args)
+
+
+def _identities(model: Any) -> list[tuple[str, str]]:
+    """``(path, importable name)`` of every class, function and method the model's attributes
+    hold, and of the class of each object it is made of (its modules, and plain objects in
+    their attributes): what a saved compile's guards check only by identity, which they cannot
+    write, so the saved file is keyed by it. The name is "" for a function another process
+    could not find by name (a lambda); such a model's compile is not saved."""
+    found: list[tuple[str, str]] = []
+    seen: set[int] = set()
+    stack: list[tuple[str, Any, int]] = [("model", model, 0)]
+    while stack and len(found) < 20000:
+        path, obj, depth = stack.pop()
+        if id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float, bool)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)):
+            found.append((path, compat.qualified_name(obj)))
+            continue
+        if obj is None or depth > 12:
+            continue
+        found.append((f"{path}.__class__", compat.qualified_name(type(obj))))
+        if isinstance(obj, dict):
+            children = [(f"{path}[{k!r}]", v) for k, v in list(obj.items())[:1000]]
+        elif isinstance(obj, (list, tuple)):
+            children = [(f"{path}[{k}]", v) for k, v in enumerate(obj[:1000])]
+        elif isinstance(getattr(obj, "__dict__", None), dict):
+            children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+        else:
+            continue
+        stack.extend((child_path, v, depth + 1) for child_path, v in reversed(children))
+    return found
 
 
 class _NotApplicable(Exception):
