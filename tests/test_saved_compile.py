@@ -88,7 +88,7 @@ def test_a_saved_step_is_loaded_and_a_changed_source_is_compiled_again(
 def test_a_step_that_cannot_be_saved_is_compiled_as_before(
     fresh_compile_cache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(compat, "aot_compiler", lambda *args: None)
+    monkeypatch.setattr(compat, "aot_compiler", lambda *args, **kwargs: None)
     step = SavedCompile(double_plus_one, compile_settings(True), dynamic=False, key="k")
     x = torch.randn(5, 3)
     assert torch.equal(step(x), x * 2 + 1)
