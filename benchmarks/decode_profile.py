@@ -61,6 +61,8 @@ def profile(args: argparse.Namespace, fuse: bool = True) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     model = random_llama(args.model, device, getattr(torch, args.dtype))
+    if args.attention != "sdpa":  # transformers' own attention, written out in torch ops
+        model.set_attn_implementation(args.attention)
     named = {"default": True, "none": False, "coordinate-descent": dict(COORDINATE_DESCENT)}
     compile_mode: bool | str | dict[str, Any] = named.get(args.compile, args.compile)
     if args.option:  # Inductor options on top of the default mode (or coordinate descent)
@@ -121,6 +123,7 @@ def profile(args: argparse.Namespace, fuse: bool = True) -> dict[str, Any]:
         "compile": args.compile,
         "compile_argument": repr(compile_mode),
         "sdpa": args.sdpa,
+        "attention": args.attention,
         "setup_s": setup_s,
         "cache_length": args.max_length,
         "prompt": args.prompt,
@@ -172,7 +175,7 @@ def markdown(r: dict[str, Any]) -> list[str]:
     lines = [
         f"Hardware: {r['hardware']}, torch {r['torch']}; {r['model']} ({r['dtype']}), batch 1, "
         f"`Decoder(compile={r.get('compile_argument', repr(r['compile']))}{fused})`, "
-        f"attention kernel {r.get('sdpa', 'default')}, "
+        f"attention {r.get('attention', 'sdpa')} (kernel {r.get('sdpa', 'default')}), "
         f"cache length {r['cache_length']}, a request of {r['prompt']} + {r['new']} tokens (the "
         "profiled one; the timed one before it unprofiled).",
         "",
@@ -230,6 +233,13 @@ def main() -> None:
         default="default",
         choices=["default", "flash", "efficient", "cudnn", "math"],
         help="scaled-dot-product attention's kernel (default: PyTorch's choice)",
+    )
+    p.add_argument(
+        "--attention",
+        default="sdpa",
+        choices=["sdpa", "eager"],
+        help="transformers' attention implementation: 'eager' writes it out in torch ops (two "
+        "products and a softmax), which Inductor may fuse with its neighbours",
     )
     p.add_argument(
         "--option",

@@ -120,7 +120,7 @@ def test_the_decode_profile_counts_what_each_token_runs(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["tokens_per_s"] > 0 and result["kernels_per_token"] > 1
     assert result["sdpa"] == "math" and result["setup_s"] > 0
-    assert "attention kernel math" in (tmp_path / "profile.md").read_text()
+    assert "attention sdpa (kernel math)" in (tmp_path / "profile.md").read_text()
     costliest = result["costliest"]
     assert 1 <= len(costliest) <= 10
     spent = [k["us_per_token"] for k in costliest]

@@ -367,10 +367,11 @@ def _graph_over_saved_compile(
 
 def _identities(model: Any) -> list[tuple[str, str]]:
     """``(path, importable name)`` of every class, function and method the model's attributes
-    hold, and of the class of each object it is made of (its modules, and plain objects in
-    their attributes): what a saved compile's guards check only by identity, which they cannot
-    write, so the saved file is keyed by it. The name is "" for a function another process
-    could not find by name (a lambda); such a model's compile is not saved."""
+    hold, and ``(path.__class__, class name)`` of each object it is made of (its modules, and
+    plain objects in their attributes): what a saved compile's guards check only by identity,
+    which they cannot write, so the saved file is keyed by it. The name is "" for a function
+    or class held as a value that another process could not find by name (a lambda); such a
+    model's compile is not saved."""
     found: list[tuple[str, str]] = []
     seen: set[int] = set()
     stack: list[tuple[str, Any, int]] = [("model", model, 0)]
@@ -384,7 +385,8 @@ def _identities(model: Any) -> list[tuple[str, str]]:
             continue
         if obj is None or depth > 12:
             continue
-        found.append((f"{path}.__class__", compat.qualified_name(type(obj))))
+        kind = type(obj)  # named even where defined inside a function: only keys the file
+        found.append((f"{path}.__class__", f"{kind.__module__}.{kind.__qualname__}"))
         if isinstance(obj, dict):
             children = [(f"{path}[{k!r}]", v) for k, v in list(obj.items())[:1000]]
         elif isinstance(obj, (list, tuple)):
