@@ -4,6 +4,7 @@ exits 0, or 2 on a mistake."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 import textwrap
@@ -255,31 +256,43 @@ def test_the_graph_over_compile_is_saved_and_a_later_build_loads_it(
         torch.testing.assert_close(call(x), model(x))
 
 
-class _Activated(nn.Module):
-    """A model whose activation function is chosen when it is built: an attribute holding a
-    function, which neither the decision key nor a saved entry's guards can name."""
+class _Slotted:
+    __slots__ = ("function",)
 
-    def __init__(self, activation: Any) -> None:
+    def __init__(self, function: Any) -> None:
+        self.function = function
+
+
+class _Activated(nn.Module):
+    """A model whose activation function is chosen when it is built, held as an attribute,
+    in a ``functools.partial`` or in an object with ``__slots__``: what neither the decision
+    key nor a saved entry's guards name."""
+
+    def __init__(self, activation: Any, held: str = "attribute") -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
-        self.activation = activation
+        if held == "partial":
+            activation = functools.partial(activation)
+        self.activation = _Slotted(activation) if held == "slots" else activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.fc(x))
+        activation = self.activation
+        return (activation.function if isinstance(activation, _Slotted) else activation)(self.fc(x))
 
 
 @pytest.mark.slow
-def test_a_model_attribute_holding_a_function_is_never_answered_from_another_build(
-    fresh_compile_cache: object,
+@pytest.mark.parametrize("held", ["attribute", "partial", "slots"])
+def test_a_model_holding_another_function_is_never_answered_from_another_build(
+    fresh_compile_cache: object, held: str
 ) -> None:
     """Two builds of one model class, one with ``torch.relu`` and one with ``torch.tanh``
     (as two processes would make them): the second must not load the first's compile, whose
-    saved guards could not check which function the attribute holds. Each answers as eager."""
+    saved guards could not check which function it holds. Each answers as eager."""
     x = torch.randn(4, 8)
     for activation in (torch.relu, torch.tanh):
         torch.manual_seed(0)
-        model = _Activated(activation).eval()
-        call, _ = _build_anew(model, (x,), "act")
+        model = _Activated(activation, held).eval()
+        call, _ = _build_anew(model, (x,), f"act-{held}")
         with torch.no_grad():
             torch.testing.assert_close(call(x), model(x))
 

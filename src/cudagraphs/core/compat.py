@@ -12,7 +12,7 @@ import builtins
 import contextlib
 import functools
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -323,16 +323,16 @@ def aot_compiler(
     settings: dict[str, Any],
     dynamic: bool | None,
     *,
-    arguments_only: bool = False,
+    keyed: Collection[str] | None = None,
 ) -> Any:
     """``torch.compile(fn, fullgraph=True).aot_compile`` (or ``None``): a compile that another
     process loads with no trace; unwritable guards (globals, identities) left to the caller.
-    ``arguments_only``: a trace that would drop an identity guard on something reached from
-    its arguments raises, unless the object has an importable name (a class, a module-level
-    function: :func:`qualified_name`), which the caller then keys the compile by."""
+    ``keyed``: the importable names (:func:`qualified_name`) the caller keys the compile by;
+    a trace that would drop an identity guard on something reached from its arguments that is
+    not one of them raises instead (``None``: the caller keys by config and sources)."""
     mode, options = settings["mode"], settings["options"]
     opts = {**(torch._inductor.list_mode_options(mode) if mode else {}), **(options or {})}
-    keep = _portable_arguments if arguments_only else _portable
+    keep = _portable if keyed is None else functools.partial(_portable_keyed, keyed=set(keyed))
     with torch._dynamo.config.patch(enable_aot_compile=True):
         compiled = torch.compile(
             fn, fullgraph=True, dynamic=dynamic, options={**opts, "guard_filter_fn": keep}
@@ -379,26 +379,27 @@ def _portable(entries: Sequence[Any]) -> list[bool]:
     return [not (e.is_global or {e.guard_type, *e.derived_guard_types} & bad) for e in entries]
 
 
-def _portable_arguments(entries: Sequence[Any]) -> list[bool]:
+def _portable_keyed(entries: Sequence[Any], keyed: set[str]) -> list[bool]:
     keep = _portable(entries)
     for entry, kept in zip(entries, keep):
         if kept or entry.is_global:
             continue
         value = entry.value if entry.has_value else None
-        if not (entry.has_value and qualified_name(value)):
+        if isinstance(value, types.CodeType):  # a function's code: its source file is hashed
+            continue
+        name = qualified_name(value) if entry.has_value else ""
+        # A function of a keyed class (``Config.__getattribute__``) is that class's source.
+        if not name or (name not in keyed and name.rsplit(".", 1)[0] not in keyed):
             raise RuntimeError(
                 f"the guard {entry.guard_type} on {entry.name} cannot be saved: it checks the "
-                "identity of an object that has no importable name"
+                "identity of an object the saved file's key does not name"
             )
     return keep
 
 
 def qualified_name(value: Any) -> str:
-    """``module.qualname`` of a class, function or builtin another process finds by that name,
-    the place of a code object ("" for anything else: an instance, a lambda, a function
-    defined inside another)."""
-    if isinstance(value, types.CodeType):  # a function's code: its source file is hashed
-        return f"{value.co_filename}:{value.co_firstlineno}:{value.co_name}"
+    """``module.qualname`` of a class, function or builtin another process finds by that name
+    ("" for anything else: an instance, a lambda, a function defined inside another)."""
     if isinstance(value, types.MethodType):
         owner = qualified_name(type(value.__self__))
         return f"{owner}.{value.__func__.__name__}" if owner else ""

@@ -44,7 +44,7 @@ import stat
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -108,17 +108,19 @@ class SavedCompile:
         key: str,
         mark: Callable[[tuple[Any, ...]], None] | None = None,
         unsaved: str = "",
-        arguments_checked: bool = False,
+        keyed_identities: Collection[str] | None = None,
     ):
         """``settings``: ``torch.compile``'s mode and options (``compiled.compile_settings``);
         ``dynamic``: its ``dynamic`` (``None``: the dimensions ``mark`` marks on a call's
         arguments, ``compat.mark_dynamic``, before a trace); ``unsaved``: why this step is
         not saved (then plain ``torch.compile``, nothing written or read), or ``""``;
-        ``arguments_checked``: a trace is saved only where its saved guards check everything
-        it read off the arguments (an attribute holding a function, which ``key`` does not
-        name, makes the step compile with ``torch.compile`` instead)."""
+        ``keyed_identities``: the importable names of the classes and functions ``key``
+        covers (``None``: a key of config and sources, as a decoder's); a trace whose saved
+        guards would leave the identity of anything else it read off the arguments unchecked
+        (an attribute holding a function ``key`` does not name) is compiled with
+        ``torch.compile`` instead."""
         self.fn, self.settings, self.dynamic, self.mark = fn, settings, dynamic, mark
-        self.arguments_checked = arguments_checked
+        self.keyed_identities = keyed_identities
         self.folder = saved_steps_folder() / key
         self.entries: list[Any] | None = None  # loaded (or compiled) AOT-compiled functions
         self.fallback: Callable[..., Any] | None = None  # torch.compile, once aot_compile failed
@@ -162,7 +164,7 @@ class SavedCompile:
         aot_compile = None
         try:
             aot_compile = compat.aot_compiler(
-                self.fn, self.settings, self.dynamic, arguments_only=self.arguments_checked
+                self.fn, self.settings, self.dynamic, keyed=self.keyed_identities
             )
             if aot_compile is None:
                 raise RuntimeError("this torch has no aot_compile")

@@ -36,6 +36,7 @@ steps' ownership rule).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -349,10 +350,12 @@ def _graph_over_saved_compile(
     # check everything it read off the model is saved.
     unnamed = next((path for path, name in identities if not name), "")
     saved = SavedCompile(
-        traced, settings, dynamic=False, key=f"auto-{step_key}", arguments_checked=True,
+        traced, settings, dynamic=False, key=f"auto-{step_key}",
+        keyed_identities={n for _, names in identities for n in names.split(" ") if n},
         unsaved=f"{unnamed} holds a function with no importable name" if unnamed else "",
     )  # fmt: skip
-    guarded: list[Callable[..., Any]] = []  # torch.compile, once a global read has changed
+    # torch.compile, once a global read or an identity differs from this build's
+    guarded: list[Callable[..., Any]] = []
 
     def compiled(*call_args: Any) -> Any:
         if not guarded and globals_read.stale() is None and _identities(target) == identities:
@@ -367,8 +370,9 @@ def _graph_over_saved_compile(
 
 def _identities(model: Any) -> list[tuple[str, str]]:
     """``(path, importable name)`` of every class, function and method the model's attributes
-    hold, and ``(path.__class__, class name)`` of each object it is made of (its modules, and
-    plain objects in their attributes): what a saved compile's guards check only by identity,
+    hold, and ``(path.__class__, names)`` of each object it is made of (its modules, and plain
+    objects in their attributes; the names of its class and the classes it derives from, by
+    spaces): what a saved compile's guards check only by identity,
     which they cannot write, so the saved file is keyed by it. The name is "" for a function
     or class held as a value that another process could not find by name (a lambda); such a
     model's compile is not saved."""
@@ -386,15 +390,20 @@ def _identities(model: Any) -> list[tuple[str, str]]:
         if obj is None or depth > 12:
             continue
         kind = type(obj)  # named even where defined inside a function: only keys the file
-        found.append((f"{path}.__class__", f"{kind.__module__}.{kind.__qualname__}"))
+        mro = " ".join(f"{c.__module__}.{c.__qualname__}" for c in kind.__mro__[:-1])
+        found.append((f"{path}.__class__", mro))
         if isinstance(obj, dict):
             children = [(f"{path}[{k!r}]", v) for k, v in list(obj.items())[:1000]]
         elif isinstance(obj, (list, tuple)):
             children = [(f"{path}[{k}]", v) for k, v in enumerate(obj[:1000])]
-        elif isinstance(getattr(obj, "__dict__", None), dict):
-            children = [(f"{path}.{k}", v) for k, v in vars(obj).items()]
+        elif isinstance(obj, functools.partial):
+            children = [(f"{path}.func", obj.func), (f"{path}.args", obj.args)]
+            children += [(f"{path}.keywords", obj.keywords)]
         else:
-            continue
+            names = [n for c in kind.__mro__ for n in getattr(c, "__slots__", ())]
+            children = [(f"{path}.{n}", getattr(obj, n)) for n in names if hasattr(obj, n)]
+            if isinstance(getattr(obj, "__dict__", None), dict):
+                children += [(f"{path}.{k}", v) for k, v in vars(obj).items()]
         stack.extend((child_path, v, depth + 1) for child_path, v in reversed(children))
     return found
 
