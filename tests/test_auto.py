@@ -297,6 +297,43 @@ def test_a_model_holding_another_function_is_never_answered_from_another_build(
             torch.testing.assert_close(call(x), model(x))
 
 
+class _Policy:
+    """A recurrent policy as a plain object with ``__call__`` (not an ``nn.Module``)."""
+
+    def __init__(self) -> None:
+        self.cell = nn.GRUCell(8, 16)
+        self.head = nn.Linear(16, 4)
+        self.scale = 1.0
+
+    def __call__(self, observations: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        actions = []
+        for t in range(observations.shape[0]):
+            h = self.cell(observations[t], h)
+            actions.append(torch.tanh(self.head(h)) * self.scale)
+        return torch.stack(actions)
+
+
+@pytest.mark.slow
+def test_a_plain_callable_object_is_saved_and_a_later_build_loads_it(
+    fresh_compile_cache: object,
+) -> None:
+    """Not only modules: a plain object with ``__call__`` is traced once and loaded by a
+    later build, and a plain value it reads (``policy.scale``) changed after the build gives
+    the new answer."""
+    policy = _Policy()
+    args = (torch.randn(5, 3, 8), torch.randn(3, 16))
+    traces = []
+    for _ in range(2):
+        call, traced = _build_anew(policy, args, "policy")
+        traces.append(traced)
+        with torch.no_grad():
+            torch.testing.assert_close(call(*args), policy(*args))
+    assert traces == [1, 0]
+    policy.scale = 2.0
+    with torch.no_grad():
+        torch.testing.assert_close(call(*args), policy(*args))
+
+
 GAIN = 1.5  # a module global the model reads: a saved entry's guards cannot name it
 
 

@@ -288,9 +288,9 @@ def _build(
     if candidate == "graph":
         return graph(fn, *args, **kwargs)
     if candidate == "graph over compile":
-        module = getattr(fn, "_orig_mod", fn)
-        if isinstance(module, torch.nn.Module) and not kwargs:
-            return _graph_over_saved_compile(fn, module, args, key)
+        target = getattr(fn, "_orig_mod", fn)
+        if not kwargs:
+            return _graph_over_saved_compile(fn, target, args, key)
         return graph(fn, *args, compile=True, **kwargs)
     if candidate == "segments":
         return _graph_around_host_reads(fn, args, kwargs)
@@ -299,14 +299,15 @@ def _build(
     return graph(fn, *args, buckets=buckets, **kwargs)
 
 
-def _call_module(module: torch.nn.Module, *args: Any) -> Any:
-    """What the saved compile traces: the module as an argument, so that its parameters and
-    plain values are the trace's inputs and guards (which a loaded entry checks), not constants."""
-    return module(*args)
+def _call_target(target: Callable[..., Any], *args: Any) -> Any:
+    """What the saved compile traces: the model (a module, or any object with ``__call__``) as
+    an argument, so that its parameters and plain values are the trace's inputs and guards
+    (which a loaded entry checks), not constants."""
+    return target(*args)
 
 
 def _graph_over_saved_compile(
-    fn: Callable[..., Any], module: torch.nn.Module, args: tuple[Any, ...], key: str
+    fn: Callable[..., Any], target: Callable[..., Any], args: tuple[Any, ...], key: str
 ) -> Callable[..., Any]:
     """``cg.graph`` over ``torch.compile``, the compile saved to disk (``SavedCompile``, keyed
     by the decision): a later process loads it instead of tracing the model again.
@@ -332,7 +333,7 @@ def _graph_over_saved_compile(
         state.restore()
     read = read_values(reader, {})  # module globals only: attributes are the entry's guards
     globals_read = ValueWatch(read)
-    identities = _identities(module)
+    identities = _identities(target)
     settings = compile_settings(True)
     try:
         inductor = compat.compile_cache()[1]  # Inductor's settings, which the kernels follow
@@ -345,7 +346,7 @@ def _graph_over_saved_compile(
              [(label, repr(value)) for label, _, _, value in read], identities]
         ).encode()
     ).hexdigest()[:32]  # fmt: skip
-    traced = compat.with_builtins_in_globals(_call_module)
+    traced = compat.with_builtins_in_globals(_call_target)
     # Any model, so no config names what its attributes hold: only a trace whose saved guards
     # check everything it read off the model is saved.
     unnamed = next((path for path, name in identities if not name), "")
@@ -358,11 +359,11 @@ def _graph_over_saved_compile(
     guarded: list[Callable[..., Any]] = []
 
     def compiled(*call_args: Any) -> Any:
-        if not guarded and globals_read.stale() is None and _identities(module) == identities:
-            return saved(module, *call_args)
+        if not guarded and globals_read.stale() is None and _identities(target) == identities:
+            return saved(target, *call_args)
         if not guarded:
             guarded.append(torch.compile(traced, dynamic=False, **settings))
-        return guarded[0](module, *call_args)
+        return guarded[0](target, *call_args)
 
     setattr(compiled, READS_LIKE, reader.codes)
     return graph(compiled, *args)
