@@ -4,7 +4,6 @@ exits 0, or 2 on a mistake."""
 
 from __future__ import annotations
 
-import functools
 import subprocess
 import sys
 import textwrap
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import value_cases
 from torch import nn
 
 import cudagraphs as cg
@@ -256,30 +256,6 @@ def test_the_graph_over_compile_is_saved_and_a_later_build_loads_it(
         torch.testing.assert_close(call(x), model(x))
 
 
-class _Slotted:
-    __slots__ = ("function",)
-
-    def __init__(self, function: Any) -> None:
-        self.function = function
-
-
-class _Activated(nn.Module):
-    """A model whose activation function is chosen when it is built, held as an attribute,
-    in a ``functools.partial`` or in an object with ``__slots__``: what neither the decision
-    key nor a saved entry's guards name."""
-
-    def __init__(self, activation: Any, held: str = "attribute") -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        if held == "partial":
-            activation = functools.partial(activation)
-        self.activation = _Slotted(activation) if held == "slots" else activation
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        activation = self.activation
-        return (activation.function if isinstance(activation, _Slotted) else activation)(self.fc(x))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("held", ["attribute", "partial", "slots"])
 def test_a_model_holding_another_function_is_never_answered_from_another_build(
@@ -291,7 +267,7 @@ def test_a_model_holding_another_function_is_never_answered_from_another_build(
     x = torch.randn(4, 8)
     for activation in (torch.relu, torch.tanh):
         torch.manual_seed(0)
-        model = _Activated(activation, held).eval()
+        model = value_cases.HeldActivation(activation, held).eval()
         call, _ = _build_anew(model, (x,), f"act-{held}")
         with torch.no_grad():
             torch.testing.assert_close(call(x), model(x))
@@ -334,40 +310,24 @@ def test_a_plain_callable_object_is_saved_and_a_later_build_loads_it(
         torch.testing.assert_close(call(*args), policy(*args))
 
 
-GAIN = 1.5  # a module global the model reads: a saved entry's guards cannot name it
-
-
-class _Gained(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) * GAIN
-
-
 @pytest.mark.slow
 def test_a_module_global_changed_after_a_saved_compile_gives_the_new_answer(
-    fresh_compile_cache: object,
+    fresh_compile_cache: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``aot_compile`` drops the guards on module globals, so a saved entry would keep the
     ``GAIN`` it was traced under. After the global changes, the step runs under
     ``torch.compile``'s own guards (eager's answer), and a later build under the new value
     does not load the entry saved under the old one."""
-    global GAIN
-    model = _Gained().eval()
+    model = value_cases.Gained().eval()
     x = torch.randn(4, 8)
     traces = [_build_anew(model, (x,), "gain")[1] for _ in range(2)]
     call, _ = _build_anew(model, (x,), "gain")  # loaded from disk
     assert traces == [1, 0]
-    try:
-        GAIN = 3.0
-        anew, _ = _build_anew(model, (x,), "gain")
-        with torch.no_grad():
-            torch.testing.assert_close(call(x), model(x))
-            torch.testing.assert_close(anew(x), model(x))
-    finally:
-        GAIN = 1.5
+    monkeypatch.setattr(value_cases, "GAIN", 3.0)
+    anew, _ = _build_anew(model, (x,), "gain")
+    with torch.no_grad():
+        torch.testing.assert_close(call(x), model(x))
+        torch.testing.assert_close(anew(x), model(x))
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import value_cases
 from torch import nn
 
 import cudagraphs as cg
@@ -170,38 +171,22 @@ def test_a_loaded_graph_over_compile_guards_the_values_the_model_reads(
         assert g.stats.recaptures == 1
 
 
-GAIN = 1.5  # a module global the model reads: a saved entry's own guards cannot name it
-
-
-class _Gained(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(64, 64)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) * GAIN
-
-
 def test_a_module_global_changed_after_a_loaded_graph_over_compile_is_replayed_anew(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The graph over a compile loaded from disk, then ``GAIN`` changed: the value guard
     captures again, and the new capture runs under ``torch.compile``'s guards, not the saved
     entry traced under the old value (eager's answer, every element)."""
-    global GAIN
     monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
     torch.manual_seed(0)
-    model = _Gained().cuda().eval()
+    model = value_cases.Gained(64).cuda().eval()
     x = torch.randn(8, 64, device="cuda")
-    try:
-        with torch.no_grad():
-            g = _built_twice(model, x, "gain-key")
-            GAIN = 3.0
-            fresh = torch.randn(8, 64, device="cuda")
-            torch.testing.assert_close(g(fresh), model(fresh))
-            assert g.stats.recaptures == 1
-    finally:
-        GAIN = 1.5
+    with torch.no_grad():
+        g = _built_twice(model, x, "gain-key")
+        monkeypatch.setattr(value_cases, "GAIN", 3.0)
+        fresh = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(g(fresh), model(fresh))
+        assert g.stats.recaptures == 1
 
 
 def test_a_model_attribute_holding_another_function_is_not_answered_by_a_saved_compile(
@@ -211,8 +196,6 @@ def test_a_model_attribute_holding_another_function_is_not_answered_by_a_saved_c
     and ``torch.tanh`` in the second (two processes: Dynamo reset): the second does not load
     the first's saved compile, whose guards could not name the function, and answers as
     eager."""
-    from test_auto import _Activated
-
     from cudagraphs.tools import auto as auto_module
 
     monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
@@ -221,7 +204,7 @@ def test_a_model_attribute_holding_another_function_is_not_answered_by_a_saved_c
         for activation in (torch.relu, torch.tanh):
             torch._dynamo.reset()
             torch.manual_seed(0)
-            model = _Activated(activation).cuda().eval()
+            model = value_cases.HeldActivation(activation).cuda().eval()
             g = auto_module._build("graph over compile", model, (x,), {}, None, "act-key")
             assert g.state is cg.State.CAPTURED
             fresh = torch.randn(8, 8, device="cuda")

@@ -4,6 +4,8 @@ helper: the cases of the value guards' tests (CPU and GPU)."""
 from __future__ import annotations
 
 import enum
+import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,3 +47,39 @@ CHANGES = {
     "enum": ("kind", Kind.TRIPLE),
     "tuple": ("offsets", (0.0, 1.5)),
 }
+
+
+class Gained(nn.Module):
+    """A forward that reads the module global ``GAIN``, which a saved compile's own guards
+    cannot name."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * GAIN
+
+
+class Slotted:
+    __slots__ = ("function",)
+
+    def __init__(self, function: Any) -> None:
+        self.function = function
+
+
+class HeldActivation(nn.Module):
+    """A model whose activation function is chosen when it is built, held as an attribute,
+    in a ``functools.partial`` or in an object with ``__slots__``: what neither a decision
+    key nor a saved entry's guards name."""
+
+    def __init__(self, activation: Any, held: str = "attribute", width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        if held == "partial":
+            activation = functools.partial(activation)
+        self.activation = Slotted(activation) if held == "slots" else activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        activation = self.activation
+        return (activation.function if isinstance(activation, Slotted) else activation)(self.fc(x))
