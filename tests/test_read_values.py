@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import value_cases
-from value_cases import CHANGES, Scaled, gained
+from value_cases import CALLABLE_CHANGES, CHANGES, Activated, Scaled, gained
 
 import cudagraphs as cg
 
@@ -31,6 +31,25 @@ def test_an_attribute_changed_after_capture_captures_again_for_eager_s_answer(
     assert g.stats.recaptures == 1
     assert g(fresh) is not None and g.stats.recaptures == 1  # the new value is the recorded one
     assert any(f"Scaled.{name}" in cause for cause in g.stats.notices)
+
+
+@pytest.mark.parametrize("kind", list(CALLABLE_CHANGES))
+def test_a_function_swapped_after_capture_captures_again_for_eager_s_answer(
+    stand_in: None, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A function held in an attribute or a module global (``model.activation = torch.tanh``
+    after capture) is compared by identity before each replay, as a plain value is."""
+    torch.manual_seed(0)
+    model = Activated()
+    x = torch.randn(4, 8)
+    g = cg.graph(model, x, outputs="clone")
+    torch.testing.assert_close(g(x), model(x))
+    name, value = CALLABLE_CHANGES[kind]
+    monkeypatch.setattr(value_cases if name.isupper() else model, name, value)
+    fresh = torch.randn(4, 8)
+    torch.testing.assert_close(g(fresh), model(fresh))
+    assert g.stats.recaptures == 1
+    assert any(name in cause for cause in g.stats.notices)
 
 
 @pytest.mark.parametrize("kind", ["attribute", "global in a helper"])

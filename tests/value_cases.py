@@ -4,6 +4,7 @@ helper: the cases of the value guards' tests (CPU and GPU)."""
 from __future__ import annotations
 
 import enum
+import functools
 
 import torch
 from torch import nn
@@ -44,4 +45,39 @@ CHANGES = {
     "str": ("act", "tanh"),
     "enum": ("kind", Kind.TRIPLE),
     "tuple": ("offsets", (0.0, 1.5)),
+}
+
+
+def halved(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5
+
+
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2.0
+
+
+POSTPROCESS = halved  # a module global holding a function, called by the forward below
+
+
+class Activated(nn.Module):
+    """Functions held in attributes and in a module global pick the kernels a recording
+    launches, as a plain value does."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width).requires_grad_(False)
+        self.activation = torch.relu
+        self.squash = halved
+        self.clip = functools.partial(torch.clamp, min=-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return POSTPROCESS(self.clip(self.squash(self.activation(self.fc(x)))))
+
+
+#: case -> (attribute of Activated, or "POSTPROCESS" of this module; the new function)
+CALLABLE_CHANGES = {
+    "builtin": ("activation", torch.tanh),
+    "function": ("squash", doubled),
+    "partial": ("clip", functools.partial(torch.clamp, min=0.25)),
+    "global": ("POSTPROCESS", doubled),
 }
