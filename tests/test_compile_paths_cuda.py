@@ -54,6 +54,31 @@ def test_a_graph_over_compile_answers_as_eager_and_guards_a_changed_value(compil
         assert g.stats.recaptures == 1
 
 
+@pytest.mark.parametrize("kind", ["float", "bool", "global"])
+def test_a_value_read_by_an_inlined_child_changed_after_capture_gives_eager_s_answer(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``torch.compile`` inlines the child's forward and its helper: their frames never run
+    during the capture, and a changed child value or helper global must still be seen."""
+    import value_cases
+
+    torch.manual_seed(0)
+    torch.compiler.reset()
+    model = nn.Sequential(value_cases.Scaled(64), nn.ReLU()).cuda().eval()
+    with torch.no_grad():
+        g = cg.graph(
+            model, torch.randn(8, 64, device="cuda"), compile=True, harmless_state=("calls",)
+        )
+        if kind == "global":
+            monkeypatch.setattr(value_cases, "GAIN", 0.5)
+        else:
+            name, value = value_cases.CHANGES[kind]
+            setattr(model[0], name, value)
+        x = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(g(x), model(x))  # not the recorded value's answer
+        assert g.stats.recaptures == 1
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_the_backend_answers_as_eager_and_sees_in_place_updates(fuse: bool) -> None:
     torch.manual_seed(0)

@@ -88,7 +88,7 @@ from .compat import OPS_DISPATCH_MODE, op_argument_defaults, op_argument_names, 
 from .frames import callable_name, is_model_code, user_frame
 from .guards import compiled_module
 from .signature import same_value
-from .writes import walk
+from .writes import is_compiled, walk
 
 __all__ = [
     "READS_LIKE",
@@ -289,6 +289,8 @@ class Reader:
 
     def __init__(self, of: Any = None) -> None:
         self.codes: dict[types.CodeType, dict[str, Any]] = dict(getattr(of, READS_LIKE, None) or {})
+        if of is not None and is_compiled(of):
+            self.codes.update(compiled_code(of))
         self._outside: dict[str, bool] = {}  # filename -> user code?
         self._previous: Any = None
 
@@ -328,6 +330,50 @@ class Reader:
             names.update(code.co_names)
             names.update(_identifiers(code.co_consts))
         return names
+
+
+def compiled_code(fn: Any, limit: int = 20000) -> dict[types.CodeType, dict[str, Any]]:
+    """The model code a ``torch.compile``'d ``fn`` may stand in for, with its globals.
+
+    Dynamo inlines the forwards of child modules and the helpers they call into one compiled
+    frame, so their own frames never run and a :class:`Reader` would miss the names they load
+    (``self.gain`` in a child's forward). So every function of each module class ``fn``
+    reaches (its methods, through the classes it derives from), each function ``fn`` reaches,
+    the functions their code names as globals, and the code nested in theirs, count as run.
+    More than ran: a name loaded by code that did not run is guarded too, and its change costs
+    a recapture, never a wrong answer."""
+    found: dict[types.CodeType, dict[str, Any]] = {}
+    stack: list[Any] = []
+    classes: set[type] = set()
+    for _, obj in walk(fn):
+        if isinstance(obj, (types.FunctionType, types.MethodType)):
+            stack.append(getattr(obj, "__func__", obj))
+        elif isinstance(obj, torch.nn.Module) and type(obj) not in classes:
+            classes.add(type(obj))
+            for cls in type(obj).__mro__:
+                for member in vars(cls).values():
+                    member = getattr(member, "__func__", member)  # static and class methods
+                    if isinstance(member, types.FunctionType):
+                        stack.append(member)
+    seen: set[int] = set()
+    while stack and len(seen) < limit:
+        function = stack.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        namespace = function.__globals__
+        codes = [function.__code__]
+        while codes:
+            code = codes.pop()
+            if code in found or not is_model_code(code.co_filename):
+                continue
+            found[code] = namespace
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            stack.extend(
+                namespace[name] for name in code.co_names
+                if isinstance(namespace.get(name), types.FunctionType)
+            )  # fmt: skip
+    return found
 
 
 def _identifiers(constants: tuple[Any, ...]) -> Iterable[str]:
