@@ -81,3 +81,25 @@ CALLABLE_CHANGES = {
     "partial": ("clip", functools.partial(torch.clamp, min=0.25)),
     "global": ("POSTPROCESS", doubled),
 }
+
+
+class Inner(nn.Module):
+    """A child whose forward ``torch.compile`` inlines whole (no graph break): a plain value
+    and a helper's global read only there."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width).requires_grad_(False)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gained(self.fc(x)) * self.gain
+
+
+class Outer(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.inner = Inner(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.inner(x))
