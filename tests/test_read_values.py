@@ -220,3 +220,26 @@ def test_the_reads_of_code_a_compiled_model_inlined_are_guarded() -> None:
     labels = [label for label, _, _, _ in read_values(reader, snapshot.runs[-1])]
     assert any(label.endswith("inner.gain") for label in labels), labels
     assert "global value_cases.GAIN" in labels, labels
+
+
+def test_a_value_deep_in_a_compiled_model_is_reached_by_its_shortest_path() -> None:
+    """A compiled module reaches its model through ``forward``'s closure two levels down
+    before the model itself, a root: the walk must reach every object by its shortest path,
+    else the deep end of the model (a block's child's value) falls past the depth limit."""
+    from cudagraphs.core import PythonSnapshot, Reader, read_values
+
+    torch.manual_seed(0)
+    inner = value_cases.Inner()
+    for _ in range(4):  # Inner nested in Sequentials: model[0][0][0][0] is the Inner
+        inner = torch.nn.Sequential(inner)
+    model = torch.nn.Sequential(inner, torch.nn.ReLU()).eval()
+    compiled = torch.compile(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        compiled(x)
+        snapshot = PythonSnapshot(compiled)
+        with Reader(of=compiled) as reader:
+            compiled(x)
+        snapshot.take()
+    labels = [label for label, _, _, _ in read_values(reader, snapshot.runs[-1])]
+    assert any(label.endswith(".gain") for label in labels), labels

@@ -400,6 +400,8 @@ def read_values(
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
         module = namespace.get("__name__", "?")
+        if module.startswith("torch."):  # Inductor's generated code: its kernels, not a model's
+            continue
         for name in code.co_names:
             value = namespace.get(name, _MISSING)
             if (id(namespace), name) in seen or value is _MISSING or not is_watched(value):
