@@ -201,23 +201,27 @@ def test_code_a_callable_stands_in_for_is_guarded_as_if_it_ran(stand_in: None) -
     assert plain.stats.recaptures == 0  # without it, nothing it runs reads the value
 
 
-def test_the_reads_of_code_a_compiled_model_inlined_are_guarded() -> None:
-    """``torch.compile`` inlines a child module's forward and the helpers it calls, whose
-    frames then never run during the capture: the reader counts their code as run, so the
-    child's plain value and the helper's global are among what the guard checks."""
+def _labels_read_under_compile(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
+    """What the value guard would check after a capture of ``torch.compile(model)``: the
+    values read by the code the capture's reader counts as run."""
     from cudagraphs.core import PythonSnapshot, Reader, read_values
 
-    torch.manual_seed(0)
-    model = value_cases.Outer().eval()
     compiled = torch.compile(model)
-    x = torch.randn(4, 8)
     with torch.no_grad():
         compiled(x)  # compiles: the capture sees only the compiled frame
         snapshot = PythonSnapshot(compiled)
         with Reader(of=compiled) as reader:
             compiled(x)
         snapshot.take()
-    labels = [label for label, _, _, _ in read_values(reader, snapshot.runs[-1])]
+    return [label for label, _, _, _ in read_values(reader, snapshot.runs[-1])]
+
+
+def test_the_reads_of_code_a_compiled_model_inlined_are_guarded() -> None:
+    """``torch.compile`` inlines a child module's forward and the helpers it calls, whose
+    frames then never run during the capture: the reader counts their code as run, so the
+    child's plain value and the helper's global are among what the guard checks."""
+    torch.manual_seed(0)
+    labels = _labels_read_under_compile(value_cases.Outer().eval(), torch.randn(4, 8))
     assert any(label.endswith("inner.gain") for label in labels), labels
     assert "global value_cases.GAIN" in labels, labels
 
@@ -226,20 +230,10 @@ def test_a_value_deep_in_a_compiled_model_is_reached_by_its_shortest_path() -> N
     """A compiled module reaches its model through ``forward``'s closure two levels down
     before the model itself, a root: the walk must reach every object by its shortest path,
     else the deep end of the model (a block's child's value) falls past the depth limit."""
-    from cudagraphs.core import PythonSnapshot, Reader, read_values
-
     torch.manual_seed(0)
     inner = value_cases.Inner()
     for _ in range(4):  # Inner nested in Sequentials: model[0][0][0][0] is the Inner
         inner = torch.nn.Sequential(inner)
     model = torch.nn.Sequential(inner, torch.nn.ReLU()).eval()
-    compiled = torch.compile(model)
-    x = torch.randn(4, 8)
-    with torch.no_grad():
-        compiled(x)
-        snapshot = PythonSnapshot(compiled)
-        with Reader(of=compiled) as reader:
-            compiled(x)
-        snapshot.take()
-    labels = [label for label, _, _, _ in read_values(reader, snapshot.runs[-1])]
+    labels = _labels_read_under_compile(model, torch.randn(4, 8))
     assert any(label.endswith(".gain") for label in labels), labels
