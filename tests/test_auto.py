@@ -331,6 +331,30 @@ def test_a_module_global_changed_after_a_saved_compile_gives_the_new_answer(
 
 
 @pytest.mark.slow
+def test_a_global_function_keys_the_saved_compile_by_name_and_a_swap_gives_the_new_answer(
+    fresh_compile_cache: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A module global holding a function (``POSTPROCESS = halved``) keys the saved file by
+    its importable name, the same in every process (not its repr, which holds an address);
+    swapped after the build, the step gives the new function's answer. A global holding a
+    lambda has no such name: that compile is not saved."""
+    import value_cases
+
+    model = value_cases.Activated().eval()
+    x = torch.randn(4, 8)
+    assert auto_module._key_text(value_cases.halved) == "value_cases.halved"
+    traces = [_build_anew(model, (x,), "activated")[1] for _ in range(2)]
+    call, _ = _build_anew(model, (x,), "activated")
+    assert traces == [1, 0]
+    monkeypatch.setattr(value_cases, "POSTPROCESS", value_cases.doubled)
+    with torch.no_grad():
+        torch.testing.assert_close(call(x), model(x))
+    monkeypatch.setattr(value_cases, "POSTPROCESS", lambda y: y * 3.0)
+    traces = [_build_anew(model, (x,), "activated")[1] for _ in range(2)]
+    assert traces == [1, 1]
+
+
+@pytest.mark.slow
 def test_a_saved_compile_whose_trace_made_up_module_globals_loads_in_a_later_build(
     fresh_compile_cache: object,
 ) -> None:

@@ -54,6 +54,28 @@ def test_a_graph_over_compile_answers_as_eager_and_guards_a_changed_value(compil
         assert g.stats.recaptures == 1
 
 
+@pytest.mark.parametrize("kind", ["child value", "helper global"])
+def test_a_value_read_by_an_inlined_child_changed_after_capture_gives_eager_s_answer(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``torch.compile`` inlines the child's forward and its helper: their frames never run
+    during the capture, and a changed child value or helper global must still be seen."""
+    import value_cases
+
+    torch.manual_seed(0)
+    torch.compiler.reset()
+    model = value_cases.Outer(64).cuda().eval()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(8, 64, device="cuda"), compile=True)
+        if kind == "helper global":
+            monkeypatch.setattr(value_cases, "GAIN", 0.5)
+        else:
+            model.inner.gain = 2.0
+        x = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(g(x), model(x))  # not the recorded value's answer
+        assert g.stats.recaptures == 1
+
+
 @pytest.mark.parametrize("fuse", [True, False])
 def test_the_backend_answers_as_eager_and_sees_in_place_updates(fuse: bool) -> None:
     torch.manual_seed(0)

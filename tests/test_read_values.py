@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import value_cases
-from value_cases import CHANGES, Scaled, gained
+from value_cases import CALLABLE_CHANGES, CHANGES, Activated, Scaled, gained
 
 import cudagraphs as cg
 
@@ -31,6 +31,25 @@ def test_an_attribute_changed_after_capture_captures_again_for_eager_s_answer(
     assert g.stats.recaptures == 1
     assert g(fresh) is not None and g.stats.recaptures == 1  # the new value is the recorded one
     assert any(f"Scaled.{name}" in cause for cause in g.stats.notices)
+
+
+@pytest.mark.parametrize("kind", list(CALLABLE_CHANGES))
+def test_a_function_swapped_after_capture_captures_again_for_eager_s_answer(
+    stand_in: None, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A function held in an attribute or a module global (``model.activation = torch.tanh``
+    after capture) is compared by identity before each replay, as a plain value is."""
+    torch.manual_seed(0)
+    model = Activated()
+    x = torch.randn(4, 8)
+    g = cg.graph(model, x, outputs="clone")
+    torch.testing.assert_close(g(x), model(x))
+    name, value = CALLABLE_CHANGES[kind]
+    monkeypatch.setattr(value_cases if name.isupper() else model, name, value)
+    fresh = torch.randn(4, 8)
+    torch.testing.assert_close(g(fresh), model(fresh))
+    assert g.stats.recaptures == 1
+    assert any(name in cause for cause in g.stats.notices)
 
 
 @pytest.mark.parametrize("kind", ["attribute", "global in a helper"])
@@ -180,3 +199,41 @@ def test_code_a_callable_stands_in_for_is_guarded_as_if_it_ran(stand_in: None) -
     model.scale = 3.0
     plain(x)
     assert plain.stats.recaptures == 0  # without it, nothing it runs reads the value
+
+
+def _labels_read_under_compile(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
+    """What the value guard would check after a capture of ``torch.compile(model)``: the
+    values read by the code the capture's reader counts as run."""
+    from cudagraphs.core import PythonSnapshot, Reader, read_values
+
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        compiled(x)  # compiles: the capture sees only the compiled frame
+        snapshot = PythonSnapshot(compiled)
+        with Reader(of=compiled) as reader:
+            compiled(x)
+        snapshot.take()
+    return [label for label, _, _, _ in read_values(reader, snapshot.runs[-1])]
+
+
+def test_the_reads_of_code_a_compiled_model_inlined_are_guarded() -> None:
+    """``torch.compile`` inlines a child module's forward and the helpers it calls, whose
+    frames then never run during the capture: the reader counts their code as run, so the
+    child's plain value and the helper's global are among what the guard checks."""
+    torch.manual_seed(0)
+    labels = _labels_read_under_compile(value_cases.Outer().eval(), torch.randn(4, 8))
+    assert any(label.endswith("inner.gain") for label in labels), labels
+    assert "global value_cases.GAIN" in labels, labels
+
+
+def test_a_value_deep_in_a_compiled_model_is_reached_by_its_shortest_path() -> None:
+    """A compiled module reaches its model through ``forward``'s closure two levels down
+    before the model itself, a root: the walk must reach every object by its shortest path,
+    else the deep end of the model (a block's child's value) falls past the depth limit."""
+    torch.manual_seed(0)
+    inner = value_cases.Inner()
+    for _ in range(4):  # Inner nested in Sequentials: model[0][0][0][0] is the Inner
+        inner = torch.nn.Sequential(inner)
+    model = torch.nn.Sequential(inner, torch.nn.ReLU()).eval()
+    labels = _labels_read_under_compile(model, torch.randn(4, 8))
+    assert any(label.endswith(".gain") for label in labels), labels

@@ -7,7 +7,7 @@ import pytest
 import torch
 import value_cases
 from torch import nn
-from value_cases import CHANGES, Scaled
+from value_cases import CALLABLE_CHANGES, CHANGES, Activated, Scaled
 
 import cudagraphs as cg
 
@@ -31,6 +31,27 @@ def test_a_value_changed_after_capture_gives_eager_s_answer(
             setattr(model, name, value)
         x = torch.randn(8, 64, device="cuda")
         torch.testing.assert_close(g(x), model(x))  # not the recorded value's answer
+        assert g.stats.recaptures == 1
+        x = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(g(x), model(x))
+        assert g.stats.recaptures == 1 and g.stats.replays >= 2
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("kind", list(CALLABLE_CHANGES))
+def test_a_function_swapped_after_capture_gives_eager_s_answer(
+    kind: str, compile: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model.activation = torch.tanh`` (or a swapped helper, partial or global function)
+    after the capture: the replay must not run the recorded function's kernels."""
+    torch.manual_seed(0)
+    model = Activated(64).cuda().eval()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(8, 64, device="cuda"), compile=compile)
+        name, value = CALLABLE_CHANGES[kind]
+        monkeypatch.setattr(value_cases if name.isupper() else model, name, value)
+        x = torch.randn(8, 64, device="cuda")
+        torch.testing.assert_close(g(x), model(x))  # not the recorded function's answer
         assert g.stats.recaptures == 1
         x = torch.randn(8, 64, device="cuda")
         torch.testing.assert_close(g(x), model(x))

@@ -83,3 +83,60 @@ class HeldActivation(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         activation = self.activation
         return (activation.function if isinstance(activation, Slotted) else activation)(self.fc(x))
+
+
+def halved(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5
+
+
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2.0
+
+
+POSTPROCESS = halved  # a module global holding a function, called by the forward below
+
+
+class Activated(nn.Module):
+    """Functions held in attributes and in a module global pick the kernels a recording
+    launches, as a plain value does."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width).requires_grad_(False)
+        self.activation = torch.relu
+        self.squash = halved
+        self.clip = functools.partial(torch.clamp, min=-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return POSTPROCESS(self.clip(self.squash(self.activation(self.fc(x)))))
+
+
+#: case -> (attribute of Activated, or "POSTPROCESS" of this module; the new function)
+CALLABLE_CHANGES = {
+    "builtin": ("activation", torch.tanh),
+    "function": ("squash", doubled),
+    "partial": ("clip", functools.partial(torch.clamp, min=0.25)),
+    "global": ("POSTPROCESS", doubled),
+}
+
+
+class Inner(nn.Module):
+    """A child whose forward ``torch.compile`` inlines whole (no graph break): a plain value
+    and a helper's global read only there."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width).requires_grad_(False)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gained(self.fc(x)) * self.gain
+
+
+class Outer(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.inner = Inner(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.inner(x))

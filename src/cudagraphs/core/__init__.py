@@ -33,7 +33,15 @@ from .frames import (
 )
 from .graphed import Diagnostics, Graphed, Pool, State, install_diagnostics
 from .guards import AddressGuard, closure_tensors, modules_of
-from .python_values import READS_LIKE, PythonSnapshot, RandomDraws, Reader, ValueWatch, read_values
+from .python_values import (
+    READS_LIKE,
+    PythonSnapshot,
+    RandomDraws,
+    Reader,
+    ValueWatch,
+    is_plain,
+    read_values,
+)
 from .replay import OutputsInUse, StreamOrder
 from .segments import Segments, current_eager_step, eager
 from .signature import NAMESPACE, Signature, flatten, leaf_paths, same_value
@@ -87,6 +95,7 @@ __all__ = [
     "modules_of",
     "named_roots",
     "reachable_tensors",
+    "is_plain",
     "read_values",
     "same_value",
     "storage_key",

@@ -46,8 +46,10 @@ answer. So while the capture runs, :class:`Reader` notes which code ran (every P
 outside torch, the standard library and this library: the user's model and third-party model
 code such as transformers) and the names that code loads (and its identifier-like string
 constants, for ``getattr(obj, "name")``); :func:`read_values` keeps the plain
-values (:func:`is_plain`) that objects the function reaches hold under those names,
-and the module globals of that code under those names. :class:`ValueWatch` compares them
+values (:func:`is_plain`) and the functions (:func:`is_watched`: ``self.activation =
+torch.relu``, a ``functools.partial``, a bound method) that objects the function reaches hold
+under those names, and the module globals of that code under those names. :class:`ValueWatch`
+compares them
 before each replay (identity first, then equality), and a changed value makes the guard stale:
 the graph captures again for the new value (``on_stale="recapture"``, logged once per value)
 or raises :class:`~cudagraphs.errors.StaleGraphError` naming it (``on_stale="raise"``).
@@ -60,6 +62,7 @@ Right::
 
     g = cg.graph(model, x)
     model.scale = 2.0          # seen at the next call: captured again, eager's answer
+    model.activation = torch.tanh   # a held function, compared by identity: the same
     y = g(x)
 
 Wrong (a value the graph cannot see, so no guard can either)::
@@ -85,7 +88,7 @@ from .compat import OPS_DISPATCH_MODE, op_argument_defaults, op_argument_names, 
 from .frames import callable_name, is_model_code, user_frame
 from .guards import compiled_module
 from .signature import same_value
-from .writes import walk
+from .writes import is_compiled, walk
 
 __all__ = [
     "READS_LIKE",
@@ -94,10 +97,17 @@ __all__ = [
     "PythonSnapshot",
     "ValueWatch",
     "is_plain",
+    "is_watched",
     "read_values",
 ]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
+#: Callables held in an attribute or a global (``self.activation = torch.relu``): which one
+#: ran picked the recorded kernels as a plain value does, so the guard compares them too, by
+#: identity (an equal but new ``functools.partial`` costs a recapture, never a wrong answer).
+_BY_IDENTITY = (
+    types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial
+)  # fmt: skip
 # nn.Module's own bookkeeping: not the model's state.
 _MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
 
@@ -109,6 +119,12 @@ def is_plain(value: Any, depth: int = 0) -> bool:
     if isinstance(value, tuple) and depth < 3 and len(value) <= 64:
         return all(is_plain(v, depth + 1) for v in value)
     return False
+
+
+def is_watched(value: Any) -> bool:
+    """A value the guard compares before each replay: a plain value, or a function held by
+    identity (:data:`_BY_IDENTITY`)."""
+    return is_plain(value) or isinstance(value, _BY_IDENTITY)
 
 
 _Key = tuple[int, str]  # (id of the owner, attribute)
@@ -134,7 +150,7 @@ class PythonSnapshot:
             if not isinstance(attributes, dict) or _not_state(obj):
                 continue
             for key, value in list(attributes.items())[:1000]:
-                if key in _MODULE_INTERNALS or not is_plain(value):
+                if key in _MODULE_INTERNALS or not is_watched(value):
                     continue
                 values[(id(obj), key)] = (f"{name}.{key}", value, obj)
         return values
@@ -151,6 +167,8 @@ class PythonSnapshot:
             for key, (name, was, _) in before.items():
                 if key not in after or name in found or self._is_harmless(name):
                     continue
+                if not is_plain(was):  # a held function: guarded after the capture only
+                    continue
                 now = after[key][1]
                 if not _same(now, was):
                     found[name] = (name, was, now)
@@ -165,7 +183,7 @@ class PythonSnapshot:
         latest = self.runs[-1] if self.runs else {}
         for key, (_, was, obj) in self.first.items():
             now = latest.get(key)
-            if now is not None and not _same(now[1], was):
+            if now is not None and is_plain(was) and not _same(now[1], was):
                 try:
                     setattr(obj, key[1], was)
                 except (AttributeError, TypeError):  # a read-only or slotted attribute
@@ -271,6 +289,8 @@ class Reader:
 
     def __init__(self, of: Any = None) -> None:
         self.codes: dict[types.CodeType, dict[str, Any]] = dict(getattr(of, READS_LIKE, None) or {})
+        if of is not None and is_compiled(of):
+            self.codes.update(compiled_code(of))
         self._outside: dict[str, bool] = {}  # filename -> user code?
         self._previous: Any = None
 
@@ -312,6 +332,50 @@ class Reader:
         return names
 
 
+def compiled_code(fn: Any, limit: int = 20000) -> dict[types.CodeType, dict[str, Any]]:
+    """The model code a ``torch.compile``'d ``fn`` may stand in for, with its globals.
+
+    Dynamo inlines the forwards of child modules and the helpers they call into one compiled
+    frame, so their own frames never run and a :class:`Reader` would miss the names they load
+    (``self.gain`` in a child's forward). So every function of each module class ``fn``
+    reaches (its methods, through the classes it derives from), each function ``fn`` reaches,
+    the functions their code names as globals, and the code nested in theirs, count as run.
+    More than ran: a name loaded by code that did not run is guarded too, and its change costs
+    a recapture, never a wrong answer."""
+    found: dict[types.CodeType, dict[str, Any]] = {}
+    stack: list[Any] = []
+    classes: set[type] = set()
+    for _, obj in walk(fn):
+        if isinstance(obj, (types.FunctionType, types.MethodType)):
+            stack.append(getattr(obj, "__func__", obj))
+        elif isinstance(obj, torch.nn.Module) and type(obj) not in classes:
+            classes.add(type(obj))
+            for cls in type(obj).__mro__:
+                for member in vars(cls).values():
+                    member = getattr(member, "__func__", member)  # static and class methods
+                    if isinstance(member, types.FunctionType):
+                        stack.append(member)
+    seen: set[int] = set()
+    while stack and len(seen) < limit:
+        function = stack.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        namespace = function.__globals__
+        codes = [function.__code__]
+        while codes:
+            code = codes.pop()
+            if code in found or not is_model_code(code.co_filename):
+                continue
+            found[code] = namespace
+            codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+            stack.extend(
+                namespace[name] for name in code.co_names
+                if isinstance(namespace.get(name), types.FunctionType)
+            )  # fmt: skip
+    return found
+
+
 def _identifiers(constants: tuple[Any, ...]) -> Iterable[str]:
     for constant in constants:
         if isinstance(constant, str) and constant.isidentifier():
@@ -336,9 +400,11 @@ def read_values(
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
         module = namespace.get("__name__", "?")
+        if module.startswith("torch."):  # Inductor's generated code: its kernels, not a model's
+            continue
         for name in code.co_names:
             value = namespace.get(name, _MISSING)
-            if (id(namespace), name) in seen or value is _MISSING or not is_plain(value):
+            if (id(namespace), name) in seen or value is _MISSING or not is_watched(value):
                 continue
             seen.add((id(namespace), name))
             label = f"global {module}.{name}"

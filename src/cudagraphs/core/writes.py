@@ -33,6 +33,7 @@ and any extra roots (the call's plain arguments). :func:`reachable_tensors` keep
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import inspect
 import logging
@@ -411,12 +412,15 @@ def walk(fn: Callable[..., Any], roots: Iterable[Any] = ()) -> Iterator[tuple[st
     """``(name, object)`` for each object ``fn`` can reach, once each; tensors are yielded but
     not entered, plain values are not yielded (read them from their owner's ``__dict__``)."""
     seen: set[int] = set()
-    stack: list[tuple[str, Any, int]] = [
-        (name, value, 0) for name, value in reversed(named_roots(fn))
-    ]
+    # Breadth first: each object is reached by its shortest path, so one reached deep first
+    # (a compiled module's model, also two levels down its forward's closure) keeps the
+    # depth its own root gives it, and the deep end of the model is not cut off.
+    stack: collections.deque[tuple[str, Any, int]] = collections.deque(
+        (name, value, 0) for name, value in named_roots(fn)
+    )
     stack.extend((f"argument {type(r).__name__}", r, 0) for r in roots)
     while stack and len(seen) < _MAX_OBJECTS:
-        name, obj, depth = stack.pop()
+        name, obj, depth = stack.popleft()
         if isinstance(obj, _OPAQUE) or id(obj) in seen:
             continue
         seen.add(id(obj))

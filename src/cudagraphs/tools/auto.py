@@ -60,6 +60,7 @@ from ..core import (
     callable_name,
     compat,
     flatten,
+    is_plain,
     modules_of,
     reachable_tensors,
     read_values,
@@ -343,13 +344,14 @@ def _graph_over_saved_compile(
         json.dumps(
             [key, repr(sorted((settings["options"] or {}).items())), settings["mode"], inductor,
              torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(),
-             [(label, repr(value)) for label, _, _, value in read], identities]
+             [(label, _key_text(value)) for label, _, _, value in read], identities]
         ).encode()
     ).hexdigest()[:32]  # fmt: skip
     traced = compat.with_builtins_in_globals(_call_target)
     # Any model, so no config names what its attributes hold: only a trace whose saved guards
     # check everything it read off the model is saved.
     unnamed = next((path for path, name in identities if not name), "")
+    unnamed = unnamed or next((label for label, _, _, v in read if not _key_text(v)), "")
     saved = SavedCompile(
         traced, settings, dynamic=False, key=f"auto-{step_key}",
         keyed_identities={n for _, names in identities for n in names.split(" ") if n},
@@ -367,6 +369,12 @@ def _graph_over_saved_compile(
 
     setattr(compiled, READS_LIKE, reader.codes)
     return graph(compiled, *args)
+
+
+def _key_text(value: Any) -> str:
+    """How a value the model read keys a saved file, the same in every process: a plain
+    value's repr, a function's importable name ("" for one without: a lambda, a partial)."""
+    return repr(value) if is_plain(value) else compat.qualified_name(value)
 
 
 def _identities(model: Any) -> list[tuple[str, str]]:
