@@ -9,8 +9,8 @@ that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
   cublas        ``F.linear(x, w)``, as the Decoder's fused-projection operator runs it
   inductor-cd   ``torch.compile`` of the same with ``coordinate_descent_tuning``: Inductor turns
                 a one-row product into a reduction and tunes its blocks
-  triton        a matrix-vector kernel written here (one program per block of output rows,
-                looping over the inputs), autotuned over block sizes and warps
+  triton        the library's matrix-vector kernel (``integrations/matvec.py``: one program per
+                block of output rows, looping over the inputs), autotuned over block sizes
 
 Each is captured in a CUDA graph of 20 calls and replayed, so launch gaps are as in a decode
 graph; µs per call is the median of 7 replays. GB/s counts the weight's bytes once per call.
@@ -37,44 +37,6 @@ SHAPES = (
     ("down", 2048, 5632),
     ("vocabulary head", 32000, 2048),
 )
-
-
-def triton_gemv() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``y = x @ w.T`` for one row ``x`` (1, K) and ``w`` (N, K), contiguous, as a Triton kernel."""
-    import triton
-    import triton.language as tl
-
-    configs = [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-        for n in (4, 8, 16, 32)
-        for k in (128, 256, 512)
-        for w in (2, 4, 8)
-    ]
-
-    @triton.autotune(configs=configs, key=["N", "K"])
-    @triton.jit
-    def kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            k = start + cols
-            w = tl.load(
-                w_ptr + rows[:, None] * K + k[None, :],
-                mask=(rows[:, None] < N) & (k[None, :] < K),
-                other=0.0,
-            )
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x[None, :].to(tl.float32), axis=1)
-        tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=rows < N)
-
-    def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        n, k = w.shape
-        y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, y, n, k)
-        return y
-
-    return gemv
 
 
 def graphed_us(fn: Callable[[], Any], calls: int = 20, repeats: int = 7) -> float:
@@ -106,8 +68,9 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_probe.py needs a CUDA GPU")
+    from cudagraphs.integrations.matvec import matvec
+
     torch.manual_seed(0)
-    gemv = triton_gemv()
     compiled = torch.compile(
         lambda x, w: F.linear(x, w), options={"coordinate_descent_tuning": True}, dynamic=False
     )
@@ -121,7 +84,7 @@ def main() -> int:
         ways = {
             "cublas": lambda x=x, w=w: F.linear(x, w),
             "inductor-cd": lambda x=x, w=w: compiled(x, w),
-            "triton": lambda x=x, w=w: gemv(x, w),
+            "triton": lambda x=x, w=w: matvec(x, w),
         }
         expected = F.linear(x, w).float()
         for way, fn in ways.items():
