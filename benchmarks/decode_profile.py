@@ -15,6 +15,7 @@ model of the same seed.
     python benchmarks/decode_profile.py --model llama-2048 --sdpa flash
     python benchmarks/decode_profile.py --variants unfused,fused
     python benchmarks/decode_profile.py --option triton.enable_pdl=True
+    python benchmarks/decode_profile.py --matvec
 
 ``--sdpa`` picks scaled-dot-product attention's kernel (``torch.nn.attention.sdpa_kernel``) for
 the construction (compile and captures) and every request; ``default`` leaves PyTorch's choice.
@@ -70,6 +71,10 @@ def profile(args: argparse.Namespace, fuse: bool = True) -> dict[str, Any]:
         if not isinstance(compile_mode, dict) and compile_mode is not True:
             raise SystemExit("--option goes with --compile default or coordinate-descent")
         compile_mode = {**base, **dict(_option(o) for o in args.option)}
+    if args.matvec and fuse:  # the Decoder keeps groups fused by an earlier call as they are
+        from cudagraphs.integrations.fused_projections import fuse_projections
+
+        fuse_projections(model, matvec=True)
     start = time.perf_counter()
     decoder = Decoder(
         model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode,
@@ -124,6 +129,7 @@ def profile(args: argparse.Namespace, fuse: bool = True) -> dict[str, Any]:
         "compile_argument": repr(compile_mode),
         "sdpa": args.sdpa,
         "attention": args.attention,
+        "matvec": args.matvec,
         "setup_s": setup_s,
         "cache_length": args.max_length,
         "prompt": args.prompt,
@@ -176,7 +182,8 @@ def markdown(r: dict[str, Any]) -> list[str]:
         f"Hardware: {r['hardware']}, torch {r['torch']}; {r['model']} ({r['dtype']}), batch 1, "
         f"`Decoder(compile={r.get('compile_argument', repr(r['compile']))}{fused})`, "
         f"attention {r.get('attention', 'sdpa')} (kernel {r.get('sdpa', 'default')}), "
-        f"cache length {r['cache_length']}, a request of {r['prompt']} + {r['new']} tokens (the "
+        + ("fused products of one row by the Triton kernel, " if r.get("matvec") else "")
+        + f"cache length {r['cache_length']}, a request of {r['prompt']} + {r['new']} tokens (the "
         "profiled one; the timed one before it unprofiled).",
         "",
         f"- tokens/s {r['tokens_per_s']:.1f}; wall {r['wall_us_per_token']:.1f} µs per token; "
@@ -233,6 +240,11 @@ def main() -> None:
         default="default",
         choices=["default", "flash", "efficient", "cudnn", "math"],
         help="scaled-dot-product attention's kernel (default: PyTorch's choice)",
+    )
+    p.add_argument(
+        "--matvec",
+        action="store_true",
+        help="the fused products of one row by the Triton kernel of integrations/matvec.py",
     )
     p.add_argument(
         "--attention",

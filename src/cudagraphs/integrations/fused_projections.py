@@ -60,6 +60,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..options import check_bool
+from .matvec import linear as matvec_linear
+
 __all__ = ["FusedLinear", "FusionReport", "fuse_projections", "rows_linear", "unfuse_projections"]
 
 #: The groups fused, by the names of the projections as transformers' decoder layers call them.
@@ -92,28 +95,33 @@ def _back_to_back(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 
 @torch.library.custom_op("cudagraphs::rows_linear", mutates_args=())
 def rows_linear(
-    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], matvec: bool = False
 ) -> torch.Tensor:
     """``cat([linear(x, w_i, b_i)], -1)``: one product where the weights (and biases) lie back
-    to back in one buffer, one per weight otherwise. ``biases``: one per weight, or none."""
+    to back in one buffer, one per weight otherwise. ``biases``: one per weight, or none.
+    ``matvec``: the one product of one row by the Triton kernel (``integrations/matvec.py``)
+    where it applies."""
     weight = _back_to_back(weights)
     bias = _back_to_back(biases) if biases else None
     if weight is not None and (bias is not None or not biases):
-        return F.linear(x, weight, bias)
+        return matvec_linear(x, weight, bias) if matvec else F.linear(x, weight, bias)
     pairs = zip(weights, biases) if biases else ((w, None) for w in weights)
     return torch.cat([F.linear(x, w, b) for w, b in pairs], dim=-1)
 
 
 @rows_linear.register_fake
-def _(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+def _(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], matvec: bool = False
+) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
 
 
 class _Group:
     """The projections of one group and the outputs the first call computed for the others."""
 
-    def __init__(self, members: Sequence[nn.Linear]):
+    def __init__(self, members: Sequence[nn.Linear], matvec: bool = False):
         self.members = tuple(members)
+        self.matvec = matvec
         self.sizes = [m.out_features for m in members]
         self.pending: tuple[torch.Tensor, list[torch.Tensor | None]] | None = None
 
@@ -132,7 +140,7 @@ class _Group:
             return F.linear(x, weights[index], biases[index])  # a bias removed since fusing
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             return F.linear(x, weights[index], biases[index])  # the operator has no backward
-        fused = rows_linear(x, weights, [b for b in biases if b is not None])
+        fused = rows_linear(x, weights, [b for b in biases if b is not None], self.matvec)
         outputs = list(fused.split(self.sizes, dim=-1))
         out = outputs[index]
         outputs[index] = None
@@ -189,9 +197,12 @@ def _why_not(members: Sequence[Any]) -> str:
     return ""
 
 
-def fuse_projections(model: nn.Module) -> FusionReport:
+def fuse_projections(model: nn.Module, matvec: bool = False) -> FusionReport:
     """Fuse every q/k/v and gate/up group of ``model``'s layers in place (see the module doc);
-    the report lists what was fused and what was not, and why."""
+    the report lists what was fused and what was not, and why. ``matvec``: a product of one
+    row (batch-1 decoding) runs the Triton kernel of ``integrations/matvec.py`` where it
+    applies (groups fused by an earlier call keep their own setting)."""
+    check_bool("matvec", matvec, "it says whether a one-row product runs the Triton kernel")
     report = FusionReport()
     for name, module in model.named_modules():
         for group in GROUPS:
@@ -206,12 +217,12 @@ def fuse_projections(model: nn.Module) -> FusionReport:
             if why:
                 report.refused.append(f"{label}: {why}")
                 continue
-            _fuse(members)
+            _fuse(members, matvec)
             report.fused.append(label)
     return report
 
 
-def _fuse(members: Sequence[nn.Linear]) -> None:
+def _fuse(members: Sequence[nn.Linear], matvec: bool = False) -> None:
     with torch.no_grad():
         for attribute in ("weight", "bias"):
             params = [getattr(m, attribute) for m in members]
@@ -222,7 +233,7 @@ def _fuse(members: Sequence[nn.Linear]) -> None:
             for p in params:
                 p.data = buffer[start : start + p.shape[0]]  # the same Parameter, new rows
                 start += p.shape[0]
-    group = _Group(members)
+    group = _Group(members, matvec)
     for index, m in enumerate(members):
         m._unfused_class = type(m)  # type: ignore[attr-defined]
         m.__class__ = FusedLinear

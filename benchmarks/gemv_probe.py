@@ -1,0 +1,105 @@
+"""The batch-1 products of a decode step, each on its own: how much of the memory bandwidth
+cuBLAS, Inductor's coordinate-descent reduction and a Triton matrix-vector kernel reach.
+
+At batch 1 a decode step's products read each weight once for one row of activations, so their
+speed is the bandwidth they reach. ``decode_profile.py`` shows cuBLAS reaching about a third of
+it on the 1.1 B Llama shape's q/k/v and o products. This probe times, for each product shape of
+that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
+
+  cublas        ``F.linear(x, w)``, as the Decoder's fused-projection operator runs it
+  inductor-cd   ``torch.compile`` of the same with ``coordinate_descent_tuning``: Inductor turns
+                a one-row product into a reduction and tunes its blocks
+  triton        the library's matrix-vector kernel (``integrations/matvec.py``: one program per
+                block of output rows, looping over the inputs), autotuned over block sizes
+
+Each is captured in a CUDA graph of 20 calls and replayed, so launch gaps are as in a decode
+graph; µs per call is the median of 7 replays. GB/s counts the weight's bytes once per call.
+
+    python benchmarks/gemv_probe.py [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+#: (name, output features N, input features K) of the 1.1 B Llama shape's products
+SHAPES = (
+    ("q/k/v fused", 2560, 2048),
+    ("o", 2048, 2048),
+    ("gate/up fused", 11264, 2048),
+    ("down", 2048, 5632),
+    ("vocabulary head", 32000, 2048),
+)
+
+
+def graphed_us(fn: Callable[[], Any], calls: int = 20, repeats: int = 7) -> float:
+    """µs per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (median of repeats)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gemv_probe.py needs a CUDA GPU")
+    from cudagraphs.integrations.matvec import matvec
+
+    torch.manual_seed(0)
+    compiled = torch.compile(
+        lambda x, w: F.linear(x, w), options={"coordinate_descent_tuning": True}, dynamic=False
+    )
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, one input row")
+    print("| product | N x K | way | µs per call | GB/s | max error vs cublas |")
+    print("|---|---|---|---|---|---|")
+    for name, n, k in SHAPES:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ways = {
+            "cublas": lambda x=x, w=w: F.linear(x, w),
+            "inductor-cd": lambda x=x, w=w: compiled(x, w),
+            "triton": lambda x=x, w=w: matvec(x, w),
+        }
+        expected = F.linear(x, w).float()
+        for way, fn in ways.items():
+            error = (fn().float() - expected).abs().max().item()
+            us = graphed_us(fn)
+            gbs = n * k * 2 / (us * 1e-6) / 1e9
+            rows.append({"product": name, "n": n, "k": k, "way": way, "us": us, "gb_per_s": gbs,
+                         "max_error": error})  # fmt: skip
+            print(f"| {name} | {n} x {k} | {way} | {us:.2f} | {gbs:.0f} | {error:.2e} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "rows": rows}, f, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
