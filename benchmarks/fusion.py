@@ -229,6 +229,7 @@ def child(name: str, windows: int, only: list[str]) -> dict[str, Any]:
         )
     for mode, timing in timed.items():
         rows[mode]["us"] = timing.latency_us
+        rows[mode]["throughput_us"] = timing.throughput_us  # calls back to back
     return {"model": name, "rows": rows, "gpu": torch.cuda.get_device_name()}
 
 
