@@ -28,15 +28,21 @@ def test_matvec_equals_f_linear_within_rounding(n: int, k: int, dtype: torch.dty
     assert not applies(torch.randn(2, k, device="cuda", dtype=dtype), w)  # two rows
 
 
-def test_a_fused_llama_asked_for_matvec_gives_the_plain_model_s_logits() -> None:
+def test_a_fused_llama_asked_for_matvec_is_as_close_to_float32_as_the_plain_one() -> None:
+    """bf16 rounds each product differently in the two kernels, and a difference grows through
+    the layers; so both answers are held against the same model in float32: the matvec one may
+    not be further from it than twice the plain bf16 model's own distance."""
     from cudagraphs.tools.workloads import random_llama
 
     model = random_llama("llama-512", "cuda", torch.bfloat16)
-    plain = copy.deepcopy(model)
+    plain, reference = copy.deepcopy(model), copy.deepcopy(model).float()
     report = fuse_projections(model, matvec=True)
     assert report.fused and not report.refused
-    ids = torch.randint(0, 32000, (1, 12), device="cuda")
+    ids = torch.randint(0, 32000, (1, 1), device="cuda")
+    position = torch.tensor([[11]], device="cuda")
     with torch.no_grad():
-        got = model(ids[:, -1:], position_ids=torch.tensor([[11]], device="cuda")).logits
-        expected = plain(ids[:, -1:], position_ids=torch.tensor([[11]], device="cuda")).logits
-    torch.testing.assert_close(got.float(), expected.float(), rtol=5e-2, atol=5e-2)
+        got, bf16, exact = (
+            m(ids, position_ids=position).logits.float() for m in (model, plain, reference)
+        )
+    plain_error = (bf16 - exact).abs().max().item()
+    assert 0 < (got - exact).abs().max().item() <= 2 * plain_error + 1e-2
