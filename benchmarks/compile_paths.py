@@ -2,14 +2,17 @@
 
     python benchmarks/compile_paths.py [--model efficientnet_b0] [--json PATH]
 
-Builds, in this order: ``cg.graph(model, x, compile=True)``; ``cg.auto`` limited to its graph over
-a saved compile (``candidates=["graph over compile"]``); ``cg.graph(model, x, compile=True)``
-again, captured last; and the plain ``cg.graph(model, x)``. Then, for each: the output against
+Builds, in this order: the plain ``cg.graph(model, x)``; ``cg.graph(model, x, compile=True)``;
+``cg.auto`` limited to its graph over a saved compile (``candidates=["graph over compile"]``);
+``cg.graph(model, x, compile=True)`` again; and the plain ``cg.graph(model, x)`` again, so each
+of the two ``cg.graph`` ways is captured once first and once last. Then, for each: the output against
 eager on a fresh input; latency (a synchronize after each call) and throughput (calls back to
 back), interleaved windows (``cudagraphs.tools.timing``); the host time of one call without
 waiting for the GPU (median of 20); and the kernels one call runs and their GPU time
-(``torch.profiler``). Same kernels and GPU time with different latency point at the host side
-of a call; the two ``compile=True`` graphs differ only in the order of capture. Models are
+(``torch.profiler``), with the names of the costliest. Same kernels and GPU time with
+different latency point at the host side of a call; the same way captured first and last
+differs only in the order of capture (a library choosing another kernel for it shows in the
+names). Models are
 ``benchmarks/fusion.py``'s, fp32 with TF32 off.
 """
 
@@ -40,8 +43,9 @@ def host_us(call: Any, args: tuple[Any, ...]) -> float:
     return statistics.median(times) * 1e6
 
 
-def kernels(call: Any, args: tuple[Any, ...], calls: int = 5) -> tuple[float, float]:
-    """Kernels per call and their GPU µs per call, from the profiler."""
+def kernels(call: Any, args: tuple[Any, ...], calls: int = 5) -> tuple[float, float, list[str]]:
+    """Kernels per call, their GPU µs per call, and the three costliest kernels' names with their
+    µs per call, from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -49,7 +53,12 @@ def kernels(call: Any, args: tuple[Any, ...], calls: int = 5) -> tuple[float, fl
             call(*args)
         torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type.name == "CUDA"]
-    return len(events) / calls, sum(e.device_time for e in events) / calls
+    by_name: dict[str, float] = {}
+    for e in events:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.device_time / calls
+    costliest = sorted(by_name.items(), key=lambda item: -item[1])[:3]
+    named = [f"{us:.1f} {name[:70]}" for name, us in costliest]
+    return len(events) / calls, sum(e.device_time for e in events) / calls, named
 
 
 def main() -> int:
@@ -62,12 +71,13 @@ def main() -> int:
     model, x = build(args.model)
     with torch.no_grad():
         builders = {
+            "cg.graph, captured first": lambda: cg.graph(model, *x),
             "compile=True, captured first": lambda: cg.graph(model, *x, compile=True),
             "cg.auto, graph over a saved compile": lambda: cg.auto(
                 model, *x, candidates=["graph over compile"], reuse=False
             ),
             "compile=True, captured last": lambda: cg.graph(model, *x, compile=True),
-            "cg.graph": lambda: cg.graph(model, *x),
+            "cg.graph, captured last": lambda: cg.graph(model, *x),
         }
         calls = {}
         for name, make in builders.items():
@@ -86,13 +96,16 @@ def main() -> int:
         print("|---|---|---|---|---|---|---|")
         for name, call in calls.items():
             error = (call(*probe) - expected).abs().max().item()
-            count, gpu_us = kernels(call, inputs[0])
+            count, gpu_us, costliest = kernels(call, inputs[0])
             row = {"way": name, "max_error": error, "latency_us": timed[name].latency_us,
                    "throughput_us": timed[name].throughput_us,
-                   "host_us": host_us(call, inputs[0]), "kernels": count, "kernel_us": gpu_us}  # fmt: skip
+                   "host_us": host_us(call, inputs[0]), "kernels": count, "kernel_us": gpu_us,
+                   "costliest": costliest}  # fmt: skip
             rows.append(row)
             print(f"| {name} | {error:.1e} | {row['latency_us']:.1f} | {row['throughput_us']:.1f} "
                   f"| {row['host_us']:.1f} | {count:.0f} | {gpu_us:.1f} |")  # fmt: skip
+    for row in rows:
+        print(f"- {row['way']}: " + "; ".join(row["costliest"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "model": args.model, "rows": rows}, f)
