@@ -105,8 +105,11 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
 #: Callables held in an attribute or a global (``self.activation = torch.relu``): which one
 #: ran picked the recorded kernels as a plain value does, so the guard compares them too, by
 #: identity (an equal but new ``functools.partial`` costs a recapture, never a wrong answer).
+#: So are modules held outside a module (a policy object's ``self.head``, a global ``model``):
+#: a new one in that slot has its own parameters, which the recording never read.
 _BY_IDENTITY = (
-    types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial
+    types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
+    torch.nn.Module,
 )  # fmt: skip
 # nn.Module's own bookkeeping: not the model's state.
 _MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
@@ -122,8 +125,8 @@ def is_plain(value: Any, depth: int = 0) -> bool:
 
 
 def is_watched(value: Any) -> bool:
-    """A value the guard compares before each replay: a plain value, or a function held by
-    identity (:data:`_BY_IDENTITY`)."""
+    """A value the guard compares before each replay: a plain value, or a function or module
+    held by identity (:data:`_BY_IDENTITY`)."""
     return is_plain(value) or isinstance(value, _BY_IDENTITY)
 
 
