@@ -120,7 +120,7 @@ def test_the_snapshot_reaches_closures_caches_and_arguments() -> None:
 
     def step(x: torch.Tensor, c: Any) -> torch.Tensor:
         c.layers[0].length += 1
-        state["steps"] += 1  # a dict entry, not an instance attribute: not inspected
+        state["steps"] += 1  # a plain dict's entry is inspected as an attribute is
         return x
 
     snapshot = Snapshot(step, [cache])
@@ -128,11 +128,15 @@ def test_the_snapshot_reaches_closures_caches_and_arguments() -> None:
         step(torch.ones(1), cache)
         snapshot.take()
     changes = snapshot.changes()
-    assert [name for name, _, _ in changes] == ["argument SimpleNamespace.layers[0].length"]
+    assert sorted(name for name, _, _ in changes) == [
+        "argument SimpleNamespace.layers[0].length",
+        "state['steps']",
+    ]
     with pytest.raises(cg.FrozenStateError, match="length was 1, became 2"):
         snapshot.check(restore=True)
     assert layer.length == 0  # put back
-    steady = Snapshot(step, [cache], harmless=("length",))
+    assert state["steps"] == 0  # put back too
+    steady = Snapshot(step, [cache], harmless=("length", "state['steps']"))
     for _ in range(3):
         step(torch.ones(1), cache)
         steady.take()

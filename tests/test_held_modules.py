@@ -1,7 +1,8 @@
 """Modules held outside a module are guarded as a module's are: an RL policy as a plain object
-of the user's class with ``__call__`` (its networks are attributes), and a module global a step
-function reads. Before, neither was found: a replaced network, parameter or ``.data``, or a
-global bound to another module, replayed the recorded weights. On the CPU the stand-in freezes
+of the user's class with ``__call__`` (its networks are attributes or dict entries), and a
+module global a step function reads. Before, neither was found: a replaced network, parameter
+or ``.data``, a plain value of the policy or of a dict it holds, or a global bound to another
+module, replayed the recorded answer. On the CPU the stand-in freezes
 like a graph (conftest.py), so the old answer would show here; the GPU versions are in
 test_held_modules_cuda.py."""
 
@@ -40,7 +41,7 @@ def test_a_policy_objects_weights_updated_in_place_replay_without_recapture(
     x = torch.randn(4, 8)
     with torch.no_grad():
         g = cg.graph(policy, x)
-        assert g.stats.guarded_tensors >= 4  # both networks' weights and biases
+        assert g.stats.guarded_tensors >= 6  # the three networks' weights and biases
         policy.head.weight.mul_(2.0)  # an RL weight sync writes in place
         torch.testing.assert_close(g(x), policy(x))
         assert g.stats.recaptures == 0

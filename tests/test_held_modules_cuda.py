@@ -17,6 +17,7 @@ pytestmark = pytest.mark.cuda
 
 def _on_gpu(policy: Policy) -> Policy:
     policy.body, policy.head = policy.body.cuda(), policy.head.cuda()
+    policy.extra["critic"] = policy.extra["critic"].cuda()
     return policy
 
 

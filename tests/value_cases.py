@@ -150,9 +150,11 @@ class Policy:
         self.body = nn.Linear(obs, hidden).requires_grad_(False)
         self.head = nn.Linear(hidden, actions).requires_grad_(False)
         self.temperature = 1.0
+        self.extra = {"critic": nn.Linear(obs, actions).requires_grad_(False), "scale": 1.0}
 
     def __call__(self, observations: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.head(torch.relu(self.body(observations)))) / self.temperature
+        action = torch.tanh(self.head(torch.relu(self.body(observations)))) / self.temperature
+        return action + self.extra["critic"](observations) * self.extra["scale"]
 
 
 NET = nn.Linear(8, 8).requires_grad_(False)  # a module global a step function reads
@@ -178,10 +180,20 @@ def _set_temperature(policy: Policy) -> None:
     policy.temperature = 2.0
 
 
+def _replace_critic(policy: Policy) -> None:
+    policy.extra["critic"] = nn.Linear(8, 4).requires_grad_(False)
+
+
+def _set_scale(policy: Policy) -> None:
+    policy.extra["scale"] = 0.5
+
+
 #: case -> how the policy is changed after capture; each one must be seen before a replay
 POLICY_CHANGES = {
     "module replaced": _replace_head,
     "parameter replaced": _replace_parameter,
     "data swapped": _swap_data,
     "plain value": _set_temperature,
+    "module in a dict replaced": _replace_critic,
+    "plain value in a dict": _set_scale,
 }

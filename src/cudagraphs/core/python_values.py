@@ -133,6 +133,15 @@ def is_watched(value: Any) -> bool:
 _Key = tuple[int, str]  # (id of the owner, attribute)
 
 
+def _slots_of(obj: Any) -> dict[str, Any] | None:
+    """Where ``obj`` keeps the values a program reads by name: an object's ``__dict__``, or a
+    plain dict itself (``self.nets["value"]``, ``self.cfg["scale"]``); ``None`` for others."""
+    if type(obj) is dict:
+        return obj if all(isinstance(k, str) for k in list(obj)[:1000]) else None
+    attributes = getattr(obj, "__dict__", None)
+    return attributes if isinstance(attributes, dict) else None
+
+
 class PythonSnapshot:
     """The plain values ``fn`` can reach; :meth:`take` after each run, :meth:`check` at the
     end of the capture."""
@@ -149,13 +158,14 @@ class PythonSnapshot:
     def _values(self) -> dict[_Key, tuple[str, Any, Any]]:
         values: dict[_Key, tuple[str, Any, Any]] = {}
         for name, obj in walk(self.fn, self.roots):
-            attributes = getattr(obj, "__dict__", None)
-            if not isinstance(attributes, dict) or _not_state(obj):
+            attributes = _slots_of(obj)
+            if attributes is None or _not_state(obj):
                 continue
             for key, value in list(attributes.items())[:1000]:
                 if key in _MODULE_INTERNALS or not is_watched(value):
                     continue
-                values[(id(obj), key)] = (f"{name}.{key}", value, obj)
+                label = f"{name}[{key!r}]" if attributes is obj else f"{name}.{key}"
+                values[(id(obj), key)] = (label, value, obj)
         return values
 
     def take(self) -> None:
@@ -188,7 +198,10 @@ class PythonSnapshot:
             now = latest.get(key)
             if now is not None and is_plain(was) and not _same(now[1], was):
                 try:
-                    setattr(obj, key[1], was)
+                    if type(obj) is dict:
+                        obj[key[1]] = was
+                    else:
+                        setattr(obj, key[1], was)
                 except (AttributeError, TypeError):  # a read-only or slotted attribute
                     continue
 
@@ -397,8 +410,8 @@ def read_values(
     found: list[tuple[str, dict[str, Any], str, Any]] = []
     for (_, key), (label, value, owner) in reached.items():
         if key in names and not _harmless(label, harmless):
-            namespace = getattr(owner, "__dict__", None)
-            if isinstance(namespace, dict) and namespace.get(key, _MISSING) is value:
+            namespace = _slots_of(owner)
+            if namespace is not None and namespace.get(key, _MISSING) is value:
                 found.append((label, namespace, key, value))
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
