@@ -144,6 +144,29 @@ def test_the_snapshot_reaches_closures_caches_and_arguments() -> None:
     assert layer.length == 3
 
 
+def test_a_dict_the_librarys_own_object_holds_is_not_the_users_state() -> None:
+    class Registry:  # stands for one of the library's objects (a graph's counters)
+        pass
+
+    Registry.__module__ = "cudagraphs.registry"
+    registry = Registry()
+    registry.counts = {"replays": 0}  # type: ignore[attr-defined]
+    settings = {"scale": 1.0}
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        registry.counts["replays"] += 1  # type: ignore[attr-defined]
+        return x * settings["scale"]
+
+    snapshot = Snapshot(step)
+    for _ in range(3):
+        step(torch.ones(1))
+        snapshot.take()
+    assert snapshot.changes() == []
+    labels = {label for label, _, _ in snapshot.runs[-1].values()}
+    assert "settings['scale']" in labels
+    assert not any("replays" in label for label in labels)
+
+
 def replayer_with(in_use: list[bool]) -> Replayer:
     x = torch.randn(3)
     signature, leaves = Signature.of_call((x,), {})

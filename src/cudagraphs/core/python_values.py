@@ -157,9 +157,16 @@ class PythonSnapshot:
 
     def _values(self) -> dict[_Key, tuple[str, Any, Any]]:
         values: dict[_Key, tuple[str, Any, Any]] = {}
+        # The dicts the library's own objects hold (a graph's registry, its counters) are no
+        # more the user's state than those objects' attributes are. Breadth first, an owner
+        # comes before what it holds.
+        owned: set[int] = set()
         for name, obj in walk(self.fn, self.roots):
             attributes = _slots_of(obj)
-            if attributes is None or _not_state(obj):
+            if attributes is None or id(obj) in owned:
+                continue
+            if _not_state(obj):
+                owned.update(id(v) for v in list(attributes.values())[:1000] if type(v) is dict)
                 continue
             for key, value in list(attributes.items())[:1000]:
                 if key in _MODULE_INTERNALS or not is_watched(value):
