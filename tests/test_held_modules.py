@@ -8,6 +8,8 @@ test_held_modules_cuda.py."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import value_cases
@@ -57,4 +59,26 @@ def test_a_module_global_bound_to_another_module_gives_eager_s_answer(
         torch.testing.assert_close(g(x), step_with_net(x))
         monkeypatch.setattr(value_cases, "NET", nn.Linear(8, 8).requires_grad_(False))
         torch.testing.assert_close(g(x), step_with_net(x))  # not the old module's answer
+        assert g.stats.recaptures == 1
+
+
+def _scaled(model: nn.Module, x: torch.Tensor, *, scale: float) -> torch.Tensor:
+    return model(x) * scale
+
+
+def test_a_module_bound_to_a_partial_is_guarded(stand_in: None) -> None:
+    """``functools.partial(step, model, scale=...)``: a module bound to the partial is read by
+    the graph. (A plain value bound to it is not guarded yet: the function reads it as a
+    local, under no name the guard keeps.)"""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8).requires_grad_(False)
+    step = functools.partial(_scaled, model, scale=1.0)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        g = cg.graph(step, x)
+        model.weight = nn.Parameter(torch.randn(8, 8), requires_grad=False)
+        torch.testing.assert_close(g(x), step(x))
+        assert g.stats.recaptures == 1
+        model.weight.mul_(2.0)  # in place: replayed as it is, no capture
+        torch.testing.assert_close(g(x), step(x))
         assert g.stats.recaptures == 1

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import logging
 import sys
@@ -432,6 +433,9 @@ def walk(fn: Callable[..., Any], roots: Iterable[Any] = ()) -> Iterator[tuple[st
             # A function it calls keeps its own state in its closure (or its bound object).
             stack.extend((f"{name}{suffix}", child, depth + 1) for suffix, child in _closure(obj))
             continue
+        if isinstance(obj, functools.partial):  # its bound arguments are what it reads
+            stack.extend((f"{name}{suffix}", child, depth + 1) for suffix, child in _bound(obj))
+            continue
         if callable(obj) and not isinstance(obj, torch.nn.Module) and not is_user_object(obj):
             continue
         stack.extend((f"{name}{suffix}", child, depth + 1) for suffix, child in _children(obj))
@@ -466,10 +470,21 @@ def is_user_object(obj: Any) -> bool:
     return filename is not None and is_model_code(filename)
 
 
+def _bound(partial: functools.partial) -> Iterator[tuple[str, Any]]:
+    yield ".func", partial.func
+    for k, value in enumerate(partial.args):
+        yield f".args[{k}]", value
+    for key, value in partial.keywords.items():
+        yield f".keywords[{key!r}]", value
+
+
 def named_roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
     """What ``fn`` reads beyond its arguments: its module, bound ``self`` or the user's callable
     object itself, its closure cells and the globals its own code (or its class's ``__call__``)
     names, each with the name it has there."""
+    if isinstance(fn, functools.partial):  # what the function reads, and what is bound to it
+        bound = [(f"partial{suffix}", value) for suffix, value in _bound(fn) if suffix != ".func"]
+        return named_roots(fn.func) + bound
     roots: list[tuple[str, Any]] = []
     for candidate in (fn, getattr(fn, "__self__", None), getattr(fn, "_orig_mod", None)):
         if (
