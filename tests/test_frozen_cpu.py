@@ -120,7 +120,7 @@ def test_the_snapshot_reaches_closures_caches_and_arguments() -> None:
 
     def step(x: torch.Tensor, c: Any) -> torch.Tensor:
         c.layers[0].length += 1
-        state["steps"] += 1  # a dict entry, not an instance attribute: not inspected
+        state["steps"] += 1  # a plain dict's entry is inspected as an attribute is
         return x
 
     snapshot = Snapshot(step, [cache])
@@ -128,16 +128,43 @@ def test_the_snapshot_reaches_closures_caches_and_arguments() -> None:
         step(torch.ones(1), cache)
         snapshot.take()
     changes = snapshot.changes()
-    assert [name for name, _, _ in changes] == ["argument SimpleNamespace.layers[0].length"]
+    assert sorted(name for name, _, _ in changes) == [
+        "argument SimpleNamespace.layers[0].length",
+        "state['steps']",
+    ]
     with pytest.raises(cg.FrozenStateError, match="length was 1, became 2"):
         snapshot.check(restore=True)
     assert layer.length == 0  # put back
-    steady = Snapshot(step, [cache], harmless=("length",))
+    assert state["steps"] == 0  # put back too
+    steady = Snapshot(step, [cache], harmless=("length", "state['steps']"))
     for _ in range(3):
         step(torch.ones(1), cache)
         steady.take()
     steady.check(restore=False)
     assert layer.length == 3
+
+
+def test_a_dict_the_librarys_own_object_holds_is_not_the_users_state() -> None:
+    class Registry:  # stands for one of the library's objects (a graph's counters)
+        pass
+
+    Registry.__module__ = "cudagraphs.registry"
+    registry = Registry()
+    registry.counts = {"replays": 0}  # type: ignore[attr-defined]
+    settings = {"scale": 1.0}
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        registry.counts["replays"] += 1  # type: ignore[attr-defined]
+        return x * settings["scale"]
+
+    snapshot = Snapshot(step)
+    for _ in range(3):
+        step(torch.ones(1))
+        snapshot.take()
+    assert snapshot.changes() == []
+    labels = {label for label, _, _ in snapshot.runs[-1].values()}
+    assert "settings['scale']" in labels
+    assert not any("replays" in label for label in labels)
 
 
 def replayer_with(in_use: list[bool]) -> Replayer:

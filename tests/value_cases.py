@@ -140,3 +140,60 @@ class Outer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.inner(x))
+
+
+class Policy:
+    """An RL policy as a plain object of the user's class: its networks are attributes, not a
+    module's children, and ``__call__`` reads them and a plain value."""
+
+    def __init__(self, obs: int = 8, hidden: int = 16, actions: int = 4) -> None:
+        self.body = nn.Linear(obs, hidden).requires_grad_(False)
+        self.head = nn.Linear(hidden, actions).requires_grad_(False)
+        self.temperature = 1.0
+        self.extra = {"critic": nn.Linear(obs, actions).requires_grad_(False), "scale": 1.0}
+
+    def __call__(self, observations: torch.Tensor) -> torch.Tensor:
+        action = torch.tanh(self.head(torch.relu(self.body(observations)))) / self.temperature
+        return action + self.extra["critic"](observations) * self.extra["scale"]
+
+
+NET = nn.Linear(8, 8).requires_grad_(False)  # a module global a step function reads
+
+
+def step_with_net(x: torch.Tensor) -> torch.Tensor:
+    return NET(x) * 2.0
+
+
+def _replace_head(policy: Policy) -> None:
+    policy.head = nn.Linear(16, 4).requires_grad_(False)
+
+
+def _replace_parameter(policy: Policy) -> None:
+    policy.body.weight = nn.Parameter(torch.randn(16, 8), requires_grad=False)
+
+
+def _swap_data(policy: Policy) -> None:
+    policy.body.weight.data = torch.randn(16, 8)
+
+
+def _set_temperature(policy: Policy) -> None:
+    policy.temperature = 2.0
+
+
+def _replace_critic(policy: Policy) -> None:
+    policy.extra["critic"] = nn.Linear(8, 4).requires_grad_(False)
+
+
+def _set_scale(policy: Policy) -> None:
+    policy.extra["scale"] = 0.5
+
+
+#: case -> how the policy is changed after capture; each one must be seen before a replay
+POLICY_CHANGES = {
+    "module replaced": _replace_head,
+    "parameter replaced": _replace_parameter,
+    "data swapped": _swap_data,
+    "plain value": _set_temperature,
+    "module in a dict replaced": _replace_critic,
+    "plain value in a dict": _set_scale,
+}

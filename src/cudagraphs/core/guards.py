@@ -84,6 +84,7 @@ from torch import nn
 from ..errors import GradientsNotRecordedError, ModeMismatchError, explain
 from . import compat
 from .signature import same_value
+from .writes import walk
 
 __all__ = [
     "AddressCheck",
@@ -100,15 +101,30 @@ __all__ = [
 
 
 def modules_of(fn: Callable[..., Any], extra: Iterable[nn.Module] = ()) -> list[nn.Module]:
-    """The modules whose tensors ``fn`` reads: itself, a bound method's owner, ``extra``, and
-    modules ``fn``'s own code reads from its closure or globals (``model`` in a step function)."""
+    """The modules whose tensors ``fn`` reads: itself, a bound method's owner, ``extra``,
+    modules ``fn``'s own code reads from its closure or globals (``model`` in a step function),
+    and modules held by an object of the user's classes that ``fn`` reaches (an RL policy
+    object with ``__call__`` holding its networks; an agent in a global)."""
     found: list[nn.Module] = []
     referenced = [value for _, _, value in _referenced(fn, (nn.Module,))]
     candidates = (fn, getattr(fn, "__self__", None), getattr(fn, "_orig_mod", None), *extra)
-    for candidate in (*candidates, *referenced):
+    for candidate in (*candidates, *referenced, *_held_by_user_objects(fn)):
         if isinstance(candidate, nn.Module) and all(candidate is not m for m in found):
             found.append(candidate)
     return found
+
+
+def _held_by_user_objects(fn: Callable[..., Any]) -> list[nn.Module]:
+    """The outermost modules :func:`writes.walk` reaches from ``fn`` outside any module: those
+    an object of the user's classes holds (a module's own children are its parameters' owner's
+    business)."""
+    inside: set[int] = set()
+    held: list[nn.Module] = []
+    for _, obj in walk(fn):  # breadth first: an outer module comes before what it holds
+        if isinstance(obj, nn.Module) and id(obj) not in inside:
+            held.append(obj)
+            inside.update(id(m) for m in obj.modules())
+    return held
 
 
 _FROZEN_TYPES = (bool, int, float, str)

@@ -105,8 +105,11 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
 #: Callables held in an attribute or a global (``self.activation = torch.relu``): which one
 #: ran picked the recorded kernels as a plain value does, so the guard compares them too, by
 #: identity (an equal but new ``functools.partial`` costs a recapture, never a wrong answer).
+#: So are modules held outside a module (a policy object's ``self.head``, a global ``model``):
+#: a new one in that slot has its own parameters, which the recording never read.
 _BY_IDENTITY = (
-    types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial
+    types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
+    torch.nn.Module,
 )  # fmt: skip
 # nn.Module's own bookkeeping: not the model's state.
 _MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
@@ -122,12 +125,21 @@ def is_plain(value: Any, depth: int = 0) -> bool:
 
 
 def is_watched(value: Any) -> bool:
-    """A value the guard compares before each replay: a plain value, or a function held by
-    identity (:data:`_BY_IDENTITY`)."""
+    """A value the guard compares before each replay: a plain value, or a function or module
+    held by identity (:data:`_BY_IDENTITY`)."""
     return is_plain(value) or isinstance(value, _BY_IDENTITY)
 
 
 _Key = tuple[int, str]  # (id of the owner, attribute)
+
+
+def _slots_of(obj: Any) -> dict[str, Any] | None:
+    """Where ``obj`` keeps the values a program reads by name: an object's ``__dict__``, or a
+    plain dict itself (``self.nets["value"]``, ``self.cfg["scale"]``); ``None`` for others."""
+    if type(obj) is dict:
+        return obj if all(isinstance(k, str) for k in list(obj)[:1000]) else None
+    attributes = getattr(obj, "__dict__", None)
+    return attributes if isinstance(attributes, dict) else None
 
 
 class PythonSnapshot:
@@ -145,14 +157,22 @@ class PythonSnapshot:
 
     def _values(self) -> dict[_Key, tuple[str, Any, Any]]:
         values: dict[_Key, tuple[str, Any, Any]] = {}
+        # The dicts the library's own objects hold (a graph's registry, its counters) are no
+        # more the user's state than those objects' attributes are. Breadth first, an owner
+        # comes before what it holds.
+        owned: set[int] = set()
         for name, obj in walk(self.fn, self.roots):
-            attributes = getattr(obj, "__dict__", None)
-            if not isinstance(attributes, dict) or _not_state(obj):
+            attributes = _slots_of(obj)
+            if attributes is None or id(obj) in owned:
+                continue
+            if _not_state(obj):
+                owned.update(id(v) for v in list(attributes.values())[:1000] if type(v) is dict)
                 continue
             for key, value in list(attributes.items())[:1000]:
                 if key in _MODULE_INTERNALS or not is_watched(value):
                     continue
-                values[(id(obj), key)] = (f"{name}.{key}", value, obj)
+                label = f"{name}[{key!r}]" if attributes is obj else f"{name}.{key}"
+                values[(id(obj), key)] = (label, value, obj)
         return values
 
     def take(self) -> None:
@@ -185,7 +205,10 @@ class PythonSnapshot:
             now = latest.get(key)
             if now is not None and is_plain(was) and not _same(now[1], was):
                 try:
-                    setattr(obj, key[1], was)
+                    if type(obj) is dict:
+                        obj[key[1]] = was
+                    else:
+                        setattr(obj, key[1], was)
                 except (AttributeError, TypeError):  # a read-only or slotted attribute
                     continue
 
@@ -394,8 +417,8 @@ def read_values(
     found: list[tuple[str, dict[str, Any], str, Any]] = []
     for (_, key), (label, value, owner) in reached.items():
         if key in names and not _harmless(label, harmless):
-            namespace = getattr(owner, "__dict__", None)
-            if isinstance(namespace, dict) and namespace.get(key, _MISSING) is value:
+            namespace = _slots_of(owner)
+            if namespace is not None and namespace.get(key, _MISSING) is value:
                 found.append((label, namespace, key, value))
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import logging
+import sys
 import types
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -48,7 +50,7 @@ import torch
 from ..errors import CudaGraphsWarning, StateWriteError, explain
 from . import compat
 from .compat import OPS_DISPATCH_MODE, op_name, op_returns_alias, op_schema_arguments
-from .frames import callable_name, user_stacklevel
+from .frames import callable_name, is_model_code, user_stacklevel
 
 __all__ = [
     "DeferredWriteRecorder",
@@ -431,7 +433,10 @@ def walk(fn: Callable[..., Any], roots: Iterable[Any] = ()) -> Iterator[tuple[st
             # A function it calls keeps its own state in its closure (or its bound object).
             stack.extend((f"{name}{suffix}", child, depth + 1) for suffix, child in _closure(obj))
             continue
-        if callable(obj) and not isinstance(obj, torch.nn.Module):
+        if isinstance(obj, functools.partial):  # its bound arguments are what it reads
+            stack.extend((f"{name}{suffix}", child, depth + 1) for suffix, child in _bound(obj))
+            continue
+        if callable(obj) and not isinstance(obj, torch.nn.Module) and not is_user_object(obj):
             continue
         stack.extend((f"{name}{suffix}", child, depth + 1) for suffix, child in _children(obj))
 
@@ -451,16 +456,46 @@ def reachable_tensors(
     return list(found.values())
 
 
+def is_user_object(obj: Any) -> bool:
+    """Whether ``obj`` is an instance of a class the user's code defines (an RL policy holding
+    its modules, an agent, a step object with ``__call__``): its attributes are state a graph
+    reads, as a module's are. Library callables (torch's operators, compiled wrappers) are not
+    entered."""
+    if isinstance(obj, (type, types.FunctionType, types.MethodType, torch.nn.Module)):
+        return False
+    if not hasattr(obj, "__dict__"):
+        return False
+    module = sys.modules.get(type(obj).__module__)
+    filename = getattr(module, "__file__", None)
+    return filename is not None and is_model_code(filename)
+
+
+def _bound(partial: functools.partial) -> Iterator[tuple[str, Any]]:
+    yield ".func", partial.func
+    for k, value in enumerate(partial.args):
+        yield f".args[{k}]", value
+    for key, value in partial.keywords.items():
+        yield f".keywords[{key!r}]", value
+
+
 def named_roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
-    """What ``fn`` reads beyond its arguments: its module or bound ``self``, its closure cells and
-    the globals its own code names, each with the name it has there."""
+    """What ``fn`` reads beyond its arguments: its module, bound ``self`` or the user's callable
+    object itself, its closure cells and the globals its own code (or its class's ``__call__``)
+    names, each with the name it has there."""
+    if isinstance(fn, functools.partial):  # what the function reads, and what is bound to it
+        bound = [(f"partial{suffix}", value) for suffix, value in _bound(fn) if suffix != ".func"]
+        return named_roots(fn.func) + bound
     roots: list[tuple[str, Any]] = []
     for candidate in (fn, getattr(fn, "__self__", None), getattr(fn, "_orig_mod", None)):
-        if isinstance(candidate, torch.nn.Module) or (
-            candidate is not None and candidate is not fn and hasattr(candidate, "__dict__")
+        if (
+            isinstance(candidate, torch.nn.Module)
+            or (candidate is not None and candidate is not fn and hasattr(candidate, "__dict__"))
+            or (candidate is fn and is_user_object(fn))
         ):
             roots.append((type(candidate).__name__, candidate))
     target = inspect.unwrap(getattr(fn, "__func__", fn))
+    if getattr(target, "__code__", None) is None and is_user_object(fn):
+        target = getattr(type(fn).__call__, "__func__", type(fn).__call__)
     code = getattr(target, "__code__", None)
     if code is not None:
         for name, cell in zip(code.co_freevars, getattr(target, "__closure__", None) or ()):

@@ -1,0 +1,62 @@
+"""On a GPU, with real graphs: a policy object's networks and a module global a step function
+reads are guarded (see test_held_modules.py): a change after the capture gives eager's answer,
+an in-place update replays without a new capture."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import value_cases
+from torch import nn
+from value_cases import POLICY_CHANGES, Policy, step_with_net
+
+import cudagraphs as cg
+
+pytestmark = pytest.mark.cuda
+
+
+def _on_gpu(policy: Policy) -> Policy:
+    policy.body, policy.head = policy.body.cuda(), policy.head.cuda()
+    policy.extra["critic"] = policy.extra["critic"].cuda()
+    return policy
+
+
+@pytest.mark.parametrize("kind", list(POLICY_CHANGES))
+def test_a_policy_objects_changed_network_gives_eager_s_answer(kind: str) -> None:
+    torch.manual_seed(0)
+    policy = _on_gpu(Policy())
+    with torch.no_grad():
+        g = cg.graph(policy, torch.randn(64, 8, device="cuda"))
+        POLICY_CHANGES[kind](policy)
+        _on_gpu(policy)  # a replaced network or parameter comes to the GPU as a user's would
+        policy.body.weight.data = policy.body.weight.data.cuda()
+        x = torch.randn(64, 8, device="cuda")
+        torch.testing.assert_close(g(x), policy(x))  # not the recorded weights' answer
+        assert g.stats.recaptures == 1
+        x = torch.randn(64, 8, device="cuda")
+        torch.testing.assert_close(g(x), policy(x))
+        assert g.stats.recaptures == 1 and g.stats.replays >= 1
+
+
+def test_a_policy_objects_weights_updated_in_place_replay_without_recapture() -> None:
+    torch.manual_seed(0)
+    policy = _on_gpu(Policy())
+    with torch.no_grad():
+        g = cg.graph(policy, torch.randn(64, 8, device="cuda"))
+        policy.head.weight.mul_(2.0)
+        x = torch.randn(64, 8, device="cuda")
+        torch.testing.assert_close(g(x), policy(x))
+        assert g.stats.recaptures == 0 and g.stats.replays >= 1
+
+
+def test_a_module_global_bound_to_another_module_gives_eager_s_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    monkeypatch.setattr(value_cases, "NET", nn.Linear(8, 8).cuda().requires_grad_(False))
+    with torch.no_grad():
+        g = cg.graph(step_with_net, torch.randn(64, 8, device="cuda"))
+        monkeypatch.setattr(value_cases, "NET", nn.Linear(8, 8).cuda().requires_grad_(False))
+        x = torch.randn(64, 8, device="cuda")
+        torch.testing.assert_close(g(x), step_with_net(x))  # not the old module's answer
+        assert g.stats.recaptures == 1
