@@ -9,7 +9,8 @@ of the two ``cg.graph`` ways is captured once first and once last. Then, for eac
 eager on a fresh input; latency (a synchronize after each call) and throughput (calls back to
 back), interleaved windows (``cudagraphs.tools.timing``); the host time of one call without
 waiting for the GPU (median of 20); and the kernels one call runs and their GPU time
-(``torch.profiler``), with the names of the costliest. Same kernels and GPU time with
+(``torch.profiler``), with the names of the costliest; and the Python functions with the
+most host time per call (``cProfile``). Same kernels and GPU time with
 different latency point at the host side of a call; the same way captured first and last
 differs only in the order of capture (a library choosing another kernel for it shows in the
 names). Models are
@@ -43,6 +44,25 @@ def host_us(call: Any, args: tuple[Any, ...]) -> float:
     return statistics.median(times) * 1e6
 
 
+def host_profile(call: Any, args: tuple[Any, ...], top: int = 6) -> list[str]:
+    """Where one call's host time goes: the functions with the most own time over 50 calls
+    (``cProfile``), µs per call each."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for _ in range(50):
+        call(*args)
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [f"{own / 50 * 1e6:.1f} {file.split('/')[-1]}:{line}({name})"
+            for (file, line, name), (_, _, own, _, _) in rows]  # fmt: skip
+
+
 def kernels(call: Any, args: tuple[Any, ...], calls: int = 5) -> tuple[float, float, list[str]]:
     """Kernels per call, their GPU µs per call, and the three costliest kernels' names with their
     µs per call, from the profiler."""
@@ -65,12 +85,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="efficientnet_b0")
     parser.add_argument("--json")
+    parser.add_argument(
+        "--auto-all", action="store_true",
+        help="build cg.auto with all its candidates first, as benchmarks/fusion.py does",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     model, x = build(args.model)
     with torch.no_grad():
-        builders = {
+        builders = {}
+        if args.auto_all:
+            builders["cg.auto, all candidates, built first"] = lambda: cg.auto(
+                model, *x, reuse=False
+            )
+        builders |= {
             "cg.graph, captured first": lambda: cg.graph(model, *x),
             "compile=True, captured first": lambda: cg.graph(model, *x, compile=True),
             "cg.auto, graph over a saved compile": lambda: cg.auto(
@@ -100,12 +129,14 @@ def main() -> int:
             row = {"way": name, "max_error": error, "latency_us": timed[name].latency_us,
                    "throughput_us": timed[name].throughput_us,
                    "host_us": host_us(call, inputs[0]), "kernels": count, "kernel_us": gpu_us,
-                   "costliest": costliest}  # fmt: skip
+                   "costliest": costliest,
+                   "host_profile": host_profile(call, inputs[0])}  # fmt: skip
             rows.append(row)
             print(f"| {name} | {error:.1e} | {row['latency_us']:.1f} | {row['throughput_us']:.1f} "
                   f"| {row['host_us']:.1f} | {count:.0f} | {gpu_us:.1f} |")  # fmt: skip
     for row in rows:
         print(f"- {row['way']}: " + "; ".join(row["costliest"]))
+        print("  host, µs per call: " + "; ".join(row["host_profile"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "model": args.model, "rows": rows}, f)
