@@ -27,6 +27,10 @@ def test_a_policy_objects_changed_network_gives_eager_s_answer(kind: str) -> Non
     policy = _on_gpu(Policy())
     with torch.no_grad():
         g = cg.graph(policy, torch.randn(64, 8, device="cuda"))
+        # The old weights stay alive, so a new one cannot take a freed one's address: with the
+        # same address and new contents, a replay would be right without a new capture.
+        held = [t.detach() for m in (policy.body, policy.head, policy.extra["critic"])
+                for t in m.parameters()]  # fmt: skip
         POLICY_CHANGES[kind](policy)
         _on_gpu(policy)  # a replaced network or parameter comes to the GPU as a user's would
         policy.body.weight.data = policy.body.weight.data.cuda()
@@ -36,6 +40,7 @@ def test_a_policy_objects_changed_network_gives_eager_s_answer(kind: str) -> Non
         x = torch.randn(64, 8, device="cuda")
         torch.testing.assert_close(g(x), policy(x))
         assert g.stats.recaptures == 1 and g.stats.replays >= 1
+        del held
 
 
 def test_a_policy_objects_weights_updated_in_place_replay_without_recapture() -> None:
