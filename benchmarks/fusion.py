@@ -8,7 +8,7 @@ atol 1e-4 after Inductor's reordering), then all modes are timed side by side in
 (``cudagraphs.tools.timing``: interleaved windows, latency = a synchronize after each call).
 
     python benchmarks/fusion.py [--models vit_tiny,...,gru] [--modes eager,reduce-overhead,...]
-                                [--windows 5] [--json F] [--markdown F]
+                                [--windows 5] [--window-ms 0] [--json F] [--markdown F]
 
 Baselines as a user writes them: ``torch.compile(model, mode="reduce-overhead")``;
 ``cg.graph(model, x)``; ``cg.graph(model, x, compile=True)``;
@@ -166,7 +166,26 @@ def second_process_reduce_overhead(name: str) -> dict[str, Any]:
     return {"reduce_overhead_ready_s": time.perf_counter() - start}
 
 
-def child(name: str, windows: int, only: list[str]) -> dict[str, Any]:
+def calls_per_window(modes: dict[str, Any], inputs: list[Any], window_ms: float) -> int:
+    """Calls per timing window, so that the fastest mode's window lasts about ``window_ms``
+    (at least 20 calls): a window of a few milliseconds is at the mercy of one hiccup of the
+    host."""
+    import time
+
+    import torch
+
+    fastest = float("inf")
+    for call in modes.values():
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(10):
+            call(inputs[i % len(inputs)])
+        torch.cuda.synchronize()
+        fastest = min(fastest, (time.perf_counter() - start) / 10)
+    return max(20, min(1000, int(window_ms / 1e3 / fastest)))
+
+
+def child(name: str, windows: int, only: list[str], window_ms: float = 0.0) -> dict[str, Any]:
     import torch
 
     import cudagraphs as cg
@@ -221,16 +240,13 @@ def child(name: str, windows: int, only: list[str]) -> dict[str, Any]:
                 rows[mode] = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
         modes = args_modes(calls)
         inputs = [fresh() for _ in range(4)]
-        timed = measure_side_by_side(
-            modes,
-            inputs,
-            calls=20,
-            windows=windows,
-        )
+        calls_each = calls_per_window(modes, inputs, window_ms) if window_ms else 20
+        timed = measure_side_by_side(modes, inputs, calls=calls_each, windows=windows)
     for mode, timing in timed.items():
         rows[mode]["us"] = timing.latency_us
         rows[mode]["throughput_us"] = timing.throughput_us  # calls back to back
-    return {"model": name, "rows": rows, "gpu": torch.cuda.get_device_name()}
+    return {"model": name, "rows": rows, "gpu": torch.cuda.get_device_name(),
+            "windows": windows, "calls_per_window": calls_each}  # fmt: skip
 
 
 def args_modes(calls: dict[str, Any]) -> dict[str, Any]:
@@ -318,6 +334,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--windows", type=int, default=5)
+    parser.add_argument(
+        "--window-ms", type=float, default=0.0,
+        help="size each timing window to last this long for the fastest mode (0: 20 calls)",
+    )  # fmt: skip
     parser.add_argument("--modes", default=",".join(MODES), help="a subset of the rows")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
@@ -326,7 +346,7 @@ def main() -> int:
     parser.add_argument("--_second_ro", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
-        print(json.dumps(child(args._child, args.windows, args.modes.split(","))))
+        print(json.dumps(child(args._child, args.windows, args.modes.split(","), args.window_ms)))
         return 0
     if args._second:
         print(json.dumps(second_process(args._second)))
@@ -343,6 +363,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as saved, tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, CUDAGRAPHS_SAVED_STEPS_DIR=saved, TORCHINDUCTOR_CACHE_DIR=cache)
             command = [sys.executable, __file__, "--windows", str(args.windows)]
+            command += ["--window-ms", str(args.window_ms)]
             done = subprocess.run(
                 [*command, "--_child", name, "--modes", args.modes],
                 capture_output=True, text=True, env=env,
