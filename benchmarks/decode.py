@@ -133,12 +133,16 @@ class Loop:
     ):
         from transformers import StaticCache
 
+        from cudagraphs.integrations.kv_cache import cache_keyword
+
         self.model, self.compiled, self.clock = model, compile_mode is not None, clock
         self.cache = StaticCache(config=model.config, max_cache_len=length)
+        # `cache` in newer transformers, `past_key_values` before: decided once, not per step
+        self.keyword = keyword = cache_keyword(model)
 
         def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
             logits = model(
-                input_ids=token, past_key_values=self.cache, cache_position=position, use_cache=True
+                input_ids=token, **{keyword: self.cache}, cache_position=position, use_cache=True
             ).logits
             return logits[:, -1].argmax(-1, keepdim=True)
 
@@ -150,7 +154,7 @@ class Loop:
         self.cache.reset()
         length = prompt.shape[1]
         positions = torch.arange(length, device=prompt.device)
-        logits = self.model(prompt, past_key_values=self.cache, cache_position=positions).logits
+        logits = self.model(prompt, **{self.keyword: self.cache}, cache_position=positions).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
         tokens = [prompt, token]
         # As a user writes it: one position tensor on the device, a copy of it handed to each

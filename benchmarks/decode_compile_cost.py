@@ -57,16 +57,17 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     from cudagraphs.integrations.compiled import mark_cut_sizes, mark_rung_dims
-    from cudagraphs.integrations.kv_cache import RungCaches
+    from cudagraphs.integrations.kv_cache import RungCaches, cache_keyword
     from cudagraphs.tools.workloads import random_llama
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = random_llama(args.model, device, torch.bfloat16)
     caches = RungCaches(model, [1, args.batch], args.max_length, [256, args.max_length])
     marks = VARIANTS[args.which]
+    keyword = cache_keyword(model)  # `cache` in newer transformers
 
     def forward(token: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
-        out = model(input_ids=token, cache_position=position, use_cache=True, past_key_values=cache)
+        out = model(input_ids=token, cache_position=position, use_cache=True, **{keyword: cache})
         return out.logits[:, -1, :]
 
     def cut_inside(

@@ -29,6 +29,8 @@ def main() -> None:
     from torch._dynamo.utils import counters
     from transformers import StaticCache
 
+    from cudagraphs.integrations.kv_cache import cache_keyword
+
     model, config = tiny_llama("cuda", hidden=hidden, layers=layers)
     prompt = torch.randint(
         0, 512, (1, 8), device="cuda", generator=torch.Generator("cuda").manual_seed(0)
@@ -36,8 +38,9 @@ def main() -> None:
     cache = StaticCache(config=config, max_cache_len=8 + new_tokens + 8)
     forward = torch.compile(model.forward, mode="reduce-overhead")
     tokens = []
+    keyword = cache_keyword(model)  # `cache` in newer transformers
     with torch.no_grad():
-        logits = model(prompt, past_key_values=cache, use_cache=True).logits
+        logits = model(prompt, **{keyword: cache}, use_cache=True).logits
         token = logits[:, -1:].argmax(-1)
         position = torch.tensor([8], device="cuda")
         start = None
@@ -45,7 +48,7 @@ def main() -> None:
             if step == 8:  # compiled and recorded by now: time the rest
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-            out = forward(input_ids=token, past_key_values=cache, cache_position=position)
+            out = forward(input_ids=token, **{keyword: cache}, cache_position=position)
             token = out.logits[:, -1:].argmax(-1).clone()
             position += 1
             tokens.append(int(token.item()))

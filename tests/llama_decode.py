@@ -73,14 +73,17 @@ def graph_decode(
     given). Returns the new tokens, the cache and the graphed step."""
     from transformers import StaticCache
 
+    from cudagraphs.integrations.kv_cache import cache_keyword
+
     cache = StaticCache(config=config, max_cache_len=prompt.shape[1] + new_tokens)
+    keyword = cache_keyword(model)  # `cache` in newer transformers
     with torch.no_grad():
-        logits = model(prompt, past_key_values=cache, use_cache=True).logits
+        logits = model(prompt, **{keyword: cache}, use_cache=True).logits
         token = logits[:, -1:].argmax(-1)
 
         def decode(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
             out = model(
-                input_ids=token, past_key_values=cache, cache_position=position, use_cache=True
+                input_ids=token, **{keyword: cache}, cache_position=position, use_cache=True
             )
             return out.logits[:, -1:].argmax(-1)
 

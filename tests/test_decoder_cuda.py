@@ -19,6 +19,7 @@ from llama_decode import generate_with_scores  # noqa: E402
 from test_decoder import left_padded  # noqa: E402
 from test_decoder import test_sampled_tokens_follow_transformers_filters as sampling_check  # noqa: E402
 
+from cudagraphs.integrations.kv_cache import cache_keyword  # noqa: E402
 from cudagraphs.integrations.transformers import Decoder  # noqa: E402
 from cudagraphs.tools.workloads import random_llama  # noqa: E402
 
@@ -145,14 +146,15 @@ def test_bfloat16_logits_match_eager_under_teacher_forcing(compile: Any, batch: 
             lambda t, p: decoder.forward(t, p, cache), tokens[:, :1], start, side_effects="keep"
         )
         cache.reset()
+        keyword = cache_keyword(model)  # `cache` in newer transformers
         for c in (cache, reference, plain):
-            model(prompt, past_key_values=c, cache_position=torch.arange(PROMPT, device="cuda"))
+            model(prompt, **{keyword: c}, cache_position=torch.arange(PROMPT, device="cuda"))
         worst, worst_plain = 0.0, 0.0
         for i in range(NEW - 1):
             token, position = tokens[:, i : i + 1], start + i
             got = step(token, position).float()
             want = decoder.forward(token, position, reference).float()
-            eager = model(token, past_key_values=plain, cache_position=position).logits[:, -1]
+            eager = model(token, **{keyword: plain}, cache_position=position).logits[:, -1]
             scale = want.abs().max()
             worst = max(worst, float((got - want).abs().max() / scale))
             worst_plain = max(worst_plain, float((got - eager.float()).abs().max() / scale))

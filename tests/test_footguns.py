@@ -433,14 +433,17 @@ def test_verify_catches_a_frozen_counter_on_the_gpu() -> None:
 def test_doctor_on_the_decode_step_leaves_the_cache_and_lists_its_writes(llama: tuple) -> None:
     from transformers import StaticCache
 
+    from cudagraphs.integrations.kv_cache import cache_keyword
+
     model, config = llama
     cache = StaticCache(config=config, max_cache_len=24)
     prompt = torch.randint(0, 512, (2, 8), device="cuda")
+    keyword = cache_keyword(model)  # `cache` in newer transformers
     with torch.no_grad():
-        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt, **{keyword: cache}, use_cache=True)
 
         def decode(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-            out = model(input_ids=token, past_key_values=cache, cache_position=position)
+            out = model(input_ids=token, **{keyword: cache}, cache_position=position)
             return out.logits
 
         before = [(layer.keys.clone(), layer.cumulative_length.clone()) for layer in cache.layers]
