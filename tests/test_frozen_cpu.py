@@ -17,7 +17,7 @@ from torch import nn
 
 import cudagraphs as cg
 from cudagraphs.core.python_values import PythonSnapshot as Snapshot
-from cudagraphs.core.python_values import RandomDraws
+from cudagraphs.core.random_draws import RandomDraws
 from cudagraphs.core.replay import Counters, OutputsInUse, Replayer
 from cudagraphs.core.signature import Signature
 

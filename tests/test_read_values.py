@@ -1,8 +1,8 @@
 """Plain Python values a recording read are checked before every replay
 (``core/read_values.py``): a value changed after the capture gives eager's answer through a
 new capture, or the named error with ``on_stale="raise"``, never the old answer. On the CPU the
-stand-in replays by running the function again, so these tests check the guard's verdict
-(recaptures, the error and its text); the GPU tests check the replayed values."""
+stand-in (conftest.py) replays the logged operations without running the function, so a
+missed change gives the old answer here as in a graph; the GPU tests check real replays."""
 
 from __future__ import annotations
 

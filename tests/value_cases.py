@@ -197,3 +197,64 @@ POLICY_CHANGES = {
     "module in a dict replaced": _replace_critic,
     "plain value in a dict": _set_scale,
 }
+
+
+class Defaulted(nn.Module):
+    """Values read from the class rather than the instance: class-level defaults, a method,
+    a child class that inherits them, and lists of plain values changed in place."""
+
+    scale = 1.0  # a class-level default, read as self.scale
+    flip = False
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width).requires_grad_(False)
+        self.mix = [1.0, 0.5]
+        self.cfg = {"weights": [1.0, -1.0]}
+
+    def squash(self, y: torch.Tensor) -> torch.Tensor:
+        return torch.relu(y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.squash(self.fc(x)) * self.scale * self.mix[0] + self.mix[1]
+        y = y * self.cfg["weights"][0] + self.cfg["weights"][1]
+        return -y if self.flip else y
+
+
+class DefaultedChild(Defaulted):
+    """Inherits every value above from :class:`Defaulted`."""
+
+
+def _tanh_squash(self: Defaulted, y: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(y)
+
+
+def _change_list_item(model: Defaulted) -> None:
+    model.mix[0] = 3.0
+
+
+def _change_list_in_dict(model: Defaulted) -> None:
+    model.cfg["weights"][1] = 0.25
+
+
+#: case -> (a change made after the capture, given the model and a pytest monkeypatch;
+#: a name the stale notice mentions)
+BEYOND_ATTRIBUTES = {
+    "default set on the instance": (lambda m, mp: setattr(m, "scale", 2.0), "scale"),
+    "default changed on the class": (lambda m, mp: mp.setattr(type(m), "scale", 2.0), "scale"),
+    "bool default set on the instance": (lambda m, mp: setattr(m, "flip", True), "flip"),
+    "child class given its own value": (
+        lambda m, mp: mp.setattr(DefaultedChild, "scale", 3.0, raising=False),
+        "scale",
+    ),
+    "method replaced on the class": (
+        lambda m, mp: mp.setattr(type(m), "squash", _tanh_squash),
+        "squash",
+    ),
+    "method replaced on the instance": (
+        lambda m, mp: setattr(m, "squash", _tanh_squash.__get__(m)),
+        "squash",
+    ),
+    "list item changed in place": (lambda m, mp: _change_list_item(m), "mix"),
+    "item of a list in a dict changed in place": (lambda m, mp: _change_list_in_dict(m), "weights"),
+}

@@ -36,12 +36,12 @@ from .guards import AddressGuard, closure_tensors, modules_of
 from .python_values import (
     READS_LIKE,
     PythonSnapshot,
-    RandomDraws,
     Reader,
     ValueWatch,
     is_plain,
     read_values,
 )
+from .random_draws import RandomDraws
 from .replay import OutputsInUse, StreamOrder
 from .segments import Segments, current_eager_step, eager
 from .signature import NAMESPACE, Signature, flatten, leaf_paths, same_value

@@ -62,40 +62,77 @@ static PyObject* same(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBool_FromLong(result);
 }
 
-// 1: each dict still holds, under its key, the very object recorded or an equal one of the
-// same type (signature.same_value's rule); 0: one changed; -1: error set. The plain Python values
-// a recording read (python_values.py), checked before every replay.
+// Whether `now` is `value` or an equal one of the same type (signature.same_value's rule):
+// 1 yes, 0 no (a comparison that fails counts as no).
+static int same_object(PyObject* now, PyObject* value) {
+  if (now == value) return 1;
+  if (Py_TYPE(now) != Py_TYPE(value)) return 0;
+  Py_INCREF(now);  // the comparison may run Python code that changes the owner
+  int equal = PyObject_RichCompareBool(now, value, Py_EQ);
+  Py_DECREF(now);
+  if (equal < 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  return equal;
+}
+
+// 1: each entry still holds (python_values.ValueWatch); 0: one changed; -1: error set. The
+// plain Python values a recording read, checked before every replay. Entries:
+//   (dict, key, value)         the dict holds value (or an equal one) under key;
+//   (class, key, value)        the class's attribute lookup (its bases in order, no
+//                              descriptors run) finds value, so neither the class nor a base
+//                              before it was given another;
+//   (dict, key)                key is absent (the class's value is not shadowed);
+//   (dict, key, list, items)   the dict holds a list whose items are still items (a tuple).
 static int values_hold(PyObject* held) {
   if (!PyTuple_Check(held)) {
-    PyErr_SetString(PyExc_TypeError, "values: a tuple of (dict, key, value) expected");
+    PyErr_SetString(PyExc_TypeError, "values: a tuple of entries expected");
     return -1;
   }
   Py_ssize_t n = PyTuple_GET_SIZE(held);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* entry = PyTuple_GET_ITEM(held, i);
-    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 ||
-        !PyDict_Check(PyTuple_GET_ITEM(entry, 0))) {
-      PyErr_SetString(PyExc_TypeError, "values: each entry is (dict, key, value)");
+    Py_ssize_t size = PyTuple_Check(entry) ? PyTuple_GET_SIZE(entry) : 0;
+    if (size < 2 || size > 4) {
+      PyErr_SetString(PyExc_TypeError, "values: each entry is a tuple of 2 to 4 items");
       return -1;
     }
-    PyObject* value = PyTuple_GET_ITEM(entry, 2);
-    PyObject* now = PyDict_GetItemWithError(PyTuple_GET_ITEM(entry, 0), PyTuple_GET_ITEM(entry, 1));
-    if (now == value) continue;
-    if (now == nullptr) return PyErr_Occurred() ? -1 : 0;
-    if (Py_TYPE(now) != Py_TYPE(value)) return 0;
-    Py_INCREF(now);  // the comparison may run Python code that changes the dict
-    int equal = PyObject_RichCompareBool(now, value, Py_EQ);
-    Py_DECREF(now);
-    if (equal < 0) {
-      PyErr_Clear();  // a value whose == fails is not the same value (signature.same_value)
-      return 0;
+    PyObject* owner = PyTuple_GET_ITEM(entry, 0);
+    PyObject* key = PyTuple_GET_ITEM(entry, 1);
+    PyObject* now;
+    if (PyDict_Check(owner)) {
+      now = PyDict_GetItemWithError(owner, key);
+      if (now == nullptr && PyErr_Occurred()) return -1;
+    } else if (PyType_Check(owner) && PyUnicode_Check(key) && size == 3) {
+      now = _PyType_Lookup(reinterpret_cast<PyTypeObject*>(owner), key);
+    } else {
+      PyErr_SetString(PyExc_TypeError, "values: an entry's owner is a dict or a class");
+      return -1;
     }
-    if (!equal) return 0;
+    if (size == 2) {
+      if (now != nullptr) return 0;
+      continue;
+    }
+    PyObject* value = PyTuple_GET_ITEM(entry, 2);
+    if (now == nullptr) return 0;
+    if (size == 3) {
+      if (!same_object(now, value)) return 0;
+      continue;
+    }
+    PyObject* items = PyTuple_GET_ITEM(entry, 3);
+    if (now != value || !PyList_Check(now) || !PyTuple_Check(items)) return 0;
+    Py_ssize_t count = PyTuple_GET_SIZE(items);
+    if (PyList_GET_SIZE(now) != count) return 0;
+    for (Py_ssize_t j = 0; j < count; ++j) {
+      if (j >= PyList_GET_SIZE(now)) return 0;  // a comparison shortened the list
+      if (!same_object(PyList_GET_ITEM(now, j), PyTuple_GET_ITEM(items, j))) return 0;
+    }
   }
   return 1;
 }
 
-// values_same(held: tuple of (dict, key, value)) -> bool
+// values_same(held: tuple of entries) -> bool
 static PyObject* values_same(PyObject*, PyObject* held) {
   int result = values_hold(held);
   if (result < 0) return nullptr;

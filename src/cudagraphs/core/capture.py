@@ -474,7 +474,9 @@ def warm_up_and_capture(
                 copy_inputs=inputs if copy_inputs else (),
             )
         plain.take()
-        values = python_values.read_values(reader, plain.runs[-1], options.harmless_state)
+        values = python_values.read_values(
+            reader, plain.runs[-1], options.harmless_state, plain.objects
+        )
         segments.announce(recording.graph, name)
         if hasattr(type(shared), "record"):
             shared.record(recording.pool_bytes)

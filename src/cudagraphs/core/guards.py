@@ -89,10 +89,13 @@ from .writes import walk
 __all__ = [
     "AddressCheck",
     "AddressGuard",
+    "MISSING",
     "Modes",
     "closure_tensors",
     "compiled_module",
     "describe_modes",
+    "held_value_now",
+    "held_value_still",
     "modules_of",
     "needs_gradients",
     "outputs_needing_gradients",
@@ -302,7 +305,39 @@ def _then_each(
 
 
 log = logging.getLogger("cudagraphs")
-_MISSING = object()  # a key deleted since the recording read it
+#: What a lookup finds under a key nothing holds (deleted since the recording read it).
+MISSING = object()
+
+
+def held_value_now(owner: Any, key: str) -> Any:
+    """What ``owner`` holds under ``key`` now: a dict's item, or what attribute lookup on a
+    class finds (its bases in order, no descriptor run); :data:`MISSING` for nothing."""
+    if not isinstance(owner, type):
+        return owner.get(key, MISSING)
+    for klass in owner.__mro__:
+        found = vars(klass).get(key, MISSING)
+        if found is not MISSING:
+            return found
+    return MISSING
+
+
+def held_value_still(entry: tuple[Any, ...]) -> bool:
+    """Whether one entry of a value watch holds: the Python form of ``values_hold`` in
+    ``_before_replay.cpp``, whose comment lists the entry shapes."""
+    now = held_value_now(entry[0], entry[1])
+    if len(entry) == 2:
+        return now is MISSING
+    if now is MISSING:
+        return False
+    if len(entry) == 3:
+        return now is entry[2] or same_value(now, entry[2])
+    items = entry[3]
+    return (
+        now is entry[2]
+        and len(now) == len(items)
+        and all(a is b or same_value(a, b) for a, b in zip(now, items))
+    )
+
 
 _READER = "_torchinductor_pyobject_tensor_data_ptr"
 _module: Any = None
@@ -377,12 +412,12 @@ class AddressCheck:
         owners: Sequence[Any],
         modes: Sequence[Any],
         entries: Sequence[tuple[dict[str, Any], tuple[Any, ...]]] = (),
-        values: Sequence[tuple[dict[str, Any], str, Any]] = (),
+        values: Sequence[tuple[Any, ...]] = (),
     ) -> Callable[[], bool]:
         """One check for a whole guard: True while each owner's ``training`` is still
         ``modes[i]`` (the same object), each ``(mapping, values)`` of ``entries`` still holds
-        exactly those objects in that order, each ``(namespace, key, value)`` of ``values``
-        still holds that value (the same object, or an equal one of the same type), and every
+        exactly those objects in that order, each entry of ``values`` still holds
+        (:func:`held_value_still`), and every
         tensor is at its address. A C-level partial when compiled."""
         module = compiled_module() if self.native else None
         if module is not None:
@@ -406,7 +441,7 @@ class AddressCheck:
             return (
                 all(o.training is m for o, m in pairs)
                 and all(same_objects(d, v) for d, v in held)
-                and all(same_value(d.get(k, _MISSING), v) for d, k, v in plain)
+                and all(held_value_still(entry) for entry in plain)
                 and addresses()
             )
 

@@ -32,13 +32,6 @@ Wrong::
             self.step += 1
             return x * 2 if self.step % 2 else x  # FrozenStateError: Stepper.step changed
 
-Random draws. A CUDA graph replays random ops with fresh numbers on every replay (PyTorch advances the
-generator's offset per replay), but a loop body recorded once inside a graph (``cg.while_loop``)
-runs the same recorded draws on every iteration of one replay: an 8-step random walk would add
-the same step 8 times. :class:`RandomDraws` sees each seeded random op (``randn``, ``rand``,
-``dropout``, ``multinomial``, ``normal_``...) while such a body is recorded, so the loop can
-refuse it with the fix instead of repeating noise silently.
-
 Values the program changes after the capture. A recording runs the function's Python code once: every plain value it read then (a module's
 ``scale``, a config flag, a module-level ``GAIN``) is baked into the kernels it launched. If
 the program changes such a value after the capture, every replay would silently repeat the old
@@ -58,17 +51,24 @@ A name the code loads in a branch it did not take is guarded too: a change of it
 harmless, and then costs a recapture, never a wrong answer. Values declared with
 ``harmless_state=`` are not guarded.
 
+Values read from the class rather than the instance (:func:`class_values`: a class-level
+default read as ``self.scale``, a method that ran) and the items of a list of plain values
+(``self.mix[0] = 3.0``) are guarded the same way.
+
 Right::
 
     g = cg.graph(model, x)
     model.scale = 2.0          # seen at the next call: captured again, eager's answer
+    type(model).scale = 2.0    # a class-level default changed: seen the same way
+    model.mix[0] = 3.0         # a list item changed in place: seen
     model.activation = torch.tanh   # a held function, compared by identity: the same
     y = g(x)
 
-Wrong (a value the graph cannot see, so no guard can either)::
+Wrong (a value the guard cannot see)::
 
-    model.scale = torch.tensor(2.0)   # fine: a tensor is read by address, not frozen
-    model.scales[0] = 2.0             # a list's items are not plain values: frozen silently
+    model.fn = functools.partial(scaled, factor=1.0)
+    g = cg.graph(model, x)
+    model.fn.keywords["factor"] = 2.0   # a partial changed in place: bind a new partial
 """
 
 from __future__ import annotations
@@ -84,18 +84,17 @@ from typing import Any
 import torch
 
 from ..errors import FrozenStateError, explain
-from .compat import OPS_DISPATCH_MODE, op_argument_defaults, op_argument_names, op_name
-from .frames import callable_name, is_model_code, user_frame
-from .guards import compiled_module
-from .signature import same_value
-from .writes import is_compiled, walk
+from .frames import callable_name, is_model_code
+from .guards import MISSING, compiled_module, held_value_now, held_value_still
+from .writes import is_compiled, is_model_class, walk
 
 __all__ = [
     "READS_LIKE",
-    "RandomDraws",
     "Reader",
     "PythonSnapshot",
+    "Items",
     "ValueWatch",
+    "class_values",
     "is_plain",
     "is_watched",
     "read_values",
@@ -125,9 +124,26 @@ def is_plain(value: Any, depth: int = 0) -> bool:
 
 
 def is_watched(value: Any) -> bool:
-    """A value the guard compares before each replay: a plain value, or a function or module
-    held by identity (:data:`_BY_IDENTITY`)."""
-    return is_plain(value) or isinstance(value, _BY_IDENTITY)
+    """A value the guard compares before each replay: a plain value, a list of plain values
+    (``self.mix = [0.5, 0.5]``: its items, which ``self.mix[0] = 0.9`` changes in place), or a
+    function or module held by identity (:data:`_BY_IDENTITY`)."""
+    return is_plain(value) or isinstance(value, _BY_IDENTITY) or _is_plain_list(value)
+
+
+def _is_plain_list(value: Any) -> bool:
+    return type(value) is list and len(value) <= 64 and all(is_plain(v, 1) for v in value)
+
+
+class Items:
+    """What a guard holds for a list the recording read: the list itself and its items then."""
+
+    __slots__ = ("items", "list")
+
+    def __init__(self, held: list[Any]) -> None:
+        self.list, self.items = held, tuple(held)
+
+    def __repr__(self) -> str:
+        return repr(list(self.items))
 
 
 _Key = tuple[int, str]  # (id of the owner, attribute)
@@ -161,6 +177,7 @@ class PythonSnapshot:
         # more the user's state than those objects' attributes are. Breadth first, an owner
         # comes before what it holds.
         owned: set[int] = set()
+        self.objects: list[tuple[str, Any]] = []
         for name, obj in walk(self.fn, self.roots):
             attributes = _slots_of(obj)
             if attributes is None or id(obj) in owned:
@@ -168,6 +185,7 @@ class PythonSnapshot:
             if _not_state(obj):
                 owned.update(id(v) for v in list(attributes.values())[:1000] if type(v) is dict)
                 continue
+            self.objects.append((name, obj))
             for key, value in list(attributes.items())[:1000]:
                 if key in _MODULE_INTERNALS or not is_watched(value):
                     continue
@@ -258,41 +276,6 @@ def _not_state(obj: Any) -> bool:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-class RandomDraws(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
-    """``with RandomDraws() as draws: ...``; then ``python_values.found``: ``(op, file:line)`` of each
-    random op run inside (eager code; compiled kernels are not seen)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found: list[tuple[str, str]] = []
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # else Dynamo marks a compiled function's code as never to compile again
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs):
-            filename, line = user_frame()
-            self.found.append((op_name(func), f"{filename}:{line}"))
-        return func(*args, **kwargs)
-
-
-def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether a seeded op draws here: attention and dropout kernels carry the tag but draw
-    nothing with a dropout probability of 0 or outside training."""
-    values = op_argument_defaults(func)
-    values.update(zip(op_argument_names(func), args))
-    values.update(kwargs)
-    for name in ("dropout_p", "p"):
-        if name in values and isinstance(values[name], (int, float)) and values[name] == 0:
-            return False
-    return values.get("train", True) is not False
-
-
-_MISSING = object()
 
 
 #: The attribute by which a callable that runs compiled code in place of the Python code it was
@@ -408,32 +391,96 @@ def _identifiers(constants: tuple[Any, ...]) -> Iterable[str]:
 
 
 def read_values(
-    reader: Reader, reached: dict[Any, tuple[str, Any, Any]], harmless: Sequence[str] = ()
-) -> list[tuple[str, dict[str, Any], str, Any]]:
-    """``(label, namespace, key, value)`` for each plain value the recorded code read:
+    reader: Reader,
+    reached: dict[Any, tuple[str, Any, Any]],
+    harmless: Sequence[str] = (),
+    objects: Iterable[tuple[str, Any]] = (),
+) -> list[tuple[str, Any, str, Any]]:
+    """``(label, owner, key, value)`` for each plain value the recorded code read:
     attributes of reached objects (``reached``: ``PythonSnapshot``'s values after the
-    capture) and module globals, under the names that code loads, harmless ones left out."""
+    capture), module globals, and values the classes of the reached ``objects`` hold
+    (:func:`class_values`), under the names that code loads, harmless ones left out. The
+    owner is a dict (an instance's, a module's globals) or a class; a list's value is its
+    :class:`Items`."""
     names = reader.names
-    found: list[tuple[str, dict[str, Any], str, Any]] = []
+    found: list[tuple[str, Any, str, Any]] = []
     for (_, key), (label, value, owner) in reached.items():
         if key in names and not _harmless(label, harmless):
             namespace = _slots_of(owner)
-            if namespace is not None and namespace.get(key, _MISSING) is value:
-                found.append((label, namespace, key, value))
+            if namespace is not None and namespace.get(key, MISSING) is value:
+                found.append((label, namespace, key, _held_value(value)))
+    found.extend(v for v in class_values(reader, objects) if not _harmless(v[0], harmless))
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
         module = namespace.get("__name__", "?")
         if module.startswith("torch."):  # Inductor's generated code: its kernels, not a model's
             continue
         for name in code.co_names:
-            value = namespace.get(name, _MISSING)
-            if (id(namespace), name) in seen or value is _MISSING or not is_watched(value):
+            value = namespace.get(name, MISSING)
+            if (id(namespace), name) in seen or value is MISSING or not is_watched(value):
                 continue
             seen.add((id(namespace), name))
             label = f"global {module}.{name}"
             if not _harmless(label, harmless):
-                found.append((label, namespace, name, value))
+                found.append((label, namespace, name, _held_value(value)))
     return found
+
+
+def _held_value(value: Any) -> Any:
+    return Items(value) if type(value) is list else value
+
+
+def class_values(
+    reader: Reader, objects: Iterable[tuple[str, Any]]
+) -> list[tuple[str, Any, str, Any]]:
+    """The values a recording read from the classes of model code rather than from the
+    instance: a class-level default (``class M: scale = 1.0``, read as ``self.scale``) and each
+    method that ran. Two entries guard each: the class's lookup (the class, or a base before the
+    one that held it, given another value: ``M.scale = 2.0``, ``M.forward = patched``), and,
+    per instance, the key's absence from the instance's dict (``model.scale = 2.0`` shadows
+    the class's value; ``model.forward = f`` replaces the method). Only classes of model code
+    count: torch's and the standard library's classes are not changed by a program."""
+    names = reader.names
+    found: list[tuple[str, Any, str, Any]] = []
+    keys_of: dict[type, tuple[str, ...]] = {}
+    for label, obj in objects:
+        cls = type(obj)
+        keys = keys_of.get(cls)
+        if keys is None:
+            keys = keys_of[cls] = _class_reads(cls, names, reader.codes)
+            found.extend(
+                (f"class {cls.__qualname__}.{key}", cls, key, held_value_now(cls, key))
+                for key in keys
+            )  # fmt: skip
+        attributes = getattr(obj, "__dict__", None)
+        if type(attributes) is dict:
+            found.extend(
+                (f"{label}.{key}", attributes, key, MISSING)
+                for key in keys if key not in attributes
+            )  # fmt: skip
+    return found
+
+
+def _class_reads(cls: type, names: set[str], ran: dict[types.CodeType, Any]) -> tuple[str, ...]:
+    """The attributes of ``cls`` (through its bases) that the recording read from the class:
+    watched values under a name the code loads, and functions whose code ran."""
+    keys: list[str] = []
+    seen: set[str] = set()
+    for klass in cls.__mro__:
+        model_code = is_model_class(klass)
+        for key, raw in list(vars(klass).items()):
+            if key in seen:
+                continue
+            seen.add(key)  # a base's value under this name is not the one the lookup finds
+            if not model_code or key.startswith("__"):
+                continue
+            function = getattr(raw, "__func__", raw)  # static and class methods
+            if isinstance(function, types.FunctionType):
+                if function.__code__ in ran:
+                    keys.append(key)
+            elif key in names and is_watched(raw):
+                keys.append(key)
+    return tuple(keys)
 
 
 def _harmless(label: str, harmless: Iterable[str]) -> bool:
@@ -443,10 +490,10 @@ def _harmless(label: str, harmless: Iterable[str]) -> bool:
 class ValueWatch:
     """The guard's watch over the plain values a recording read (see the module doc)."""
 
-    def __init__(self, values: Sequence[tuple[str, dict[str, Any], str, Any]]):
+    def __init__(self, values: Sequence[tuple[str, Any, str, Any]]):
         self.values = tuple(values)
-        #: ``(namespace, key, value)`` triples: what a guard checks inside its one call.
-        self.held = tuple((namespace, key, value) for _, namespace, key, value in values)
+        #: What a guard checks inside its one C call (``_before_replay.cpp``'s ``values_hold``).
+        self.held = tuple(_entry(owner, key, value) for _, owner, key, value in values)
         compiled = compiled_module()
         self._same = (
             functools.partial(compiled.values_same, self.held)
@@ -463,19 +510,25 @@ class ValueWatch:
         return None if self._same() else self._why()
 
     def _same_in_python(self) -> bool:
-        for namespace, key, value in self.held:
-            now = namespace.get(key, _MISSING)
-            if now is not value and not same_value(now, value):
-                return False
-        return True
+        return all(held_value_still(entry) for entry in self.held)
 
     def _why(self) -> str | None:
-        for label, namespace, key, value in self.values:
-            now = namespace.get(key, _MISSING)
-            if now is not value and not same_value(now, value):
-                became = "deleted" if now is _MISSING else repr(now)
-                return (
-                    f"{label} changed from {value!r} to {became} (the recording froze the value "
-                    "it read; keep a value that changes in a tensor on the device)"
-                )
+        for (label, owner, key, value), entry in zip(self.values, self.held):
+            if held_value_still(entry):
+                continue
+            now = held_value_now(owner, key)
+            was = "the class's value" if value is MISSING else repr(value)
+            became = "deleted" if now is MISSING else repr(now)
+            return (
+                f"{label} changed from {was} to {became} (the recording froze the value "
+                "it read; keep a value that changes in a tensor on the device)"
+            )
         return None
+
+
+def _entry(owner: Any, key: str, value: Any) -> tuple[Any, ...]:
+    if value is MISSING:
+        return (owner, key)
+    if isinstance(value, Items):
+        return (owner, key, value.list, value.items)
+    return (owner, key, value)

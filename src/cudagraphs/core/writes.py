@@ -41,6 +41,7 @@ import logging
 import sys
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ __all__ = [
     "WriteRecorder",
     "Written",
     "is_compiled",
+    "is_model_class",
     "named_roots",
     "reachable_tensors",
     "report",
@@ -463,11 +465,24 @@ def is_user_object(obj: Any) -> bool:
     entered."""
     if isinstance(obj, (type, types.FunctionType, types.MethodType, torch.nn.Module)):
         return False
-    if not hasattr(obj, "__dict__"):
-        return False
-    module = sys.modules.get(type(obj).__module__)
-    filename = getattr(module, "__file__", None)
-    return filename is not None and is_model_code(filename)
+    return hasattr(obj, "__dict__") and is_model_class(type(obj))
+
+
+_MODEL_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def is_model_class(cls: type) -> bool:
+    """Whether ``cls`` is defined in model code (the user's, or an installed package's model
+    code such as transformers'), not in torch, this library or the standard library. Decided
+    once per class: the walk and the value guards ask for every object they meet."""
+    known = _MODEL_CLASSES.get(cls)
+    if known is None:
+        module = sys.modules.get(getattr(cls, "__module__", None) or "")
+        filename = getattr(module, "__file__", None)
+        known = filename is not None and is_model_code(filename)
+        with contextlib.suppress(TypeError):  # no weak reference: decided again next time
+            _MODEL_CLASSES[cls] = known
+    return known
 
 
 def _bound(partial: functools.partial) -> Iterator[tuple[str, Any]]:
