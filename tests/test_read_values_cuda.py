@@ -116,3 +116,22 @@ def test_a_harmless_counter_replays_without_recapture() -> None:
             x = torch.randn(8, 64, device="cuda")
             torch.testing.assert_close(g(x), model.fc(x))
         assert g.stats.recaptures == 0 and g.stats.replays == 5
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("case", list(value_cases.BEYOND_ATTRIBUTES))
+def test_a_value_read_from_the_class_or_a_list_changed_after_capture_gives_eager_s_answer(
+    case: str, compile: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A class-level default, a method, a subclass's own value, a list item: changed after the
+    capture, the replay must not give the recorded answer."""
+    torch.manual_seed(0)
+    model = value_cases.DefaultedChild(64).cuda().eval()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(8, 64, device="cuda"), compile=compile)
+        x = torch.randn(8, 64, device="cuda")
+        recorded = model(x)
+        change, _ = value_cases.BEYOND_ATTRIBUTES[case]
+        change(model, monkeypatch)
+        assert not torch.allclose(model(x), recorded)  # the change matters to the answer
+        _answers_as_eager_after_one_recapture(g, model)
