@@ -377,3 +377,70 @@ def test_a_saved_compile_whose_trace_made_up_module_globals_loads_in_a_later_bui
         traces.append(traced)
     saved = list(Path(str(fresh_compile_cache)).glob("cudagraphs/auto-*/*.bin"))
     assert saved and traces == [1, 0]
+
+
+class _Built:
+    """A stand-in for one built way: which candidate, and whether it is still alive."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: object) -> str:
+        return self.name
+
+
+def _deciding_with(monkeypatch: pytest.MonkeyPatch, fails_again: bool = False) -> list[Any]:
+    """``auto_module._decide`` with building, timing and verifying replaced: ``graph`` is the
+    fastest; returns the log of builds, each with the weak references alive at its time."""
+    import types
+    import weakref
+
+    log: list[Any] = []
+    alive: list[weakref.ref[_Built]] = []
+
+    def build(candidate: str, *rest: object) -> _Built:
+        if fails_again and candidate == "graph" and any(c == "graph" for c, _ in log):
+            raise RuntimeError("capture failed")
+        log.append((candidate, [r().name for r in alive if r() is not None]))
+        built = _Built(candidate)
+        alive.append(weakref.ref(built))
+        return built
+
+    def time_all(fn: object, calls: dict[str, Any], *rest: object) -> tuple[float, dict]:
+        return 100.0, {name: (10.0 if name == "graph" else 50.0) for name in calls}
+
+    profiled = types.SimpleNamespace(kernels_per_call=3.0, gpu_idle_fraction=0.5)
+    monkeypatch.setattr(auto_module, "_build", build)
+    monkeypatch.setattr(auto_module, "_time", time_all)
+    monkeypatch.setattr(auto_module, "profile", lambda *a, **k: profiled)
+    monkeypatch.setattr(auto_module, "compare_with_eager", lambda *a, **k: None)
+    monkeypatch.setattr(auto_module, "_findings", lambda *a: [])
+    return log
+
+
+def test_the_chosen_way_is_built_again_after_the_other_candidates_are_released(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The callable handed back is not the one built among the candidates (often the first
+    graph of the process) but the chosen way built once more with the others gone, as a
+    later process builds it from the saved decision."""
+    log = _deciding_with(monkeypatch)
+    ways = ("graph", "graph over compile", "backend")
+    report, call = auto_module._decide(lambda x: x, (torch.ones(2),), {}, ways, None, 1, 60.0, "k")
+    assert report.chosen == "graph" and call() == "graph"
+    assert [name for name, _ in log] == [*ways, "graph"]
+    assert log[-1][1] == []  # none of the candidates built first is still alive
+    assert call is not None and [name for name, _ in log].count("graph") == 2
+
+
+def test_a_chosen_way_that_fails_when_built_again_answers_eagerly_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _deciding_with(monkeypatch, fails_again=True)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    report, call = auto_module._decide(fn, (torch.ones(2),), {}, ("graph",), None, 1, 60.0, "k")
+    assert report.chosen == "eager" and call is fn
+    assert "graph was fastest but failed when built again: RuntimeError" in report.reason
