@@ -34,7 +34,9 @@ def test_auto_keeps_a_verified_way_and_the_next_decision_comes_from_disk(
         assert report.kernels_per_call and report.kernels_per_call >= 16  # 8 Linear + 8 GELU
         assert report.gpu_idle is not None and 0.0 <= report.gpu_idle <= 1.0
         assert any(row.verified for row in rows.values()), str(report)
-        assert report.chosen in rows and rows[report.chosen].verified
+        # Eager is a legitimate choice when no way timed faster (timing on a shared GPU is
+        # not a unit test's verdict); a chosen way must be a verified one.
+        assert report.chosen == "eager" or rows[report.chosen].verified, str(report)
         for _ in range(3):
             fresh = torch.randn(4, 64, device="cuda")
             torch.testing.assert_close(chosen(fresh), model(fresh))

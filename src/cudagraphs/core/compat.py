@@ -12,12 +12,13 @@ import builtins
 import contextlib
 import functools
 import types
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
+    "forget_compiled_frames",
     "OPS_DISPATCH_MODE",
     "allocating_in_pool",
     "aot_compiler",
@@ -493,3 +494,16 @@ def module_entries(module: torch.nn.Module) -> list[tuple[str, dict[str, Any], s
             for key, value in mapping.items():
                 found.append((f"{base}.{key}", mapping, key, value))
     return found
+
+
+def forget_compiled_frames(codes: Iterable[types.CodeType]) -> None:
+    """Drop what ``torch.compile`` cached for these code objects, so that their next call
+    traces again. Why: some releases' Dynamo guards do not cover a value a frame reads from a
+    module's class (``type(model).scale``), and would run the old trace after it changed."""
+    reset = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    reset = getattr(reset, "reset_code", None)
+    if reset is None:  # not this release's private name: drop every trace instead
+        torch._dynamo.reset_code_caches()
+        return
+    for code in codes:
+        reset(code)

@@ -47,7 +47,7 @@ from .guards import (
     outputs_needing_gradients,
     refuse_gradients,
 )
-from .python_values import ValueWatch
+from .python_values import ValueWatch, retrace_after_class_change
 from .replay import Counters, OutputsInUse, Replayer, StreamOrder
 from .segments import describe_segments, print_segments
 from .signature import NAMESPACE, Signature
@@ -264,6 +264,8 @@ class Graphed(Generic[R]):
             "stats.notices counts each time)",
             logger=log,
         )
+        for watch in self.value_watches():
+            retrace_after_class_change(self.fn, watch)
         old = self.replayer
         assert old is not None
         old.release_outputs()

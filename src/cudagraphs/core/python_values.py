@@ -84,6 +84,7 @@ from typing import Any
 import torch
 
 from ..errors import FrozenStateError, explain
+from . import compat
 from .frames import callable_name, is_model_code
 from .guards import MISSING, compiled_module, held_value_now, held_value_still
 from .writes import is_compiled, is_model_class, walk
@@ -98,6 +99,7 @@ __all__ = [
     "is_plain",
     "is_watched",
     "read_values",
+    "retrace_after_class_change",
 ]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
@@ -512,6 +514,13 @@ class ValueWatch:
     def _same_in_python(self) -> bool:
         return all(held_value_still(entry) for entry in self.held)
 
+    def classes_changed(self) -> list[type]:
+        """The classes whose watched values no longer hold (:func:`class_values`)."""
+        return [
+            owner for (_, owner, _, _), entry in zip(self.values, self.held)
+            if isinstance(owner, type) and not held_value_still(entry)
+        ]  # fmt: skip
+
     def _why(self) -> str | None:
         for (label, owner, key, value), entry in zip(self.values, self.held):
             if held_value_still(entry):
@@ -532,3 +541,12 @@ def _entry(owner: Any, key: str, value: Any) -> tuple[Any, ...]:
     if isinstance(value, Items):
         return (owner, key, value.list, value.items)
     return (owner, key, value)
+
+
+def retrace_after_class_change(fn: Callable[..., Any], watch: ValueWatch) -> None:
+    """Before capturing again for a changed value: where a class's value changed, drop what
+    ``torch.compile`` traced for the code ``fn`` reaches, so the new capture traces with the
+    new value (``compat.forget_compiled_frames`` says why). Nothing is dropped for a change on
+    an instance, which Dynamo's own guards see."""
+    if watch.classes_changed():
+        compat.forget_compiled_frames(compiled_code(fn))
