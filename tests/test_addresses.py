@@ -242,3 +242,50 @@ def test_compiled_unchanged_rejects_bad_arguments() -> None:
         module.unchanged((), b"", (), (), (), [({}, "k", 1)])
     # An owner without a `training` attribute: not an error, just "look closer".
     assert module.unchanged((), b"", (object(),), (True,), ()) is False
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_one_check_holds_class_values_absent_names_and_list_items(native: bool) -> None:
+    """The entry shapes of a value watch beyond ``(dict, key, value)``: a class's attribute
+    lookup through its bases, a name absent from an instance's dict, a list's items. The C
+    check and its Python form give the same answers."""
+    if native and guards.compiled_module() is None:
+        pytest.skip(f"no compiled check here: {guards._failure}")
+
+    class Base:
+        scale = 1.0
+
+    class Child(Base):
+        pass
+
+    instance = Child()
+    mix = [1.0, 2.0]
+    holder = {"mix": mix}
+    check = guards.AddressCheck([torch.randn(2)], native=native).with_modes(
+        [], [], [],
+        [(Child, "scale", 1.0), (instance.__dict__, "scale"), (holder, "mix", mix, (1.0, 2.0))],
+    )  # fmt: skip
+    assert check() is True
+    Base.scale = 2.0  # the base's value: what the lookup through Child finds
+    assert check() is False
+    Base.scale = 1.0
+    assert check() is True
+    Child.scale = 1.0  # an equal value of the same type on the child: the same value
+    assert check() is True
+    Child.scale = 3.0
+    assert check() is False
+    del Child.scale
+    assert check() is True
+    instance.scale = 1.0  # shadows the class's value on the instance
+    assert check() is False
+    del instance.scale
+    assert check() is True
+    mix[0] = 5.0  # in place: the same list, other items
+    assert check() is False
+    mix[0] = 1.0
+    assert check() is True
+    mix.append(3.0)
+    assert check() is False
+    mix.pop()
+    holder["mix"] = [1.0, 2.0]  # an equal but new list: not the list the recording read
+    assert check() is False
