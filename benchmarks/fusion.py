@@ -23,8 +23,10 @@ transformers' default experts, which read their routing counts on the host.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import subprocess
 import sys
 import tempfile
@@ -121,10 +123,10 @@ def fresh_like(example: tuple[Any, ...]) -> tuple[Any, ...]:
     )
 
 
-def second_process(name: str) -> dict[str, Any]:
+def second_process(name: str, profile: bool = False) -> dict[str, Any]:
     """A new process that finds the first one's saved decision: seconds until the chosen way
     has answered its first call (the saved-decision folder and Inductor's cache on disk are
-    the first process's)."""
+    the first process's). ``profile``: also the costliest calls of that start (cProfile)."""
     import torch
 
     import cudagraphs as cg
@@ -134,18 +136,41 @@ def second_process(name: str) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     model, x = build(name)
+    profiler = cProfile.Profile() if profile else None
     with torch.no_grad():
         start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         chosen = cg.auto(model, *x)
         decided = time.perf_counter() - start
         chosen(*fresh_like(x))
         torch.cuda.synchronize()
         ready = time.perf_counter() - start
-    return {
+        if profiler is not None:
+            profiler.disable()
+    result = {
         "ready_s": ready, "auto_returned_s": decided, "from_disk": chosen.report.from_disk,
         "chosen": chosen.report.chosen,
         "graphs_traced": counters["stats"]["unique_graphs"],  # 0: the compile came from disk
     }  # fmt: skip
+    if profiler is not None:
+        result["profile"] = costliest_calls(profiler)
+    return result
+
+
+def costliest_calls(profiler: cProfile.Profile, top: int = 30) -> list[dict[str, Any]]:
+    """The functions with the most cumulative seconds in a profile, the costliest first: where
+    a second process's start goes (loading the decision and the saved compile, the warm-up and
+    capture, the first call)."""
+    stats = pstats.Stats(profiler)
+    rows = []
+    for (filename, line, function), (_, calls, _, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        rows.append({
+            "function": f"{Path(filename).name}:{line}({function})", "calls": calls,
+            "cumulative_s": round(cumulative, 4),
+        })  # fmt: skip
+    rows.sort(key=lambda row: row["cumulative_s"], reverse=True)
+    return rows[:top]
 
 
 def second_process_reduce_overhead(name: str) -> dict[str, Any]:
@@ -342,6 +367,11 @@ def main() -> int:
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--profile-second", action="store_true",
+        help="profile the second process's start (cProfile; its seconds then include the "
+        "profiler's own cost): its costliest calls go in the JSON",
+    )  # fmt: skip
     parser.add_argument("--_second", help=argparse.SUPPRESS)
     parser.add_argument("--_second_ro", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -349,7 +379,7 @@ def main() -> int:
         print(json.dumps(child(args._child, args.windows, args.modes.split(","), args.window_ms)))
         return 0
     if args._second:
-        print(json.dumps(second_process(args._second)))
+        print(json.dumps(second_process(args._second, args.profile_second)))
         return 0
     if args._second_ro:
         print(json.dumps(second_process_reduce_overhead(args._second_ro)))
@@ -375,7 +405,10 @@ def main() -> int:
             results.append(json.loads(done.stdout.strip().splitlines()[-1]))
             if "cg.auto" in args.modes.split(","):
                 again = subprocess.run(
-                    [*command, "--_second", name], capture_output=True, text=True, env=env
+                    [*command, "--_second", name, *(["--profile-second"] * args.profile_second)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
                 )
                 if again.returncode == 0:
                     results[-1]["second"] = json.loads(again.stdout.strip().splitlines()[-1])

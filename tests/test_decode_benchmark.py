@@ -221,3 +221,32 @@ def test_the_decode_profile_compares_fused_and_unfused_projections_in_one_run(
     assert "batch 1, unfused projections: roofline share" in page
     assert "batch 1, fused projections: roofline share" in page
     assert page.count("kernels per token ") >= 2
+
+
+def test_the_second_process_profile_lists_the_costliest_calls_first() -> None:
+    """``fusion.py --profile-second``: where a second process's start goes, the costliest
+    cumulative calls first, each named by file, line and function."""
+    import cProfile
+    import time
+
+    fusion = _benchmark("fusion")
+
+    def slow() -> None:
+        time.sleep(0.05)
+
+    def fast() -> None:
+        time.sleep(0.001)
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    slow()
+    fast()
+    profiler.disable()
+    rows = fusion.costliest_calls(profiler, top=5)
+    spent = [row["cumulative_s"] for row in rows]
+    assert spent == sorted(spent, reverse=True) and len(rows) <= 5
+    names = [row["function"] for row in rows]
+    assert any("(slow)" in n for n in names)
+    slow_at = next(i for i, n in enumerate(names) if "(slow)" in n)
+    fast_at = next((i for i, n in enumerate(names) if "(fast)" in n), len(names))
+    assert slow_at < fast_at and rows[slow_at]["cumulative_s"] >= 0.04
