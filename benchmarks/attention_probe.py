@@ -17,7 +17,8 @@ heads, 4 key/value heads, head size 64), one layer's attention for one new token
                      results are merged in a second small kernel
 
 Each way is captured in a CUDA graph of 22 calls (one per layer of the model, each on its own
-layer's cache) and replayed; µs per layer is the median of 7 replays over 22. The answers are
+layer's cache, as ``gemv_probe.py`` cycles through weights) and replayed; µs per layer is the
+median of 7 replays over 22. The answers are
 compared with a float32 reference first.
 
     python benchmarks/attention_probe.py [--lengths 168,1024,4096] [--json PATH]
@@ -29,14 +30,15 @@ it under Triton's interpreter (``tests/test_attention_probe.py``).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from gemv_probe import cycling, graphed_us
 from torch.nn import functional as F
 
 HEADS, KV_HEADS, HEAD_SIZE, LAYERS = 32, 4, 64, 22
@@ -193,28 +195,6 @@ def _ways(valid: torch.Tensor) -> dict[str, Callable[..., torch.Tensor]]:
     }
 
 
-def graphed_us_per_layer(fn: Callable[[int], Any], layers: int, repeats: int = 7) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for layer in range(layers):
-            fn(layer)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / layers)
-    return statistics.median(times)
-
-
 def probe(length: int, rows: int = 1) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     dtype, device = torch.bfloat16, "cuda"
@@ -229,7 +209,8 @@ def probe(length: int, rows: int = 1) -> list[dict[str, Any]]:
     results = []
     for name, way in _ways(valid).items():
         error = (way(q, *caches[0]).float() - expected).abs().max().item()
-        us = graphed_us_per_layer(lambda layer, way=way: way(q, *caches[layer]), LAYERS)
+        layers = [functools.partial(way, q, *cache) for cache in caches]
+        us = graphed_us(cycling(lambda layer: layer(), layers), calls=LAYERS)
         results.append({"way": name, "length": length, "rows": rows, "us_per_layer": us,
                         "max_error": error})  # fmt: skip
     return results
