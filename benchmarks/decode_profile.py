@@ -6,14 +6,14 @@ against the wall time per token (the gap is time the GPU waits), the share of th
 weight-streaming roofline (every weight read once per token at the HBM bandwidth), kernel time
 per token by class (products, attention, Inductor's fused kernels, copies, other), and the ten
 kernels that cost the most per token. ``--variants`` profiles the Decoder with its projections
-unfused (``fuse=False``) and fused (``fuse=True``, the default) in one run, each on a fresh
-model of the same seed.
+unfused (``fuse=False``), with the model's own attention (``expanded``: ``grouped_attention=
+False``) and as it comes (``fused``) in one run, each on a fresh model of the same seed.
 
     python benchmarks/decode_profile.py --model llama-2048 --max-length 168
     python benchmarks/decode_profile.py --model llama-2048 --compile max-autotune-no-cudagraphs
     python benchmarks/decode_profile.py --model llama-2048 --compile coordinate-descent
     python benchmarks/decode_profile.py --model llama-2048 --sdpa flash
-    python benchmarks/decode_profile.py --variants unfused,fused
+    python benchmarks/decode_profile.py --variants unfused,expanded,fused
     python benchmarks/decode_profile.py --option triton.enable_pdl=True
     python benchmarks/decode_profile.py --matvec
 
@@ -51,7 +51,7 @@ def kernel_class(name: str) -> str:
     return next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
 
 
-def profile(args: argparse.Namespace, fuse: bool = True) -> dict[str, Any]:
+def profile(args: argparse.Namespace, fuse: bool = True, grouped: bool = True) -> dict[str, Any]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -78,7 +78,7 @@ def profile(args: argparse.Namespace, fuse: bool = True) -> dict[str, Any]:
     start = time.perf_counter()
     decoder = Decoder(
         model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode,
-        fuse=fuse,
+        fuse=fuse, grouped_attention=grouped,
     )  # fmt: skip
     setup_s = time.perf_counter() - start
     torch.manual_seed(0)
@@ -116,6 +116,7 @@ def profile(args: argparse.Namespace, fuse: bool = True) -> dict[str, Any]:
         totals[1] += us / tokens
     return {
         "fuse": fuse,
+        "grouped_attention": decoder.stats.attention,
         "fused_groups": decoder.stats.fused_groups,
         "unfused": decoder.stats.unfused,
         "classes": {
@@ -178,6 +179,8 @@ def attention_kernel(name: str) -> Any:
 
 def markdown(r: dict[str, Any]) -> list[str]:
     fused = f", fuse={r['fuse']}" if "fuse" in r else ""
+    if "grouped_attention" in r:
+        fused += f", attention: {r['grouped_attention']}"
     lines = [
         f"Hardware: {r['hardware']}, torch {r['torch']}; {r['model']} ({r['dtype']}), batch 1, "
         f"`Decoder(compile={r.get('compile_argument', repr(r['compile']))}{fused})`, "
@@ -192,7 +195,9 @@ def markdown(r: dict[str, Any]) -> list[str]:
         f"{100 * r['roofline_share']:.1f}%"
         + (f"; construction {r['setup_s']:.1f} s" if "setup_s" in r else ""),
         "",
-        f"batch 1, {'fused' if r.get('fuse') else 'unfused'} projections: roofline share "
+        f"batch 1, {'fused' if r.get('fuse') else 'unfused'} projections"
+        + (", expanded attention" if r.get("grouped_attention", "grouped") != "grouped" else "")
+        + ": roofline share "
         f"{100 * r['roofline_share']:.0f} %",
         "",
         f"kernels per token {r['kernels_per_token']:.0f}",
@@ -264,20 +269,24 @@ def main() -> None:
     p.add_argument(
         "--variants",
         default="fused",
-        help="comma-separated: 'unfused' (Decoder(fuse=False)) and/or 'fused' (the default), "
+        help="comma-separated: 'unfused' (Decoder(fuse=False)), 'expanded' (fused, "
+        "grouped_attention=False: the model's own SDPA attention) and/or 'fused' (the default), "
         "profiled in this order in one run",
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     args = p.parse_args()
     variants = args.variants.split(",")
-    if not variants or any(v not in ("unfused", "fused") for v in variants):
-        p.error(f"--variants {args.variants}: expected 'unfused', 'fused' or both, comma-separated")
+    if not variants or any(v not in ("unfused", "expanded", "fused") for v in variants):
+        p.error(
+            f"--variants {args.variants}: expected 'unfused', 'expanded' or 'fused', "
+            "comma-separated"
+        )
     warnings.filterwarnings("ignore")
     runs = []
     for variant in variants:
         with torch.no_grad(), attention_kernel(args.sdpa):
-            runs.append(profile(args, fuse=variant == "fused"))
+            runs.append(profile(args, fuse=variant != "unfused", grouped=variant != "expanded"))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     results: Any = runs[0] if len(runs) == 1 else runs

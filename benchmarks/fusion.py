@@ -23,14 +23,14 @@ transformers' default experts, which read their routing counts on the host.
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +126,7 @@ def fresh_like(example: tuple[Any, ...]) -> tuple[Any, ...]:
 def second_process(name: str, profile: bool = False) -> dict[str, Any]:
     """A new process that finds the first one's saved decision: seconds until the chosen way
     has answered its first call (the saved-decision folder and Inductor's cache on disk are
-    the first process's). ``profile``: also the costliest calls of that start (cProfile)."""
+    the first process's). ``profile``: also where that start's seconds go (:class:`StackSampler`)."""
     import torch
 
     import cudagraphs as cg
@@ -136,41 +136,69 @@ def second_process(name: str, profile: bool = False) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
     model, x = build(name)
-    profiler = cProfile.Profile() if profile else None
+    sampler = StackSampler() if profile else None
     with torch.no_grad():
         start = time.perf_counter()
-        if profiler is not None:
-            profiler.enable()
+        if sampler is not None:
+            sampler.start()
         chosen = cg.auto(model, *x)
         decided = time.perf_counter() - start
         chosen(*fresh_like(x))
         torch.cuda.synchronize()
         ready = time.perf_counter() - start
-        if profiler is not None:
-            profiler.disable()
+        if sampler is not None:
+            sampler.stop()
     result = {
         "ready_s": ready, "auto_returned_s": decided, "from_disk": chosen.report.from_disk,
         "chosen": chosen.report.chosen,
         "graphs_traced": counters["stats"]["unique_graphs"],  # 0: the compile came from disk
     }  # fmt: skip
-    if profiler is not None:
-        result["profile"] = costliest_calls(profiler)
+    if sampler is not None:
+        result["profile"] = sampler.costliest()
     return result
 
 
-def costliest_calls(profiler: cProfile.Profile, top: int = 30) -> list[dict[str, Any]]:
-    """The functions with the most cumulative seconds in a profile, the costliest first: where
-    a second process's start goes (loading the decision and the saved compile, the warm-up and
-    capture, the first call)."""
-    stats = pstats.Stats(profiler)
-    rows = []
-    for (filename, line, function), (_, calls, _, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
-        rows.append({
-            "function": f"{Path(filename).name}:{line}({function})", "calls": calls,
-            "cumulative_s": round(cumulative, 4),
-        })  # fmt: skip
-    rows.sort(key=lambda row: row["cumulative_s"], reverse=True)
-    return rows[:top]
+class StackSampler:
+    """Where a start's seconds go: the main thread's stack, sampled every ``interval_s`` by a
+    second thread; each function's seconds are the samples it was on the stack for (inclusive).
+    cProfile is no use here: Dynamo's frame hook runs compiled frames without its events, so
+    the functions above a compiled call lose their time."""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s = interval_s
+        self.counts: Counter[str] = Counter()
+        self.samples = 0
+        self.target = threading.main_thread().ident
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.began = time.perf_counter()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+        self.seconds = time.perf_counter() - self.began
+
+    def _run(self) -> None:
+        while not self.done.wait(self.interval_s):
+            frame = sys._current_frames().get(self.target)
+            seen = set()
+            while frame is not None:
+                code = frame.f_code
+                seen.add(f"{Path(code.co_filename).name}:{code.co_firstlineno}({code.co_name})")
+                frame = frame.f_back
+            self.counts.update(seen)
+            self.samples += 1
+
+    def costliest(self, top: int = 60) -> list[dict[str, Any]]:
+        """The functions on the stack longest, the longest first, in seconds of the start."""
+        per_sample = self.seconds / max(1, self.samples)
+        return [
+            {"function": function, "seconds": round(count * per_sample, 3)}
+            for function, count in self.counts.most_common(top)
+        ]
 
 
 def second_process_reduce_overhead(name: str) -> dict[str, Any]:
@@ -369,7 +397,7 @@ def main() -> int:
     parser.add_argument("--_child", help=argparse.SUPPRESS)
     parser.add_argument(
         "--profile-second", action="store_true",
-        help="profile the second process's start (cProfile; its seconds then include the "
+        help="profile the second process's start (a stack sampler; its seconds then include the "
         "profiler's own cost): its costliest calls go in the JSON",
     )  # fmt: skip
     parser.add_argument("--_second", help=argparse.SUPPRESS)

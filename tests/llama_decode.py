@@ -7,7 +7,8 @@ state a graph's warm-up must not advance.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -35,12 +36,25 @@ def tiny_llama(
     return model, config
 
 
+@contextlib.contextmanager
+def transformers_attention(model: Any) -> Iterator[None]:
+    """The model's attention as transformers gives it ("sdpa") for a reference run, then back
+    to what it was: a Decoder switches its model to the grouped attention, and the reference
+    must not be computed by the code under test."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
 def generate_with_scores(
     model: Any, prompt: torch.Tensor, new: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.generate``'s greedy output, exactly ``new`` tokens longer than the prompt, and
     the logits it chose them from, ``[batch, new, vocab]``."""
-    with torch.no_grad():
+    with torch.no_grad(), transformers_attention(model):
         out = model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),

@@ -224,29 +224,33 @@ def test_the_decode_profile_compares_fused_and_unfused_projections_in_one_run(
 
 
 def test_the_second_process_profile_lists_the_costliest_calls_first() -> None:
-    """``fusion.py --profile-second``: where a second process's start goes, the costliest
-    cumulative calls first, each named by file, line and function."""
-    import cProfile
+    """``fusion.py --profile-second``: where a second process's start goes, the functions on
+    the stack longest first, each named by file, line and function, the outer ones included
+    (what cProfile lost under Dynamo)."""
     import time
 
     fusion = _benchmark("fusion")
 
     def slow() -> None:
-        time.sleep(0.05)
+        time.sleep(0.2)
 
     def fast() -> None:
-        time.sleep(0.001)
+        time.sleep(0.01)
 
-    profiler = cProfile.Profile()
-    profiler.enable()
-    slow()
-    fast()
-    profiler.disable()
-    rows = fusion.costliest_calls(profiler, top=5)
-    spent = [row["cumulative_s"] for row in rows]
-    assert spent == sorted(spent, reverse=True) and len(rows) <= 5
+    def both() -> None:
+        slow()
+        fast()
+
+    sampler = fusion.StackSampler(interval_s=0.002)
+    sampler.start()
+    both()
+    sampler.stop()
+    rows = sampler.costliest(top=1000)  # every frame above both() ties with it
+    spent = [row["seconds"] for row in rows]
+    assert spent == sorted(spent, reverse=True) and len(sampler.costliest(top=3)) == 3
     names = [row["function"] for row in rows]
-    assert any("(slow)" in n for n in names)
     slow_at = next(i for i, n in enumerate(names) if "(slow)" in n)
+    both_at = next(i for i, n in enumerate(names) if "(both)" in n)
     fast_at = next((i for i, n in enumerate(names) if "(fast)" in n), len(names))
-    assert slow_at < fast_at and rows[slow_at]["cumulative_s"] >= 0.04
+    assert both_at <= slow_at < fast_at
+    assert 0.12 <= rows[slow_at]["seconds"] <= rows[both_at]["seconds"] <= sampler.seconds + 1e-3

@@ -15,8 +15,9 @@ import cudagraphs as cg
 
 transformers = pytest.importorskip("transformers")
 
-from llama_decode import tiny_llama  # noqa: E402
+from llama_decode import tiny_llama, transformers_attention  # noqa: E402
 
+from cudagraphs.integrations.grouped_attention import takes_sdpa_mask  # noqa: E402
 from cudagraphs.integrations.sampling import SamplingParams, sample  # noqa: E402
 from cudagraphs.integrations.transformers import Decoder, default_batch_rungs  # noqa: E402
 
@@ -31,7 +32,7 @@ def llama() -> tuple[object, object]:
 def generate(
     model, prompt: torch.Tensor, new: int, mask: torch.Tensor | None = None, **kwargs: object
 ) -> torch.Tensor:
-    with torch.no_grad():
+    with torch.no_grad(), transformers_attention(model):
         return model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt) if mask is None else mask,
@@ -229,7 +230,7 @@ def left_padded(
 @pytest.mark.parametrize("steps", [1, 4])
 def test_prompts_of_different_lengths_decode_as_generate_does(llama, steps: int) -> None:
     model, _ = llama
-    assert model.config._attn_implementation == "sdpa"
+    assert takes_sdpa_mask(model)
     decoder = Decoder(model, max_batch=4, max_length=48, steps_per_graph=steps)
     torch.manual_seed(4)
     ids, mask = left_padded([9, 3, 6], total=9)

@@ -15,7 +15,7 @@ import cudagraphs as cg
 pytestmark = pytest.mark.cuda
 transformers = pytest.importorskip("transformers")
 
-from llama_decode import generate_with_scores  # noqa: E402
+from llama_decode import generate_with_scores, transformers_attention  # noqa: E402
 from test_decoder import left_padded  # noqa: E402
 from test_decoder import test_sampled_tokens_follow_transformers_filters as sampling_check  # noqa: E402
 
@@ -190,7 +190,7 @@ def test_left_padded_prompts_decode_as_generate_does_on_the_gpu() -> None:
     torch.manual_seed(3)
     ids, mask = left_padded([16, 5, 11, 1], total=16, vocab=32000)
     ids, mask = ids.cuda(), mask.cuda()
-    with torch.no_grad():
+    with torch.no_grad(), transformers_attention(model):
         out = model.generate(
             ids, attention_mask=mask, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
             pad_token_id=0, output_scores=True, return_dict_in_generate=True,

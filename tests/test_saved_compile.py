@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from llama_decode import tiny_llama
+from llama_decode import tiny_llama, transformers_attention
 
 pytest.importorskip("transformers")
 
@@ -21,7 +21,7 @@ from cudagraphs.integrations.transformers import Decoder
 
 
 def generate(model, prompt: torch.Tensor, new: int) -> torch.Tensor:
-    with torch.no_grad():
+    with torch.no_grad(), transformers_attention(model):
         return model.generate(
             prompt,
             attention_mask=torch.ones_like(prompt),

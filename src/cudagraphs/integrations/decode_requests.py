@@ -11,6 +11,7 @@ import torch
 from ..core import LIBRARY_SETTING, compat
 from ..errors import ConfigError, explain
 from ..options import check_positive_int
+from .grouped_attention import takes_sdpa_mask
 
 __all__ = [
     "MAX_EOS",
@@ -180,7 +181,7 @@ def check_attention(model: Any) -> None:
     """Left-padded decoding hands the model a prepared boolean 4-D mask, which the SDPA
     attention takes as given; refuse other attention implementations."""
     implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation != "sdpa":
+    if not takes_sdpa_mask(model):
         raise ConfigError(
             explain(
                 f"prompts with padding need the model's SDPA attention, it uses {implementation!r}",

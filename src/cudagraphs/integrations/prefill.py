@@ -37,6 +37,7 @@ import torch
 from ..api import graph
 from ..core import compat
 from ..errors import CudaGraphsError, CudaGraphsWarning
+from .grouped_attention import takes_sdpa_mask
 from .kv_cache import checked_rungs
 from .sampling import stop_finished
 
@@ -63,7 +64,7 @@ def _why_eager(decoder: Any) -> str | None:
     model = decoder.model
     if decoder.eager:
         return "the decoder runs eager steps (eager=...)"
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if not takes_sdpa_mask(model):
         return "the model's attention is not SDPA (a prepared boolean mask is SDPA's input)"
     if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return (

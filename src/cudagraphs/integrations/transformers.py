@@ -52,6 +52,7 @@ from .decode_requests import (
 )
 from .decode_steps import capture_steps, compile_forward, greedy_tail, rewind
 from .fused_projections import fuse_projections
+from .grouped_attention import use_grouped_attention
 from .kv_cache import RungCaches, cache_keyword, length_rungs
 from .prefill import Prefills, run_prefill
 from .prefill import prefill_lengths as prefill_lengths_of
@@ -94,6 +95,7 @@ class DecodeStats:
     notices: dict[str, int] = field(default_factory=dict)  # each warning's cause: shown once
     fused_groups: int = 0  # q/k/v and gate/up groups computed as one product each
     unfused: list[str] = field(default_factory=list)  # groups left as they were, and why
+    attention: str = ""  # the decode attention: grouped (no cache copy), or why the model's own
 
 
 class Decoder:
@@ -139,6 +141,11 @@ class Decoder:
             (``integrations/fused_projections.py``): the model's parameters become views of
             one buffer per group, in place, so in-place weight updates are seen by the next
             token. ``stats.unfused`` lists the groups that did not match, and why.
+        grouped_attention: one token's attention over grouped key/value heads reads the cache
+            as it is, instead of copying each key/value head over its query heads
+            (``integrations/grouped_attention.py``: the model's attention becomes that
+            function, registered with transformers; other calls go to its SDPA attention).
+            For models whose attention is ``"sdpa"``; ``stats.attention`` says which ran.
     """
 
     @checked_keywords("Decoder")
@@ -160,10 +167,15 @@ class Decoder:
         prefill_lengths: Sequence[int] | None = None,
         save_compile: bool = True,
         fuse: bool = True,
+        grouped_attention: bool = True,
     ):
         start = time.perf_counter()
         check_model(model)
         check_bool("fuse", fuse, "it says whether q/k/v and gate/up become one product each")
+        check_bool(
+            "grouped_attention", grouped_attention,
+            "it says whether one token's attention reads grouped key/value heads in place",
+        )  # fmt: skip
         for name, value in (
             ("max_batch", max_batch),
             ("max_length", max_length),
@@ -203,6 +215,8 @@ class Decoder:
         if fuse:
             fusion = fuse_projections(model)
             self.stats.fused_groups, self.stats.unfused = len(fusion.fused), fusion.refused
+        why = use_grouped_attention(model) if grouped_attention else "grouped_attention=False"
+        self.stats.attention = "grouped" if why is None else f"the model's own: {why}"
         # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
         # run past its last token (those steps are thrown away).
         cache_len = max_length + steps_per_graph - 1

@@ -1,0 +1,122 @@
+"""One token's attention over grouped key/value heads, without ``repeat_kv``: equal to
+transformers' SDPA attention (which expands the heads) on fresh random inputs, with shared and
+per-head masks; every other call is transformers' own; the Decoder switches to it and says so."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from llama_decode import tiny_llama, transformers_attention
+from torch.nn import functional as F
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from cudagraphs.integrations.grouped_attention import (
+    GROUPED_SDPA,
+    grouped_sdpa_attention,
+    use_grouped_attention,
+)
+from cudagraphs.integrations.transformers import Decoder
+
+
+class Heads(torch.nn.Module):
+    """What transformers' attention functions read off the module."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = True
+
+
+def expanded_reference(query, key, value, mask, scaling):
+    """The attention written the long way: every key/value head copied over its query heads."""
+    groups = query.shape[1] // key.shape[1]
+    out = F.scaled_dot_product_attention(
+        query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask, scale=scaling
+    )
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("per_head_mask", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (12, 4), (6, 1)])
+def test_one_token_with_grouped_heads_equals_the_expanded_attention(
+    heads: int, kv_heads: int, per_head_mask: bool
+) -> None:
+    torch.manual_seed(heads * 10 + kv_heads + per_head_mask)
+    batch, positions, size = 3, 37, 16
+    query = torch.randn(batch, heads, 1, size)
+    key, value = torch.randn(2, batch, kv_heads, positions, size).unbind(0)
+    # Each row attends to its own prefix, with a hole: a mask that matters.
+    mask = torch.rand(batch, heads if per_head_mask else 1, 1, positions) > 0.3
+    mask[..., 0] = True
+    got, weights = grouped_sdpa_attention(
+        Heads(heads // kv_heads), query, key, value, mask, scaling=0.3
+    )
+    assert weights is None
+    torch.testing.assert_close(got, expanded_reference(query, key, value, mask, 0.3))
+
+
+def test_other_calls_are_transformers_sdpa_attention() -> None:
+    """A prompt (several tokens, causal), or one token with dropout, is not rewritten."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(1)
+    module = Heads(4)
+    query = torch.randn(2, 8, 5, 16)
+    key, value = torch.randn(2, 2, 2, 5, 16).unbind(0)
+    ours, _ = grouped_sdpa_attention(module, query, key, value, None)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, None)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    causal = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    torch.testing.assert_close(
+        ours, expanded_reference(query, key, value, causal, None), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_the_switch_refuses_other_attentions_and_leaves_them() -> None:
+    model, _ = tiny_llama("cpu", hidden=32, layers=1)
+    model.set_attn_implementation("eager")
+    assert "'eager'" in (use_grouped_attention(model) or "")
+    assert model.config._attn_implementation == "eager"
+    model.set_attn_implementation("sdpa")
+    assert use_grouped_attention(model) is None
+    assert model.config._attn_implementation == GROUPED_SDPA
+    assert use_grouped_attention(model) is None  # again: nothing to do
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_decoder_decodes_generate_s_tokens_with_either_attention(
+    grouped: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cudagraphs.integrations import grouped_attention
+
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    torch.manual_seed(5)
+    prompt = torch.randint(1, 512, (3, 6))
+    with torch.no_grad(), transformers_attention(model):
+        expected = model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
+            min_new_tokens=16, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    shapes = []  # the rewritten path's attention calls: proof that it is the one that runs
+
+    def counting(query, *args, **kwargs):
+        shapes.append(tuple(query.shape))
+        return F.scaled_dot_product_attention(query, *args, **kwargs)
+
+    monkeypatch.setattr(
+        grouped_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=counting)
+    )
+    decoder = Decoder(model, max_batch=4, max_length=24, grouped_attention=grouped)
+    got = decoder.generate(prompt, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(got, expected)
+    if grouped:
+        assert decoder.stats.attention == "grouped"
+        assert (4, 2, 2, 16) in shapes  # batch rung 4, 2 key/value heads, a group of 2, size 16
+    else:
+        assert decoder.stats.attention == "the model's own: grouped_attention=False"
+        assert model.config._attn_implementation == "sdpa" and not shapes
