@@ -444,3 +444,24 @@ def test_a_chosen_way_that_fails_when_built_again_answers_eagerly_and_says_why(
     report, call = auto_module._decide(fn, (torch.ones(2),), {}, ("graph",), None, 1, 60.0, "k")
     assert report.chosen == "eager" and call is fn
     assert "graph was fastest but failed when built again: RuntimeError" in report.reason
+
+
+def test_a_candidate_failing_with_an_empty_message_is_a_rejected_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exception without a message is still one line of the report, not an error of the
+    report's own."""
+    _deciding_with(monkeypatch)
+    real_build = auto_module._build
+
+    def build(candidate: str, *rest: object) -> object:
+        if candidate == "backend":
+            raise ValueError()
+        return real_build(candidate, *rest)
+
+    monkeypatch.setattr(auto_module, "_build", build)
+    ways = ("graph", "backend")
+    report, _ = auto_module._decide(lambda x: x, (torch.ones(2),), {}, ways, None, 1, 60.0, "k")
+    rows = {row.name: row for row in report.candidates}
+    assert rows["backend"].rejected == "ValueError: " and not rows["backend"].verified
+    assert report.chosen == "graph"

@@ -238,7 +238,7 @@ def _decide(
             row.rejected = str(error)
             continue
         except Exception as error:  # a way that fails or differs is a rejected row, not an end
-            row.rejected = f"{type(error).__name__}: {str(error).splitlines()[0][:80]}"
+            row.rejected = _one_line(error)
             continue
         finally:
             row.build_s = time.perf_counter() - built
@@ -259,9 +259,8 @@ def _decide(
         try:
             call = _built_and_checked(chosen, fn, example_args, example_kwargs, buckets, key, 1)
         except Exception as error:  # it matched eager when first built: say so, answer eagerly
-            first = str(error).splitlines()[0][:80] if str(error) else ""
             chosen, call = "eager", fn
-            reason = f"{best.name} was fastest but failed when built again: {type(error).__name__}: {first}"
+            reason = f"{best.name} was fastest but failed when built again: {_one_line(error)}"
     report = AutoReport(
         callable_name(fn), chosen, reason, eager_us,
         kernels_per_call=measured.kernels_per_call, gpu_idle=measured.gpu_idle_fraction,
@@ -289,6 +288,13 @@ def _built_and_checked(
         call(*args, **kwargs)
         compare_with_eager(call, fn, args, kwargs, rounds)
     return call
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as one short line for the report: its type and its message's first line
+    (nothing after the colon when the message is empty)."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:80] if lines else ''}"
 
 
 def _clones(tree: Any) -> Any:
