@@ -120,3 +120,33 @@ def test_the_decoder_decodes_generate_s_tokens_with_either_attention(
     else:
         assert decoder.stats.attention == "the model's own: grouped_attention=False"
         assert model.config._attn_implementation == "sdpa" and not shapes
+
+
+def test_the_attention_switched_back_after_capture_is_caught(
+    stand_in: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the captured path (the CPU stand-in, frozen like a graph): the model's attention
+    set back to transformers' after the Decoder captured its steps is a changed value the
+    graphs read, so the next request captures again, with the attention now named."""
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    decoder = Decoder(model, max_batch=1, max_length=32)
+    torch.manual_seed(6)
+    prompt = torch.randint(1, 512, (1, 6))
+    first = decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)
+    assert decoder.stats.recaptures == 0 and decoder.stats.attention == "grouped"
+    shapes = []
+
+    def counting(query, *args, **kwargs):
+        shapes.append(tuple(query.shape))
+        return F.scaled_dot_product_attention(query, *args, **kwargs)
+
+    from cudagraphs.integrations import grouped_attention
+
+    model.set_attn_implementation("sdpa")
+    monkeypatch.setattr(
+        grouped_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=counting)
+    )
+    again = decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)
+    assert decoder.stats.recaptures >= 1
+    assert not shapes  # the new capture ran transformers' attention, not the grouped one
+    assert torch.equal(again, first)
