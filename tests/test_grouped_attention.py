@@ -32,7 +32,7 @@ class Heads(torch.nn.Module):
         self.is_causal = True
 
 
-def expanded_reference(query, key, value, mask, scaling):
+def expanded_reference(query, key, value, mask, scaling=None):
     """The attention written the long way: every key/value head copied over its query heads."""
     groups = query.shape[1] // key.shape[1]
     out = F.scaled_dot_product_attention(

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.cuda
 pytest.importorskip("transformers")
 
 from llama_decode import transformers_attention  # noqa: E402
+from test_grouped_attention import Heads, expanded_reference  # noqa: E402
 from transformers import StaticCache  # noqa: E402
-from transformers.integrations.sdpa_attention import repeat_kv  # noqa: E402
 
 from cudagraphs.integrations import grouped_attention  # noqa: E402
 from cudagraphs.integrations.grouped_attention import (  # noqa: E402
@@ -26,21 +26,6 @@ from cudagraphs.integrations.grouped_attention import (  # noqa: E402
 )
 from cudagraphs.integrations.kv_cache import cache_keyword  # noqa: E402
 from cudagraphs.tools.workloads import random_llama  # noqa: E402
-
-
-class Heads(torch.nn.Module):
-    def __init__(self, groups: int) -> None:
-        super().__init__()
-        self.num_key_value_groups = groups
-        self.is_causal = True
-
-
-def expanded(query, key, value, mask):
-    groups = query.shape[1] // key.shape[1]
-    out = F.scaled_dot_product_attention(
-        query, repeat_kv(key, groups), repeat_kv(value, groups), attn_mask=mask
-    )
-    return out.transpose(1, 2)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -57,10 +42,10 @@ def test_bf16_error_is_no_larger_than_the_expanded_attention_s(
     mask = torch.rand(batch, 1, 1, positions, device="cuda") > 0.2
     mask[..., positions - 7 :] = False  # the cache's unfilled tail
     mask[..., 0] = True
-    reference = expanded(query.float(), key.float(), value.float(), mask)
+    reference = expanded_reference(query.float(), key.float(), value.float(), mask)
     ours = grouped_call(Heads(heads // kv_heads), compiled)
     got = ours(query, key, value, mask)
-    theirs = expanded(query, key, value, mask)
+    theirs = expanded_reference(query, key, value, mask)
     error = (got.float() - reference).abs().max().item()
     their_error = (theirs.float() - reference).abs().max().item()
     assert got.dtype == torch.bfloat16 and got.shape == theirs.shape
