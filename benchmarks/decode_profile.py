@@ -149,6 +149,17 @@ def profile(args: argparse.Namespace, fuse: bool = True, grouped: bool = True) -
             }
             for name, (count, us) in costliest
         ],
+        # Every kernel with its class, the costliest first: where a class's time goes (which
+        # copies a variant adds, say), beyond the ten above.
+        "kernels": [
+            {
+                "kernel": name,
+                "class": kernel_class(name),
+                "calls_per_token": count / tokens,
+                "us_per_token": us / tokens,
+            }
+            for name, (count, us) in sorted(per_kernel.items(), key=lambda item: -item[1][1])
+        ],
     }
 
 

@@ -127,6 +127,15 @@ def test_the_decode_profile_counts_what_each_token_runs(tmp_path: Path) -> None:
     assert spent == sorted(spent, reverse=True)  # the costliest first
     assert sum(k["share_of_busy"] for k in costliest) <= 1 + 1e-9
     assert "aten::mm" in {k["kernel"] for k in costliest}  # the projections, on the CPU
+    every = result["kernels"]  # all of them, each with its class: the classes' sums add up
+    top = [(k["kernel"], k["us_per_token"]) for k in costliest]
+    assert [(k["kernel"], k["us_per_token"]) for k in every[: len(top)]] == top
+    classify = _benchmark("decode_profile").kernel_class
+    assert all(k["class"] == classify(k["kernel"]) for k in every)
+    for name, totals in result["classes"].items():
+        mine = [k for k in every if k["class"] == name]
+        assert sum(k["calls_per_token"] for k in mine) == pytest.approx(totals["kernels_per_token"])
+        assert sum(k["us_per_token"] for k in mine) == pytest.approx(totals["us_per_token"])
 
 
 @pytest.mark.slow
