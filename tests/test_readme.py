@@ -71,6 +71,21 @@ def test_a_figure_that_drifts_from_its_report_is_caught() -> None:
     assert figures.render(drifted, report) != drifted
 
 
+def test_a_decoding_row_names_the_tree_its_section_names() -> None:
+    """A decoding headline from a run on another tree than the report's says which tree."""
+    figures = _figures_script()
+    report = (
+        "### benchmarks/decode.py at a configured cache length (src tree abc1234)\n\n"
+        "Hardware: an H200; cache length 4096, greedy.\n\n**batch 16**\n\n"
+        "| mode | tokens/s |\n|---|---|\n| reduce-overhead loop | 100.0 |\n"
+        "| cg compile | 300.0 |\n"
+    )
+    row = figures.decode_headline(report)
+    assert "a cache of 4096 positions, batch 16" in row
+    assert "300.0 tokens/s, 3.00x a reduce-overhead decode loop (100.0 tokens/s)" in row
+    assert row.endswith("| `reports/gpu.md` (src tree abc1234) |")
+
+
 _FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s?(µs|ms|MiB|GiB|tokens/s)\b")
 _SOURCE = re.compile(r"(?:reports|benchmarks/results)/[\w./-]+\.(?:md|json)")
 
