@@ -16,6 +16,7 @@ False``) and as it comes (``fused``) in one run, each on a fresh model of the sa
     python benchmarks/decode_profile.py --variants unfused,expanded,fused
     python benchmarks/decode_profile.py --option triton.enable_pdl=True
     python benchmarks/decode_profile.py --matvec
+    python benchmarks/decode_profile.py --attention gqa
 
 ``--sdpa`` picks scaled-dot-product attention's kernel (``torch.nn.attention.sdpa_kernel``) for
 the construction (compile and captures) and every request; ``default`` leaves PyTorch's choice.
@@ -62,7 +63,9 @@ def profile(args: argparse.Namespace, fuse: bool = True, grouped: bool = True) -
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     model = random_llama(args.model, device, getattr(torch, args.dtype))
-    if args.attention != "sdpa":  # transformers' own attention, written out in torch ops
+    if args.attention == "gqa":
+        use_gqa_attention(model)
+    elif args.attention != "sdpa":  # transformers' own attention, written out in torch ops
         model.set_attn_implementation(args.attention)
     named = {"default": True, "none": False, "coordinate-descent": dict(COORDINATE_DESCENT)}
     compile_mode: bool | str | dict[str, Any] = named.get(args.compile, args.compile)
@@ -163,6 +166,38 @@ def profile(args: argparse.Namespace, fuse: bool = True, grouped: bool = True) -
     }
 
 
+GQA_ATTENTION = "decode_profile_sdpa_gqa"
+
+
+def gqa_attention(
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
+) -> tuple[Any, None]:
+    """One token's attention as SDPA's own grouped path (``enable_gqa=True``, the query heads
+    as they are, the cache not copied); anything else is transformers' SDPA attention. A
+    candidate against the library's grouped attention, whose packed query makes cuDNN return
+    its output in a layout the next view cannot take without a copy."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] != 1 or key.shape[1] == query.shape[1] or kwargs.get("dropout", 0.0):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"),
+        enable_gqa=True,
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_gqa_attention(model: Any) -> None:
+    """The model's attention becomes :func:`gqa_attention` (with SDPA's mask function), as
+    ``integrations/grouped_attention.py`` does for its own; the Decoder then keeps it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GQA_ATTENTION, gqa_attention)
+    AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(GQA_ATTENTION)
+
+
 def _option(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` of ``--option``: the value as Python reads it (``1``, ``True``), else the
     string."""
@@ -207,7 +242,13 @@ def markdown(r: dict[str, Any]) -> list[str]:
         + (f"; construction {r['setup_s']:.1f} s" if "setup_s" in r else ""),
         "",
         f"batch 1, {'fused' if r.get('fuse') else 'unfused'} projections"
-        + (", expanded attention" if r.get("grouped_attention", "grouped") != "grouped" else "")
+        + (
+            f", {r['attention']} attention"
+            if r.get("attention", "sdpa") != "sdpa"
+            else ", expanded attention"
+            if r.get("grouped_attention", "grouped") != "grouped"
+            else ""
+        )
         + ": roofline share "
         f"{100 * r['roofline_share']:.0f} %",
         "",
@@ -265,9 +306,11 @@ def main() -> None:
     p.add_argument(
         "--attention",
         default="sdpa",
-        choices=["sdpa", "eager"],
+        choices=["sdpa", "eager", "gqa"],
         help="transformers' attention implementation: 'eager' writes it out in torch ops (two "
-        "products and a softmax), which Inductor may fuse with its neighbours",
+        "products and a softmax), which Inductor may fuse with its neighbours; 'gqa': one "
+        "token's attention through SDPA's enable_gqa (the Decoder keeps it, instead of its "
+        "grouped attention)",
     )
     p.add_argument(
         "--option",

@@ -263,3 +263,27 @@ def test_the_second_process_profile_lists_the_costliest_calls_first() -> None:
     fast_at = next((i for i, n in enumerate(names) if "(fast)" in n), len(names))
     assert both_at <= slow_at < fast_at
     assert 0.12 <= rows[slow_at]["seconds"] <= rows[both_at]["seconds"] <= sampler.seconds + 1e-3
+
+
+def test_the_profile_s_gqa_attention_equals_the_library_s_grouped_one() -> None:
+    """``decode_profile.py --attention gqa``: SDPA's own grouped path gives the grouped
+    attention's answer for one token with a mask (and is transformers' otherwise)."""
+    pytest.importorskip("transformers")
+    from cudagraphs.integrations.grouped_attention import grouped_sdpa_attention
+
+    profile = _benchmark("decode_profile")
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 4, True
+    torch.manual_seed(2)
+    query = torch.randn(2, 8, 1, 16)
+    key, value = torch.randn(2, 2, 2, 21, 16).unbind(0)
+    mask = torch.rand(2, 1, 1, 21) > 0.4
+    mask[..., 0] = True
+    ours, _ = profile.gqa_attention(module, query, key, value, mask, scaling=0.3)
+    theirs, _ = grouped_sdpa_attention(module, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(ours, theirs)
+    prompt = torch.randn(2, 8, 5, 16)
+    long_key, long_value = torch.randn(2, 2, 2, 5, 16).unbind(0)
+    ours, _ = profile.gqa_attention(module, prompt, long_key, long_value, None)
+    theirs, _ = grouped_sdpa_attention(module, prompt, long_key, long_value, None)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
