@@ -174,8 +174,9 @@ def gqa_attention(
 ) -> tuple[Any, None]:
     """One token's attention as SDPA's own grouped path (``enable_gqa=True``, the query heads
     as they are, the cache not copied); anything else is transformers' SDPA attention. A
-    candidate against the library's grouped attention, whose packed query makes cuDNN return
-    its output in a layout the next view cannot take without a copy."""
+    candidate against the library's grouped attention, whose graph has one more copy per layer
+    in the profile: likely the view of its output back to one token per head, which cuDNN's
+    output layout (positions before heads) cannot give without one (not confirmed)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if query.shape[2] != 1 or key.shape[1] == query.shape[1] or kwargs.get("dropout", 0.0):
