@@ -150,3 +150,45 @@ def test_the_attention_switched_back_after_capture_is_caught(
     assert decoder.stats.recaptures >= 1
     assert not shapes  # the new capture ran transformers' attention, not the grouped one
     assert torch.equal(again, first)
+
+
+FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),  # q/k/v biases
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),  # q/k norms
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 8}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # one qkv_proj
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_decode_token_of_each_family_answers_as_transformers_sdpa_does(family: str) -> None:
+    """One token after a prompt longer than the sliding windows, through a static cache: the
+    logits with the grouped attention equal those with transformers' SDPA attention, in every
+    family the Decoder supports whose attention can be SDPA (masks, scaling, windows)."""
+    import transformers
+    from transformers import StaticCache
+
+    from cudagraphs.integrations.kv_cache import cache_keyword
+
+    config_name, model_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, pad_token_id=0, **extra,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, model_name)(config).eval()
+    model.set_attn_implementation("sdpa")
+    prompt = torch.randint(1, 256, (2, 12))
+    token = torch.randint(1, 256, (2, 1))
+
+    def next_logits() -> torch.Tensor:
+        cache = {cache_keyword(model): StaticCache(config=model.config, max_cache_len=20)}
+        with torch.no_grad():
+            model(prompt, use_cache=True, **cache)
+            return model(token, use_cache=True, **cache).logits[:, -1]
+
+    expected = next_logits()
+    assert use_grouped_attention(model) is None
+    torch.testing.assert_close(next_logits(), expected, rtol=1e-5, atol=1e-5)
