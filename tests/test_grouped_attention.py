@@ -41,6 +41,23 @@ def expanded_reference(query, key, value, mask, scaling=None):
     return out.transpose(1, 2)
 
 
+def packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """The query shapes of the grouped attention's own SDPA calls from now on (the packed
+    path; calls handed to transformers are not counted): proof of which path ran."""
+    from cudagraphs.integrations import grouped_attention
+
+    shapes: list[tuple[int, ...]] = []
+
+    def counting(query, *args, **kwargs):
+        shapes.append(tuple(query.shape))
+        return F.scaled_dot_product_attention(query, *args, **kwargs)
+
+    monkeypatch.setattr(
+        grouped_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=counting)
+    )
+    return shapes
+
+
 @pytest.mark.parametrize("per_head_mask", [False, True])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (12, 4), (6, 1)])
 def test_one_token_with_grouped_heads_equals_the_expanded_attention(
@@ -92,8 +109,6 @@ def test_the_switch_refuses_other_attentions_and_leaves_them() -> None:
 def test_the_decoder_decodes_generate_s_tokens_with_either_attention(
     grouped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cudagraphs.integrations import grouped_attention
-
     model, _ = tiny_llama("cpu", hidden=64, layers=2)
     torch.manual_seed(5)
     prompt = torch.randint(1, 512, (3, 6))
@@ -102,15 +117,7 @@ def test_the_decoder_decodes_generate_s_tokens_with_either_attention(
             prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16,
             min_new_tokens=16, do_sample=False, pad_token_id=0,
         )  # fmt: skip
-    shapes = []  # the rewritten path's attention calls: proof that it is the one that runs
-
-    def counting(query, *args, **kwargs):
-        shapes.append(tuple(query.shape))
-        return F.scaled_dot_product_attention(query, *args, **kwargs)
-
-    monkeypatch.setattr(
-        grouped_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=counting)
-    )
+    shapes = packed_calls(monkeypatch)
     decoder = Decoder(model, max_batch=4, max_length=24, grouped_attention=grouped)
     got = decoder.generate(prompt, max_new_tokens=16, eos_token_id=None)
     assert torch.equal(got, expected)
@@ -134,18 +141,8 @@ def test_the_attention_switched_back_after_capture_is_caught(
     prompt = torch.randint(1, 512, (1, 6))
     first = decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)
     assert decoder.stats.recaptures == 0 and decoder.stats.attention == "grouped"
-    shapes = []
-
-    def counting(query, *args, **kwargs):
-        shapes.append(tuple(query.shape))
-        return F.scaled_dot_product_attention(query, *args, **kwargs)
-
-    from cudagraphs.integrations import grouped_attention
-
     model.set_attn_implementation("sdpa")
-    monkeypatch.setattr(
-        grouped_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=counting)
-    )
+    shapes = packed_calls(monkeypatch)
     again = decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)
     assert decoder.stats.recaptures >= 1
     assert not shapes  # the new capture ran transformers' attention, not the grouped one

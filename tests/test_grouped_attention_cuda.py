@@ -6,20 +6,17 @@ under ``torch.compile``, per operator and in a whole model's decode step."""
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
-from torch.nn import functional as F
 
 pytestmark = pytest.mark.cuda
 pytest.importorskip("transformers")
 
 from llama_decode import transformers_attention  # noqa: E402
-from test_grouped_attention import Heads, expanded_reference  # noqa: E402
+from test_grouped_attention import Heads, expanded_reference, packed_calls  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
-from cudagraphs.integrations import grouped_attention  # noqa: E402
 from cudagraphs.integrations.grouped_attention import (  # noqa: E402
     grouped_sdpa_attention,
     use_grouped_attention,
@@ -83,15 +80,7 @@ def test_a_bf16_decode_step_s_logits_err_no_more_than_the_model_s_own_attention(
     with transformers_attention(model):
         theirs = next_logits(model)
     assert use_grouped_attention(model) is None
-    shapes = []  # the packed path's attention calls: proof that it ran
-
-    def counting(query, *args, **kwargs):
-        shapes.append(tuple(query.shape))
-        return F.scaled_dot_product_attention(query, *args, **kwargs)
-
-    monkeypatch.setattr(
-        grouped_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=counting)
-    )
+    shapes = packed_calls(monkeypatch)
     ours = next_logits(model)
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
     assert (2, kv_heads, heads // kv_heads, model.config.head_dim) in shapes
