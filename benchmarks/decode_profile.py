@@ -111,7 +111,8 @@ def profile(args: argparse.Namespace, fuse: bool = True, grouped: bool = True) -
     kernels = sum(count for count, _ in per_kernel.values())
     busy_us = sum(us for _, us in per_kernel.values())
     weights = weight_bytes(model)
-    costliest = sorted(per_kernel.items(), key=lambda item: -item[1][1])[:10]
+    ranked = sorted(per_kernel.items(), key=lambda item: -item[1][1])  # the costliest first
+    costliest = ranked[:10]
     classes: dict[str, list[float]] = {}
     for name, (count, us) in per_kernel.items():
         totals = classes.setdefault(kernel_class(name), [0.0, 0.0])
@@ -161,7 +162,7 @@ def profile(args: argparse.Namespace, fuse: bool = True, grouped: bool = True) -
                 "calls_per_token": count / tokens,
                 "us_per_token": us / tokens,
             }
-            for name, (count, us) in sorted(per_kernel.items(), key=lambda item: -item[1][1])
+            for name, (count, us) in ranked
         ],
     }
 
