@@ -269,11 +269,12 @@ def test_the_profile_s_gqa_attention_equals_the_library_s_grouped_one() -> None:
     """``decode_profile.py --attention gqa``: SDPA's own grouped path gives the grouped
     attention's answer for one token with a mask (and is transformers' otherwise)."""
     pytest.importorskip("transformers")
+    from test_grouped_attention import Heads
+
     from cudagraphs.integrations.grouped_attention import grouped_sdpa_attention
 
     profile = _benchmark("decode_profile")
-    module = torch.nn.Module()
-    module.num_key_value_groups, module.is_causal = 4, True
+    module = Heads(4)
     torch.manual_seed(2)
     query = torch.randn(2, 8, 1, 16)
     key, value = torch.randn(2, 2, 2, 21, 16).unbind(0)
