@@ -289,3 +289,32 @@ def test_one_check_holds_class_values_absent_names_and_list_items(native: bool) 
     mix.pop()
     holder["mix"] = [1.0, 2.0]  # an equal but new list: not the list the recording read
     assert check() is False
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_one_check_holds_an_object_s_class(native: bool) -> None:
+    """``(obj, CLASS_OF, cls)``: the object's class is still that very class. Swapping it
+    (``obj.__class__ = Other``) gives the object other methods while every class value the
+    other entries hold stays as it was."""
+    if native and guards.compiled_module() is None:
+        pytest.skip(f"no compiled check here: {guards._failure}")
+
+    class Model:
+        def squash(self) -> int:
+            return 1
+
+    class Equal(Model):
+        def __eq__(self, other: object) -> bool:  # equal to anything: identity still decides
+            return True
+
+        __hash__ = object.__hash__
+
+    obj = Model()
+    check = guards.AddressCheck([torch.randn(2)], native=native).with_modes(
+        [], [], [], [(obj, guards.CLASS_OF, Model), (Model, "squash", Model.__dict__["squash"])]
+    )
+    assert check() is True
+    obj.__class__ = Equal  # Model's own lookup is unchanged: only the class entry sees it
+    assert check() is False
+    obj.__class__ = Model
+    assert check() is True

@@ -423,3 +423,62 @@ def test_a_bucketed_graph_refuses_another_dtype(stand_in: None, dtype: torch.dty
     torch.testing.assert_close(g(torch.randn(3, 4)).shape, torch.Size([3, 4]))
     with pytest.raises(cg.InputMismatchError):
         g(torch.randn(3, 4, dtype=dtype))
+
+
+def _add_forward_hook(model: nn.Sequential) -> Any:
+    return model[0].register_forward_hook(lambda module, args, out: out * 3)
+
+
+def _add_forward_pre_hook(model: nn.Sequential) -> Any:
+    return model.register_forward_pre_hook(lambda module, args: (args[0] * 2,))
+
+
+def _add_prepended_hook(model: nn.Sequential) -> Any:
+    return model[2].register_forward_hook(lambda module, args, out: out - 1, prepend=True)
+
+
+def _add_global_hook(model: nn.Sequential) -> Any:
+    from torch.nn.modules.module import register_module_forward_hook
+
+    return register_module_forward_hook(
+        lambda module, args, out: out + 1 if isinstance(module, nn.Linear) else out
+    )
+
+
+HOOKS = {
+    "forward hook on a child": _add_forward_hook,
+    "forward pre-hook on the model": _add_forward_pre_hook,
+    "hook prepended to a child's": _add_prepended_hook,
+    "global module forward hook": _add_global_hook,
+}
+
+
+@pytest.mark.parametrize("add", list(HOOKS.values()), ids=list(HOOKS))
+def test_a_hook_added_or_removed_after_capture_gives_eager_s_answer(
+    stand_in: None, add: Callable[[nn.Sequential], Any]
+) -> None:
+    """Hooks run in Python around a module's forward: the recording holds what they did at
+    capture. One registered after it (or removed) must capture again, never replay the old
+    answer; under on_stale="raise" it raises, naming the hooks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).requires_grad_(False)
+    existing = model[2].register_forward_hook(lambda module, args, out: out * 0.5)
+    x = torch.randn(2, 4)
+    g = cg.graph(model, x, outputs="clone")
+    strict = cg.graph(model, x, outputs="clone", on_stale="raise")
+    torch.testing.assert_close(g(x), model(x))
+    recorded = model(x)
+    handle = add(model)
+    try:
+        assert not torch.allclose(model(x), recorded)  # the hook matters to the answer
+        torch.testing.assert_close(g(x), model(x))
+        assert g.stats.recaptures == 1
+        with pytest.raises(cg.StaleGraphError, match="hook"):
+            strict(x)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(g(x), recorded)  # removed again: captured again without it
+    assert g.stats.recaptures == 2
+    existing.remove()
+    torch.testing.assert_close(g(x), model(x))  # a hook present at capture, removed since
+    assert g.stats.recaptures == 3

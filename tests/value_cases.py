@@ -229,6 +229,28 @@ def _tanh_squash(self: Defaulted, y: torch.Tensor) -> torch.Tensor:
     return torch.tanh(y)
 
 
+class TanhDefaulted(DefaultedChild):
+    """Another class for the same object: another method under the same name."""
+
+    def squash(self, y: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(y)
+
+
+class ShiftedLinear(nn.Linear):
+    """torch's ``nn.Linear`` with another forward, for a child whose class is swapped."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + 1.0
+
+
+def _swap_class(model: Defaulted) -> None:
+    model.__class__ = TanhDefaulted
+
+
+def _swap_child_class(model: Defaulted) -> None:
+    model.fc.__class__ = ShiftedLinear
+
+
 def _change_list_item(model: Defaulted) -> None:
     model.mix[0] = 3.0
 
@@ -257,4 +279,6 @@ BEYOND_ATTRIBUTES = {
     ),
     "list item changed in place": (lambda m, mp: _change_list_item(m), "mix"),
     "item of a list in a dict changed in place": (lambda m, mp: _change_list_in_dict(m), "weights"),
+    "the model's class swapped": (lambda m, mp: _swap_class(m), "__class__"),
+    "a child module's class swapped": (lambda m, mp: _swap_child_class(m), "fc.__class__"),
 }

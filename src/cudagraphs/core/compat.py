@@ -496,6 +496,43 @@ def module_entries(module: torch.nn.Module) -> list[tuple[str, dict[str, Any], s
     return found
 
 
+#: The hook dicts of an ``nn.Module`` whose entries run around its forward, and around its
+#: backward: a hook added to or removed from one after a capture changes what eager computes.
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
+_BACKWARD_HOOKS = ("_backward_pre_hooks", "_backward_hooks")
+
+
+def module_hook_dicts(
+    module: torch.nn.Module, backward: bool = False
+) -> list[tuple[str, dict[Any, Any]]]:
+    """``(name, hooks)`` for each forward hook dict of ``module`` and its submodules (and
+    backward hook dict, with ``backward``), empty ones too (a hook registered later lands in
+    one), read, never written."""
+    kinds = _FORWARD_HOOKS + (_BACKWARD_HOOKS if backward else ())
+    found = []
+    for prefix, sub in module.named_modules():
+        base = f"{type(module).__name__}{'.' + prefix if prefix else ''}"
+        for attribute in kinds:
+            hooks = sub.__dict__.get(attribute)
+            if isinstance(hooks, dict):
+                found.append((f"{base}'s {attribute.strip('_').replace('_', ' ')}", hooks))
+    return found
+
+
+def global_hook_dicts(backward: bool = False) -> list[tuple[str, dict[Any, Any]]]:
+    """``(name, hooks)`` for the hooks ``torch.nn.modules.module.register_module_forward_hook``
+    and its kin run around every module's forward (and backward, with ``backward``)."""
+    from torch.nn.modules import module as module_code
+
+    kinds = _FORWARD_HOOKS + (_BACKWARD_HOOKS if backward else ())
+    found = []
+    for attribute in (f"_global{kind}" for kind in kinds):
+        hooks = getattr(module_code, attribute, None)
+        if isinstance(hooks, dict):
+            found.append((attribute.strip("_").replace("_", " "), hooks))
+    return found
+
+
 def forget_compiled_frames(codes: Iterable[types.CodeType]) -> None:
     """Drop what ``torch.compile`` cached for these code objects, so that their next call
     traces again. Why: some releases' Dynamo guards do not cover a value a frame reads from a

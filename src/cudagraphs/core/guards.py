@@ -89,6 +89,7 @@ from .writes import walk
 __all__ = [
     "AddressCheck",
     "AddressGuard",
+    "CLASS_OF",
     "MISSING",
     "Modes",
     "closure_tensors",
@@ -187,12 +188,14 @@ class AddressGuard:
         extra: Iterable[tuple[str, torch.Tensor]] = (),
         watches: Iterable[Any] = (),
         modes: bool = True,
+        backward: bool = False,
     ):
         """``extra``: more named tensors read by address (an optimizer's state); ``watches``:
         objects with a ``stale() -> str | None`` method, asked before each replay; ``modes``:
         whether a module's train/eval switch counts as stale (off for callers that route
-        calls by mode themselves)."""
+        calls by mode themselves); ``backward``: watch backward hooks too (a training graph)."""
         self._modes = modes
+        self._backward = backward
         self.fn = fn
         self.modules = modules_of(fn, modules)
         self.closures = closure_tensors(fn, values=True)
@@ -228,6 +231,10 @@ class AddressGuard:
         self.training = [(m, m.training) for m in self.modules] if self._modes else []
         # Which object each parameter, buffer and child slot of the modules holds.
         self.entries = [e for m in self.modules for e in compat.module_entries(m)]
+        # Hooks ran at capture: one added or removed since would silently not (or still) run.
+        hooks = [h for m in self.modules for h in compat.module_hook_dicts(m, self._backward)]
+        hooks += compat.global_hook_dicts(self._backward) if self.modules else []
+        self.hooks = [(name, d, tuple(dict.values(d))) for name, d in hooks]
         # A watch that holds plain values (``held``: (dict, key, value) triples) is checked
         # inside the one call below; any other watch is asked after it.
         held = tuple(v for w in self.watches for v in getattr(w, "held", ()))
@@ -239,7 +246,7 @@ class AddressGuard:
         # checked after it one by one (a few per guard), never the module tree in Python.
         fast = self.addresses.with_modes(
             [m for m, _ in self.training], [t for _, t in self.training],
-            _by_mapping(self.entries), held,
+            _by_mapping(self.entries) + [(d, values) for _, d, values in self.hooks], held,
         )  # fmt: skip
         self.check: Callable[[], bool] = (
             fast if self.simple else _then_each(fast, self.closure_ids, others)
@@ -248,7 +255,8 @@ class AddressGuard:
     @property
     def count(self) -> int:
         """How many tensors and values this guard checks before each replay."""
-        return len(self.tensors) + len(self.closure_ids) + len(self.training) + len(self.watches)
+        watched = (self.tensors, self.closure_ids, self.training, self.watches, self.hooks)
+        return sum(map(len, watched))
 
     def stale(self) -> str | None:
         """``None`` if every guarded address is unchanged; else which tensor moved, in words."""
@@ -272,7 +280,16 @@ class AddressGuard:
         for name, mapping, key, value in self.entries:
             if mapping.get(key) is not value:
                 return f"{name} was replaced by another object (module.to(...), module.{key} = ...)"
+        for name, hooks, recorded in self.hooks:
+            if not _same_objects(hooks, recorded):
+                return f"{name} changed: a hook was added or removed after the capture"
         return None
+
+
+def _same_objects(mapping: dict[Any, Any], values: tuple[Any, ...]) -> bool:
+    """``mapping`` holds exactly ``values`` in storage order (the C check's; ``OrderedDict``'s own
+    order differs after ``move_to_end``)."""
+    return len(mapping) == len(values) and all(a is b for a, b in zip(dict.values(mapping), values))
 
 
 def _by_mapping(entries: list[tuple[str, Any, str, Any]]) -> list[tuple[Any, tuple[Any, ...]]]:
@@ -280,7 +297,7 @@ def _by_mapping(entries: list[tuple[str, Any, str, Any]]) -> list[tuple[Any, tup
     seen: dict[int, tuple[Any, tuple[Any, ...]]] = {}
     for _, mapping, _, _ in entries:  # (an empty dict has no entry: nothing recorded reads it)
         if id(mapping) not in seen:
-            seen[id(mapping)] = (mapping, tuple(mapping.values()))
+            seen[id(mapping)] = (mapping, tuple(dict.values(mapping)))
     return list(seen.values())
 
 
@@ -307,11 +324,15 @@ def _then_each(
 log = logging.getLogger("cudagraphs")
 #: What a lookup finds under a key nothing holds (deleted since the recording read it).
 MISSING = object()
+#: The key of a value-watch entry that holds an object's class: ``(obj, CLASS_OF, cls)``.
+CLASS_OF = None
 
 
-def held_value_now(owner: Any, key: str) -> Any:
-    """What ``owner`` holds under ``key`` now: a dict's item, or what attribute lookup on a
-    class finds (its bases in order, no descriptor run); :data:`MISSING` for nothing."""
+def held_value_now(owner: Any, key: str | None) -> Any:
+    """What ``owner`` holds under ``key`` now: a dict's item, a class's attribute lookup (bases
+    in order, no descriptor run), or its class for :data:`CLASS_OF`; else :data:`MISSING`."""
+    if key is CLASS_OF:
+        return type(owner)
     if not isinstance(owner, type):
         return owner.get(key, MISSING)
     for klass in owner.__mro__:
@@ -324,6 +345,8 @@ def held_value_now(owner: Any, key: str) -> Any:
 def held_value_still(entry: tuple[Any, ...]) -> bool:
     """Whether one entry of a value watch holds: the Python form of ``values_hold`` in
     ``_before_replay.cpp``, whose comment lists the entry shapes."""
+    if entry[1] is CLASS_OF:
+        return type(entry[0]) is entry[2]
     now = held_value_now(entry[0], entry[1])
     if len(entry) == 2:
         return now is MISSING
@@ -432,15 +455,10 @@ class AddressCheck:
         plain = tuple(values)
         addresses = self.unchanged
 
-        def same_objects(mapping: dict[str, Any], values: tuple[Any, ...]) -> bool:
-            return len(mapping) == len(values) and all(
-                a is b for a, b in zip(mapping.values(), values)
-            )
-
         def unchanged() -> bool:
             return (
                 all(o.training is m for o, m in pairs)
-                and all(same_objects(d, v) for d, v in held)
+                and all(_same_objects(d, v) for d, v in held)
                 and all(held_value_still(entry) for entry in plain)
                 and addresses()
             )

@@ -52,7 +52,8 @@ harmless, and then costs a recapture, never a wrong answer. Values declared with
 ``harmless_state=`` are not guarded.
 
 Values read from the class rather than the instance (:func:`class_values`: a class-level
-default read as ``self.scale``, a method that ran) and the items of a list of plain values
+default read as ``self.scale``, a method that ran), the class of each module and model object
+the recording reached (``module.__class__ = Other``), and the items of a list of plain values
 (``self.mix[0] = 3.0``) are guarded the same way.
 
 Right::
@@ -61,6 +62,7 @@ Right::
     model.scale = 2.0          # seen at the next call: captured again, eager's answer
     type(model).scale = 2.0    # a class-level default changed: seen the same way
     model.mix[0] = 3.0         # a list item changed in place: seen
+    model.head.__class__ = Patched  # another class, other methods: seen
     model.activation = torch.tanh   # a held function, compared by identity: the same
     y = g(x)
 
@@ -86,7 +88,7 @@ import torch
 from ..errors import FrozenStateError, explain
 from . import compat
 from .frames import callable_name, is_model_code
-from .guards import MISSING, compiled_module, held_value_now, held_value_still
+from .guards import CLASS_OF, MISSING, compiled_module, held_value_now, held_value_still
 from .writes import is_compiled, is_model_class, walk
 
 __all__ = [
@@ -460,7 +462,20 @@ def class_values(
                 (f"{label}.{key}", attributes, key, MISSING)
                 for key in keys if key not in attributes
             )  # fmt: skip
+        if _class_assignable(obj):
+            # ``obj.__class__ = Other`` gives it other methods and class values: the lookups
+            # above would still find the old class's, unchanged, so the class is guarded too.
+            found.append((f"{label}.__class__", obj, CLASS_OF, cls))
     return found
+
+
+def _class_assignable(obj: Any) -> bool:
+    """Objects whose class a program may swap and whose class decides what the recording
+    ran: modules (torch's own too: ``linear.__class__ = Patched`` changes its forward) and
+    instances of model code's classes; not tensors."""
+    if isinstance(obj, torch.Tensor):
+        return False
+    return isinstance(obj, torch.nn.Module) or is_model_class(type(obj))
 
 
 def _class_reads(cls: type, names: set[str], ran: dict[types.CodeType, Any]) -> tuple[str, ...]:
@@ -515,10 +530,12 @@ class ValueWatch:
         return all(held_value_still(entry) for entry in self.held)
 
     def classes_changed(self) -> list[type]:
-        """The classes whose watched values no longer hold (:func:`class_values`)."""
+        """The classes whose watched values no longer hold (:func:`class_values`), and the
+        classes an object was switched away from (``obj.__class__ = Other``)."""
         return [
-            owner for (_, owner, _, _), entry in zip(self.values, self.held)
-            if isinstance(owner, type) and not held_value_still(entry)
+            owner if isinstance(owner, type) else value
+            for (_, owner, key, value), entry in zip(self.values, self.held)
+            if (isinstance(owner, type) or key is CLASS_OF) and not held_value_still(entry)
         ]  # fmt: skip
 
     def _why(self) -> str | None:

@@ -140,7 +140,9 @@ class GraphedAutograd:
         self.stream_order: StreamOrder | None = None
         # Train/eval is checked by __call__ itself (it routes to the eval graph), not the guard.
         self._guard = (
-            AddressGuard(fn, options.modules, modes=False) if options.guard == "replay" else None
+            AddressGuard(fn, options.modules, modes=False, backward=True)
+            if options.guard == "replay"
+            else None
         )
         self.eval_graph: Graphed[Any] | None = None
         self.pool: Any = None

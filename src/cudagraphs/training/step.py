@@ -125,7 +125,9 @@ class TrainStep(Graphed[R]):
         extra = [named for optimizer in self.optimizers for named in optimizer_tensors(optimizer)]
         watches = [OptimizerWatch(optimizer) for optimizer in self.optimizers]
         watches += self.value_watches()
-        return AddressGuard(self.fn, self.options.modules, extra=extra, watches=watches)
+        return AddressGuard(
+            self.fn, self.options.modules, extra=extra, watches=watches, backward=True
+        )
 
     def __repr__(self) -> str:
         opts = ", ".join(type(o).__name__ for o in self.optimizers)
