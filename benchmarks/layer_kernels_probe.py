@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from gemv_probe import graphed_us
 from torch.nn import functional as F
 
 #: The 1.1 B Llama shape: hidden size, MLP size, q/k/v rows, layers.
@@ -60,16 +60,34 @@ def _act(g, ACT: tl.constexpr):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _start(BLOCK_N: tl.constexpr, PDL: tl.constexpr):  # type: ignore[no-untyped-def]
+    """This program's output rows; with ``PDL`` the next kernel may launch now, and this one
+    waits here for the previous kernel's results."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    return tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+
+
+@triton.jit
+def _block_products(w_ptr, rows, k, a, N, K):  # type: ignore[no-untyped-def]
+    """The weight's ``rows`` x ``k`` block times the inputs ``a`` (float32), summed per row."""
+    w = tl.load(
+        w_ptr + rows[:, None] * K + k[None, :],
+        mask=(rows[:, None] < N) & (k[None, :] < K),
+        other=0.0,
+    )
+    return tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+
+
+@triton.jit
 def _norm_matvec(  # type: ignore[no-untyped-def]
     x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PLUS_ONE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = _start(BLOCK_N, PDL)
     cols = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         k = start + cols
@@ -85,11 +103,7 @@ def _norm_matvec(  # type: ignore[no-untyped-def]
             a = (x * scale * (1.0 + g)).to(dtype).to(tl.float32)
         else:  # Llama's: the normed row rounded to the dtype, then times g, rounded again
             a = (g * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        w = tl.load(
-            w_ptr + rows[:, None] * K + k[None, :],
-            mask=(rows[:, None] < N) & (k[None, :] < K), other=0.0,
-        )  # fmt: skip
-        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        acc += _block_products(w_ptr, rows, k, a, N, K)
     tl.store(out_ptr + rows, acc.to(dtype), mask=rows < N)
 
 
@@ -98,12 +112,9 @@ def _matvec_add(  # type: ignore[no-untyped-def]
     x_ptr, w_ptr, res_ptr, out_ptr, N, K, GATED: tl.constexpr, ACT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = _start(BLOCK_N, PDL)
     cols = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         k = start + cols
@@ -114,11 +125,7 @@ def _matvec_add(  # type: ignore[no-untyped-def]
             a = (a * up).to(dtype).to(tl.float32)
         else:
             a = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        w = tl.load(
-            w_ptr + rows[:, None] * K + k[None, :],
-            mask=(rows[:, None] < N) & (k[None, :] < K), other=0.0,
-        )  # fmt: skip
-        acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+        acc += _block_products(w_ptr, rows, k, a, N, K)
     residual = tl.load(res_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
     out = (acc.to(dtype).to(tl.float32) + residual).to(dtype)
     tl.store(out_ptr + rows, out, mask=rows < N)
@@ -235,29 +242,6 @@ def random_layers(
     ]  # fmt: skip
 
 
-def graphed_us(fn: Callable[[], Any], repeats: int = 7) -> float:
-    """µs per replay of one CUDA graph of ``fn`` (median of ``repeats``)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
-
-
 #: The folded ways timed: name -> the kernels' launch settings.
 FOLDED_WAYS: dict[str, dict[str, Any]] = {
     "folded, 8 rows a program": {"block_n": 8},
@@ -286,7 +270,7 @@ def probe(dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
     for way, fn in ways.items():
         try:
             error = (fn().float() - reference).abs().max().item()
-            us = graphed_us(fn)
+            us = graphed_us(fn, calls=1)
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 fn()
                 torch.cuda.synchronize()

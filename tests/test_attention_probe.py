@@ -5,21 +5,11 @@ GPU timing is the benchmark's; this checks the arithmetic it times."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
-import pytest
+from triton_interpreter import needs_triton, run_under_interpreter
 
-ROOT = Path(__file__).resolve().parent.parent
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None,
-    reason="needs triton (its interpreter runs on the CPU)",
-)
+pytestmark = needs_triton
 
 CHECK = textwrap.dedent(
     """
@@ -56,8 +46,4 @@ CHECK = textwrap.dedent(
 
 
 def test_the_grouped_kernel_matches_a_float32_masked_sdpa_under_the_interpreter() -> None:
-    done = subprocess.run(
-        [sys.executable, "-c", CHECK], cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-    )  # fmt: skip
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_under_interpreter(CHECK)
