@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from cudagraphs.core import guards
 from cudagraphs.core.guards import AddressCheck
+from cudagraphs.core.signature import CLASS_OF
 
 
 def _tensors(n: int = 6) -> list[torch.Tensor]:
@@ -236,7 +237,7 @@ def test_compiled_unchanged_rejects_bad_arguments() -> None:
         module.unchanged((), b"", (), (), b"")
     with pytest.raises(ValueError, match="one recorded mode per owner"):
         module.unchanged((), b"", (object(),), (), ())
-    with pytest.raises(TypeError, match="pairs expected"):
+    with pytest.raises(TypeError, match="pairs or dicts expected"):
         module.unchanged((), b"", (), (), (({}, 2),))
     with pytest.raises(TypeError, match="values"):
         module.unchanged((), b"", (), (), (), [({}, "k", 1)])
@@ -311,10 +312,30 @@ def test_one_check_holds_an_object_s_class(native: bool) -> None:
 
     obj = Model()
     check = guards.AddressCheck([torch.randn(2)], native=native).with_modes(
-        [], [], [], [(obj, guards.CLASS_OF, Model), (Model, "squash", Model.__dict__["squash"])]
+        [], [], [], [(obj, CLASS_OF, Model), (Model, "squash", Model.__dict__["squash"])]
     )
     assert check() is True
     obj.__class__ = Equal  # Model's own lookup is unchanged: only the class entry sees it
     assert check() is False
     obj.__class__ = Model
     assert check() is True
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_one_check_holds_empty_dicts_empty_and_full_ones_as_they_were(native: bool) -> None:
+    """A dict recorded empty (most hook and slot dicts of a model) is checked for staying
+    empty, one with entries for holding those very objects; both forms give the same answers."""
+    if native and guards.compiled_module() is None:
+        pytest.skip(f"no compiled check here: {guards._failure}")
+    hooks: dict[int, object] = {}
+    slots = {"weight": torch.randn(2)}
+    check = guards.AddressCheck([torch.randn(2)], native=native).with_modes(
+        [], [], [(hooks, ()), (slots, tuple(slots.values()))]
+    )
+    assert check() is True
+    hooks[0] = print  # a hook registered after the capture
+    assert check() is False
+    del hooks[0]
+    assert check() is True
+    slots["bias"] = torch.randn(2)  # a slot added
+    assert check() is False

@@ -135,3 +135,33 @@ def test_a_value_read_from_the_class_or_a_list_changed_after_capture_gives_eager
         change(model, monkeypatch)
         assert not torch.allclose(model(x), recorded)  # the change matters to the answer
         _answers_as_eager_after_one_recapture(g, model)
+
+
+def _held_on_gpu(model: value_cases.Holding) -> value_cases.Holding:
+    """The Holding module with every tensor it holds outside its tree on the GPU too."""
+    model = model.cuda().eval()
+    model.offset, model.gain = model.offset.cuda(), model.gain.cuda()
+    model.tables = {k: t.cuda() for k, t in model.tables.items()}
+    model.steps = [t.cuda() for t in model.steps]
+    model.heads = [h.cuda() for h in model.heads]
+    return model
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("case", list(value_cases.HELD_TENSORS))
+def test_a_tensor_or_module_held_outside_the_tree_changed_after_capture_gives_eager_s_answer(
+    case: str, compile: bool
+) -> None:
+    """A tensor attribute, a dict or list item, a module in a list, a buffer registered later:
+    changed after the capture (on the GPU, the change moved device memory), a replay must not
+    read the recorded memory."""
+    torch.manual_seed(0)
+    model = _held_on_gpu(value_cases.Holding(64))
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(8, 64, device="cuda"), compile=compile)
+        x = torch.randn(8, 64, device="cuda")
+        recorded = model(x)
+        change, _ = value_cases.HELD_TENSORS[case]
+        change(model)  # new tensors and modules where the old ones live
+        assert not torch.allclose(model(x), recorded)  # the change matters to the answer
+        _answers_as_eager_after_one_recapture(g, model)

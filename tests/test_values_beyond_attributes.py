@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from value_cases import BEYOND_ATTRIBUTES, DefaultedChild
+from value_cases import BEYOND_ATTRIBUTES, HELD_TENSORS, DefaultedChild, Holding
 
 import cudagraphs as cg
 
@@ -34,3 +34,25 @@ def test_a_value_read_beyond_the_instance_changed_after_capture_gives_eager_s_an
     again = torch.randn(4, 8)
     torch.testing.assert_close(g(again), model(again))
     assert g.stats.recaptures == 1  # the new value is the recorded one now
+
+
+@pytest.mark.parametrize("case", list(HELD_TENSORS))
+def test_a_tensor_or_module_held_outside_the_module_tree_changed_after_capture(
+    stand_in: None, case: str
+) -> None:
+    """Tensors a forward reads that are not parameters or buffers (an attribute, a dict or list
+    item), a module in a plain list, a buffer registered later: the recording read them by
+    address, so another object there (an equal one too) or new memory must capture again."""
+    torch.manual_seed(0)
+    model = Holding()
+    g = cg.graph(model, torch.randn(4, 8), outputs="clone")
+    fresh = torch.randn(4, 8)
+    torch.testing.assert_close(g(fresh), model(fresh))
+    recorded = model(fresh)
+    change, name = HELD_TENSORS[case]
+    change(model)
+    expected = model(fresh)
+    assert not torch.allclose(expected, recorded)  # the change matters to the answer
+    torch.testing.assert_close(g(fresh), expected)
+    assert g.stats.recaptures == 1
+    assert any(name in notice for notice in g.stats.notices), g.stats.notices

@@ -282,3 +282,64 @@ BEYOND_ATTRIBUTES = {
     "the model's class swapped": (lambda m, mp: _swap_class(m), "__class__"),
     "a child module's class swapped": (lambda m, mp: _swap_child_class(m), "fc.__class__"),
 }
+
+
+class Holding(nn.Module):
+    """Tensors and modules a forward reads that are not parameters, buffers or children: a
+    plain tensor attribute, a one-element tensor, tensors in a dict and a list, a module in a
+    list, and a buffer it reads only if one is registered."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width).requires_grad_(False)
+        self.offset = torch.randn(width)
+        self.gain = torch.tensor(2.0)
+        self.tables = {"shift": torch.randn(width)}
+        self.steps = [torch.randn(width)]
+        self.heads = [nn.Linear(width, width).requires_grad_(False)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.heads[0](self.fc(x)) * self.gain + self.offset
+        y = y + self.tables["shift"] - self.steps[0]
+        extra = getattr(self, "late", None)
+        return y if extra is None else y + extra
+
+
+def _like(t: torch.Tensor) -> torch.Tensor:
+    return torch.randn(t.shape, device=t.device, dtype=t.dtype)
+
+
+def _linear_like(linear: nn.Linear) -> nn.Linear:
+    fresh = nn.Linear(linear.in_features, linear.out_features, device=linear.weight.device)
+    return fresh.requires_grad_(False)
+
+
+def _equal_gain_then_written(model: Holding) -> None:
+    model.gain = torch.tensor(
+        2.0, device=model.gain.device
+    )  # equal to the recorded one, but another tensor
+    model.gain.fill_(3.0)  # written in place: eager reads it, a graph of the old one would not
+
+
+#: case -> (a change made after the capture to a Holding, a name the stale notice mentions)
+HELD_TENSORS = {
+    "tensor attribute replaced": (lambda m: setattr(m, "offset", _like(m.offset)), "offset"),
+    "tensor attribute's memory swapped": (
+        lambda m: setattr(m.offset, "data", _like(m.offset)),
+        "offset",
+    ),
+    "one-element tensor replaced by an equal one, then written": (_equal_gain_then_written, "gain"),
+    "tensor in a dict replaced": (
+        lambda m: m.tables.update(shift=_like(m.tables["shift"])),
+        "shift",
+    ),
+    "tensor in a list replaced": (lambda m: m.steps.__setitem__(0, _like(m.steps[0])), "steps"),
+    "module in a list replaced": (
+        lambda m: m.heads.__setitem__(0, _linear_like(m.heads[0])),
+        "heads",
+    ),
+    "buffer registered after capture": (
+        lambda m: m.register_buffer("late", _like(m.offset)),
+        "added to or removed from",
+    ),
+}

@@ -62,11 +62,19 @@ static PyObject* same(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBool_FromLong(result);
 }
 
-// Whether `now` is `value` or an equal one of the same type (signature.same_value's rule):
-// 1 yes, 0 no (a comparison that fails counts as no).
+// Whether equality, not identity, decides that a held value is unchanged: numbers, strings,
+// bytes and tuples of plain values. A tensor (even of one element, whose == gives a bool) or
+// any other object must be the very same object: an equal new one lives at other memory.
+static int equality_decides(PyObject* value) {
+  return PyLong_Check(value) || PyFloat_Check(value) || PyComplex_Check(value) ||
+         PyUnicode_Check(value) || PyBytes_Check(value) || PyTuple_Check(value);
+}
+
+// Whether `now` is `value` or, where equality decides, an equal one of the same type
+// (signature.same_value's rule): 1 yes, 0 no (a comparison that fails counts as no).
 static int same_object(PyObject* now, PyObject* value) {
   if (now == value) return 1;
-  if (Py_TYPE(now) != Py_TYPE(value)) return 0;
+  if (Py_TYPE(now) != Py_TYPE(value) || !equality_decides(value)) return 0;
   Py_INCREF(now);  // the comparison may run Python code that changes the owner
   int equal = PyObject_RichCompareBool(now, value, Py_EQ);
   Py_DECREF(now);
@@ -147,8 +155,9 @@ static PyObject* values_same(PyObject*, PyObject* held) {
 
 // unchanged(tensors, addresses, owners: tuple, modes: tuple, entries: tuple[, values]) -> bool:
 // each owner's `training` is still the object recorded in `modes`, each (mapping, values) of
-// `entries` still holds those very objects (a module's parameters, buffers and children:
-// `.to()` and `module.buf = t` put new objects there), every plain value of `values` is still
+// `entries` still holds those very objects (a module's parameters, buffers, children and
+// hooks: `.to()` and `module.buf = t` put new objects there) and each bare dict of `entries`
+// is still empty (most of a model's hook and slot dicts), every plain value of `values` is still
 // what the recording read (values_hold), and every tensor is at its address. The whole guard in
 // one C call: it runs before every replay.
 static PyObject* training_name = nullptr;
@@ -187,9 +196,13 @@ static PyObject* unchanged(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_ssize_t m = PyTuple_GET_SIZE(entries);
   for (Py_ssize_t i = 0; i < m; ++i) {
     PyObject* entry = PyTuple_GET_ITEM(entries, i);
+    if (PyDict_Check(entry)) {  // empty at capture: one size read, no pair to unpack
+      if (PyDict_GET_SIZE(entry) != 0) Py_RETURN_FALSE;
+      continue;
+    }
     if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2 ||
         !PyDict_Check(PyTuple_GET_ITEM(entry, 0)) || !PyTuple_Check(PyTuple_GET_ITEM(entry, 1))) {
-      PyErr_SetString(PyExc_TypeError, "entries: (dict, tuple of values) pairs expected");
+      PyErr_SetString(PyExc_TypeError, "entries: (dict, tuple of values) pairs or dicts expected");
       return nullptr;
     }
     PyObject* mapping = PyTuple_GET_ITEM(entry, 0);

@@ -483,17 +483,26 @@ def module_state_inputs(gm: Any, n: int) -> set[int]:
 # --- address guards (guards.py) --------------------------------------------------------------
 
 
-def module_entries(module: torch.nn.Module) -> list[tuple[str, dict[str, Any], str, Any]]:
-    """``(name, mapping, key, value)`` for every parameter, buffer and child slot of ``module``
-    and its submodules: the dicts ``nn.Module`` keeps them in, read (never written) so that a
-    guard can tell when a slot holds another object."""
+def module_slot_dicts(module: torch.nn.Module) -> list[tuple[str, dict[str, Any]]]:
+    """``(name, mapping)`` for the parameter, buffer and child dicts ``nn.Module`` keeps in
+    ``module`` and each submodule, empty ones too (a ``register_buffer`` after a capture lands
+    in one), read, never written."""
     found = []
     for prefix, sub in module.named_modules():
         base = f"{type(module).__name__}{'.' + prefix if prefix else ''}"
-        for mapping in (sub._parameters, sub._buffers, sub._modules):
-            for key, value in mapping.items():
-                found.append((f"{base}.{key}", mapping, key, value))
+        found += [(base, mapping) for mapping in (sub._parameters, sub._buffers, sub._modules)]
     return found
+
+
+def module_entries(module: torch.nn.Module) -> list[tuple[str, dict[str, Any], str, Any]]:
+    """``(name, mapping, key, value)`` for every parameter, buffer and child slot of ``module``
+    and its submodules (:func:`module_slot_dicts`), so that a guard can tell which slot holds
+    another object."""
+    return [
+        (f"{base}.{key}", mapping, key, value)
+        for base, mapping in module_slot_dicts(module)
+        for key, value in mapping.items()
+    ]
 
 
 #: The hook dicts of an ``nn.Module`` whose entries run around its forward, and around its

@@ -83,20 +83,16 @@ from torch import nn
 
 from ..errors import GradientsNotRecordedError, ModeMismatchError, explain
 from . import compat
-from .signature import same_value
+from .signature import held_value_still
 from .writes import walk
 
 __all__ = [
     "AddressCheck",
     "AddressGuard",
-    "CLASS_OF",
-    "MISSING",
     "Modes",
     "closure_tensors",
     "compiled_module",
     "describe_modes",
-    "held_value_now",
-    "held_value_still",
     "modules_of",
     "needs_gradients",
     "outputs_needing_gradients",
@@ -199,8 +195,9 @@ class AddressGuard:
         self.fn = fn
         self.modules = modules_of(fn, modules)
         self.closures = closure_tensors(fn, values=True)
-        self.extra = list(extra)
         self.watches = list(watches)
+        # Tensors a value watch holds by identity are read by address as parameters are.
+        self.extra = list(extra) + [t for w in self.watches for t in getattr(w, "tensors", ())]
         self._record()
 
     def _module_tensors(self) -> list[tuple[str, torch.Tensor]]:
@@ -229,8 +226,11 @@ class AddressGuard:
         self.closure_ids = [(name, get, t) for name, get, t in self.closures]
         # train()/eval() after capture would silently keep the recorded mode (dropout, BN).
         self.training = [(m, m.training) for m in self.modules] if self._modes else []
-        # Which object each parameter, buffer and child slot of the modules holds.
+        # Which object each parameter, buffer and child slot of the modules holds; the dicts
+        # themselves, empty ones too, so that a slot added since is seen.
         self.entries = [e for m in self.modules for e in compat.module_entries(m)]
+        slots = [s for m in self.modules for s in compat.module_slot_dicts(m)]
+        self.slots = [(name, d, tuple(dict.values(d))) for name, d in slots]
         # Hooks ran at capture: one added or removed since would silently not (or still) run.
         hooks = [h for m in self.modules for h in compat.module_hook_dicts(m, self._backward)]
         hooks += compat.global_hook_dicts(self._backward) if self.modules else []
@@ -246,7 +246,7 @@ class AddressGuard:
         # checked after it one by one (a few per guard), never the module tree in Python.
         fast = self.addresses.with_modes(
             [m for m, _ in self.training], [t for _, t in self.training],
-            _by_mapping(self.entries) + [(d, values) for _, d, values in self.hooks], held,
+            [(d, values) for _, d, values in self.slots + self.hooks], held,
         )  # fmt: skip
         self.check: Callable[[], bool] = (
             fast if self.simple else _then_each(fast, self.closure_ids, others)
@@ -255,7 +255,14 @@ class AddressGuard:
     @property
     def count(self) -> int:
         """How many tensors and values this guard checks before each replay."""
-        watched = (self.tensors, self.closure_ids, self.training, self.watches, self.hooks)
+        watched = (
+            self.tensors,
+            self.closure_ids,
+            self.training,
+            self.watches,
+            self.slots,
+            self.hooks,
+        )
         return sum(map(len, watched))
 
     def stale(self) -> str | None:
@@ -280,6 +287,9 @@ class AddressGuard:
         for name, mapping, key, value in self.entries:
             if mapping.get(key) is not value:
                 return f"{name} was replaced by another object (module.to(...), module.{key} = ...)"
+        for name, slot, recorded in self.slots:
+            if not _same_objects(slot, recorded):
+                return f"a parameter, buffer or submodule was added to or removed from {name}"
         for name, hooks, recorded in self.hooks:
             if not _same_objects(hooks, recorded):
                 return f"{name} changed: a hook was added or removed after the capture"
@@ -290,15 +300,6 @@ def _same_objects(mapping: dict[Any, Any], values: tuple[Any, ...]) -> bool:
     """``mapping`` holds exactly ``values`` in storage order (the C check's; ``OrderedDict``'s own
     order differs after ``move_to_end``)."""
     return len(mapping) == len(values) and all(a is b for a, b in zip(dict.values(mapping), values))
-
-
-def _by_mapping(entries: list[tuple[str, Any, str, Any]]) -> list[tuple[Any, tuple[Any, ...]]]:
-    """Each slot dict once, with the objects it holds in order (what the check compares)."""
-    seen: dict[int, tuple[Any, tuple[Any, ...]]] = {}
-    for _, mapping, _, _ in entries:  # (an empty dict has no entry: nothing recorded reads it)
-        if id(mapping) not in seen:
-            seen[id(mapping)] = (mapping, tuple(dict.values(mapping)))
-    return list(seen.values())
 
 
 def _then_each(
@@ -322,46 +323,6 @@ def _then_each(
 
 
 log = logging.getLogger("cudagraphs")
-#: What a lookup finds under a key nothing holds (deleted since the recording read it).
-MISSING = object()
-#: The key of a value-watch entry that holds an object's class: ``(obj, CLASS_OF, cls)``.
-CLASS_OF = None
-
-
-def held_value_now(owner: Any, key: str | None) -> Any:
-    """What ``owner`` holds under ``key`` now: a dict's item, a class's attribute lookup (bases
-    in order, no descriptor run), or its class for :data:`CLASS_OF`; else :data:`MISSING`."""
-    if key is CLASS_OF:
-        return type(owner)
-    if not isinstance(owner, type):
-        return owner.get(key, MISSING)
-    for klass in owner.__mro__:
-        found = vars(klass).get(key, MISSING)
-        if found is not MISSING:
-            return found
-    return MISSING
-
-
-def held_value_still(entry: tuple[Any, ...]) -> bool:
-    """Whether one entry of a value watch holds: the Python form of ``values_hold`` in
-    ``_before_replay.cpp``, whose comment lists the entry shapes."""
-    if entry[1] is CLASS_OF:
-        return type(entry[0]) is entry[2]
-    now = held_value_now(entry[0], entry[1])
-    if len(entry) == 2:
-        return now is MISSING
-    if now is MISSING:
-        return False
-    if len(entry) == 3:
-        return now is entry[2] or same_value(now, entry[2])
-    items = entry[3]
-    return (
-        now is entry[2]
-        and len(now) == len(items)
-        and all(a is b or same_value(a, b) for a, b in zip(now, items))
-    )
-
-
 _READER = "_torchinductor_pyobject_tensor_data_ptr"
 _module: Any = None
 _failure: str | None = None
@@ -439,26 +400,27 @@ class AddressCheck:
     ) -> Callable[[], bool]:
         """One check for a whole guard: True while each owner's ``training`` is still
         ``modes[i]`` (the same object), each ``(mapping, values)`` of ``entries`` still holds
-        exactly those objects in that order, each entry of ``values`` still holds
+        exactly those objects in that order (an empty one: is still empty, checked as a bare
+        dict, most of a model's hook and slot dicts), each entry of ``values`` still holds
         (:func:`held_value_still`), and every
         tensor is at its address. A C-level partial when compiled."""
         module = compiled_module() if self.native else None
+        held = tuple((d, tuple(v)) if v else d for d, v in entries)
         if module is not None:
             packed = array.array("Q", self.ptrs).tobytes()
             held_values = (tuple(values),) if values else ()
             return functools.partial(
-                module.unchanged, self.tensors, packed, tuple(owners), tuple(modes),
-                tuple((d, tuple(v)) for d, v in entries), *held_values,
+                module.unchanged, self.tensors, packed, tuple(owners), tuple(modes), held,
+                *held_values,
             )  # fmt: skip
         pairs = tuple(zip(owners, modes))
-        held = tuple((d, tuple(v)) for d, v in entries)
         plain = tuple(values)
         addresses = self.unchanged
 
         def unchanged() -> bool:
             return (
                 all(o.training is m for o, m in pairs)
-                and all(_same_objects(d, v) for d, v in held)
+                and all(_same_objects(*d) if type(d) is tuple else not d for d in held)
                 and all(held_value_still(entry) for entry in plain)
                 and addresses()
             )

@@ -63,6 +63,7 @@ Right::
     type(model).scale = 2.0    # a class-level default changed: seen the same way
     model.mix[0] = 3.0         # a list item changed in place: seen
     model.head.__class__ = Patched  # another class, other methods: seen
+    model.mask = new_mask      # a tensor attribute (not a buffer) replaced: seen, by identity
     model.activation = torch.tanh   # a held function, compared by identity: the same
     y = g(x)
 
@@ -88,7 +89,8 @@ import torch
 from ..errors import FrozenStateError, explain
 from . import compat
 from .frames import callable_name, is_model_code
-from .guards import CLASS_OF, MISSING, compiled_module, held_value_now, held_value_still
+from .guards import compiled_module
+from .signature import CLASS_OF, MISSING, held_value_now, held_value_still
 from .writes import is_compiled, is_model_class, walk
 
 __all__ = [
@@ -109,10 +111,12 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
 #: ran picked the recorded kernels as a plain value does, so the guard compares them too, by
 #: identity (an equal but new ``functools.partial`` costs a recapture, never a wrong answer).
 #: So are modules held outside a module (a policy object's ``self.head``, a global ``model``):
-#: a new one in that slot has its own parameters, which the recording never read.
+#: a new one in that slot has its own parameters, which the recording never read. And tensors
+#: that are not parameters or buffers (``self.mask = t``, a tensor in a dict or list): the
+#: recording read them at their address, so a new one there (even an equal one) is not it.
 _BY_IDENTITY = (
     types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
-    torch.nn.Module,
+    torch.nn.Module, torch.Tensor,
 )  # fmt: skip
 # nn.Module's own bookkeeping: not the model's state.
 _MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
@@ -128,14 +132,18 @@ def is_plain(value: Any, depth: int = 0) -> bool:
 
 
 def is_watched(value: Any) -> bool:
-    """A value the guard compares before each replay: a plain value, a list of plain values
+    """A value the guard compares before each replay: a plain value, a list of such values
     (``self.mix = [0.5, 0.5]``: its items, which ``self.mix[0] = 0.9`` changes in place), or a
-    function or module held by identity (:data:`_BY_IDENTITY`)."""
-    return is_plain(value) or isinstance(value, _BY_IDENTITY) or _is_plain_list(value)
+    function, module or tensor held by identity (:data:`_BY_IDENTITY`)."""
+    return is_plain(value) or isinstance(value, _BY_IDENTITY) or _is_watched_list(value)
 
 
-def _is_plain_list(value: Any) -> bool:
-    return type(value) is list and len(value) <= 64 and all(is_plain(v, 1) for v in value)
+def _is_watched_list(value: Any) -> bool:
+    return type(value) is list and len(value) <= 64 and all(_is_item(v) for v in value)
+
+
+def _is_item(value: Any) -> bool:
+    return is_plain(value, 1) or isinstance(value, _BY_IDENTITY)
 
 
 class Items:
@@ -521,6 +529,16 @@ class ValueWatch:
     def __len__(self) -> int:
         return len(self.values)
 
+    @property
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The tensors held by identity (also in lists): the guard checks their addresses too,
+        as it does a parameter's (``t.data = other`` keeps the object, moves the memory)."""
+        found = []
+        for label, _, _, value in self.values:
+            items = value.items if isinstance(value, Items) else (value,)
+            found += [(label, t) for t in items if isinstance(t, torch.Tensor)]
+        return found
+
     def stale(self) -> str | None:
         """``None`` while every value is what the recording read; else which one changed.
         One C call where the extension is built (identity, then type and equality)."""
@@ -543,13 +561,19 @@ class ValueWatch:
             if held_value_still(entry):
                 continue
             now = held_value_now(owner, key)
-            was = "the class's value" if value is MISSING else repr(value)
-            became = "deleted" if now is MISSING else repr(now)
+            was = "the class's value" if value is MISSING else _words(value)
+            became = "deleted" if now is MISSING else _words(now)
             return (
                 f"{label} changed from {was} to {became} (the recording froze the value "
                 "it read; keep a value that changes in a tensor on the device)"
             )
         return None
+
+
+def _words(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} at {value.data_ptr():#x}"
+    return repr(value)
 
 
 def _entry(owner: Any, key: str, value: Any) -> tuple[Any, ...]:

@@ -8,6 +8,9 @@ call must bring equal values. This module records that signature and turns a mis
 
 The fast per-call check lives in :mod:`cudagraphs.core.replay`; everything here runs at
 capture time or after a mismatch, where clarity beats speed.
+
+The same equality rule decides whether a Python value a recording read still holds: the entry
+shapes of a value watch (:func:`held_value_still`, the Python form of the compiled check).
 """
 
 from __future__ import annotations
@@ -21,7 +24,17 @@ import torch
 
 from ..errors import InputMismatchError, StaleOutputError, explain
 
-__all__ = ["NAMESPACE", "Signature", "flatten", "leaf_paths", "same_value"]
+__all__ = [
+    "CLASS_OF",
+    "MISSING",
+    "NAMESPACE",
+    "Signature",
+    "flatten",
+    "held_value_now",
+    "held_value_still",
+    "leaf_paths",
+    "same_value",
+]
 
 #: optree namespace in which stdlib dataclasses are registered as pytree nodes.
 NAMESPACE = "cudagraphs"
@@ -99,6 +112,51 @@ def same_value(given: Any, frozen: Any) -> bool:
         return bool(given == frozen)
     except Exception:
         return False
+
+
+#: What a lookup finds under a key nothing holds (deleted since the recording read it).
+MISSING = object()
+#: The key of a value-watch entry that holds an object's class: ``(obj, CLASS_OF, cls)``.
+CLASS_OF = None
+
+
+def held_value_now(owner: Any, key: str | None) -> Any:
+    """What ``owner`` holds under ``key`` now: a dict's item, a class's attribute lookup (bases
+    in order, no descriptor run), or its class for :data:`CLASS_OF`; else :data:`MISSING`."""
+    if key is CLASS_OF:
+        return type(owner)
+    if not isinstance(owner, type):
+        return owner.get(key, MISSING)
+    for klass in owner.__mro__:
+        found = vars(klass).get(key, MISSING)
+        if found is not MISSING:
+            return found
+    return MISSING
+
+
+def held_value_still(entry: tuple[Any, ...]) -> bool:
+    """Whether one entry of a value watch (``python_values.ValueWatch``) holds: the Python form of ``values_hold`` in
+    ``_before_replay.cpp``, whose comment lists the entry shapes."""
+    if entry[1] is CLASS_OF:
+        return type(entry[0]) is entry[2]
+    now = held_value_now(entry[0], entry[1])
+    if len(entry) == 2:
+        return now is MISSING
+    if now is MISSING:
+        return False
+    if len(entry) == 3:
+        return _same(now, entry[2])
+    items = entry[3]
+    return now is entry[2] and len(now) == len(items) and all(map(_same, now, items))
+
+
+def _same(now: Any, was: Any) -> bool:
+    """``values_hold``'s rule: the same object, or an equal one where equality decides (a
+    number, string or tuple; a tensor must be the very same object)."""
+    return now is was or (isinstance(was, _BY_EQUALITY) and same_value(now, was))
+
+
+_BY_EQUALITY = (int, float, complex, str, bytes, tuple)
 
 
 def _describe(value: Any) -> str:
