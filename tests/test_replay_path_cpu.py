@@ -73,6 +73,39 @@ def test_mutated_inputs_are_written_back(stand_in: None) -> None:
     assert g.stats.writebacks == 1
 
 
+def _add_one_then_read(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a.add_(1)
+    return b * 2
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [lambda z: (z, z), lambda z: (z[:2], z[1:]), lambda z: (z, z.view(2, 2))],
+    ids=["the same tensor twice", "overlapping views", "a view of the written input"],
+)
+def test_inputs_sharing_memory_with_a_written_one_are_answered_eagerly(
+    stand_in: None, inputs: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """The function writes its first input in place and reads its second. Called with two
+    inputs of one memory, eager's write shows through the second; a replay copies them into
+    separate buffers and would not. Such a call runs eagerly (eager's answer and eager's
+    write), named once in the notices; separate inputs replay as before."""
+    z = torch.randn(4)
+    example = inputs(torch.randn(4))
+    g = cg.graph(_add_one_then_read, example[0].clone(), example[1].clone(), outputs="clone")
+    expected_z = z.clone()
+    expected = _add_one_then_read(*inputs(expected_z))
+    got = g(*inputs(z))
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(z, expected_z)  # the caller's tensor written as eager writes it
+    assert g.stats.eager_calls == 1 and g.stats.replays == 0
+    assert g.stats.notices == {"answered eagerly: inputs share memory": 1}
+    a, b = (t.clone() for t in inputs(torch.randn(4)))  # separate tensors: replayed
+    want_b = b * 2
+    torch.testing.assert_close(g(a, b), want_b)
+    assert g.stats.replays == 1
+
+
 MODE = "double"
 
 

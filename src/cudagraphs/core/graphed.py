@@ -48,7 +48,7 @@ from .guards import (
     refuse_gradients,
 )
 from .python_values import ValueWatch, retrace_after_class_change
-from .replay import Counters, OutputsInUse, Replayer, StreamOrder
+from .replay import Counters, InputsAlias, OutputsInUse, Replayer, StreamOrder
 from .segments import describe_segments, print_segments
 from .signature import NAMESPACE, Signature
 from .stats import Costs, Stats, snapshot
@@ -136,6 +136,16 @@ class Graphed(Generic[R]):
                 ):
                     return replayer.call(args, args, _NO_KWARGS)  # positional: no flattening
                 return self._call_general(args, kwargs)
+            except InputsAlias:
+                self.notices.warn(
+                    "answered eagerly: inputs share memory",
+                    f"cudagraphs: {callable_name(self.fn)} was called with an input it writes "
+                    "in place sharing memory with another input; a replay reads them from "
+                    "separate buffers, so this call runs eagerly (shown once; stats.notices "
+                    "counts each time). Pass separate tensors to replay.",
+                    logger=log,
+                )
+                return self.answer_eagerly(args, kwargs)
             except OutputsInUse:
                 return self.answer_eagerly(args, kwargs)
 

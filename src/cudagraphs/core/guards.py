@@ -269,7 +269,8 @@ class AddressGuard:
         """``None`` if every guarded address is unchanged; else which tensor moved, in words."""
         if self.check():  # the common answer first: it runs before every replay
             return None
-        return self._why_stale()
+        # A failed check is never overruled: without a named cause it still captures again.
+        return self._why_stale() or "a guarded object changed (no single cause was found)"
 
     def _why_stale(self) -> str | None:
         if self.tensors and not self.unchanged():

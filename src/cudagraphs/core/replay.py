@@ -127,6 +127,25 @@ class OutputsInUse(Exception):
     called it; the caller answers this call by running the function eagerly."""
 
 
+class InputsAlias(OutputsInUse):
+    """Internal: an input the function writes in place shares memory with another input of
+    this call (``g(x, x)``), which the capture's separate buffers cannot reproduce: eager's
+    write would be seen through the other input, the replay's not. Answered eagerly too."""
+
+
+def _share_memory(leaves: Sequence[Any], pairs: Sequence[tuple[int, int]]) -> bool:
+    """Whether, for some pair, both inputs are non-empty tensors of one storage."""
+    for i, j in pairs:
+        a, b = leaves[i], leaves[j]
+        if (
+            a.numel()
+            and b.numel()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        ):
+            return True
+    return False
+
+
 class Replayer:
     """A captured graph and what a call needs to replay it; see the module doc."""
 
@@ -196,6 +215,12 @@ class Replayer:
         self._stream = self.order.read
         self.shared = False  # a second thread called: outputs are copies from then on
         self.writeback = tuple((i, static[i]) for i in mutated)
+        # Each mutated input with each other tensor input: a call must not pass them sharing
+        # memory (eager's in-place write would show through the other one).
+        self.alias_pairs = tuple(
+            (i, j) for i in mutated for j in signature.tensor_index
+            if j != i and (j not in mutated or j > i)
+        )  # fmt: skip
         if mutated:
             log.info(
                 "cudagraphs: the function mutates %s in place; replays copy the result back to "
@@ -261,6 +286,8 @@ class Replayer:
         except Exception:
             self.explain_mismatch(args, kwargs)
             raise
+        if self.alias_pairs and _share_memory(leaves, self.alias_pairs):
+            raise InputsAlias
         copied = len(pointed)
         if self.copies is not None:
             self.copies.apply(pointed)  # every other copy node off
