@@ -165,3 +165,21 @@ def test_a_tensor_or_module_held_outside_the_tree_changed_after_capture_gives_ea
         change(model)  # new tensors and modules where the old ones live
         assert not torch.allclose(model(x), recorded)  # the change matters to the answer
         _answers_as_eager_after_one_recapture(g, model)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("case", list(value_cases.REBOUND_HOLDERS))
+def test_an_object_the_forward_reads_through_rebound_after_capture_gives_eager_s_answer(
+    case: str, compile: bool
+) -> None:
+    """A config dataclass, a namespace or a dict the forward reads values through, replaced by
+    another after the capture: a replay must not repeat the old object's values."""
+    torch.manual_seed(0)
+    model = value_cases.Configured(64).cuda().eval()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(8, 64, device="cuda"), compile=compile)
+        x = torch.randn(8, 64, device="cuda")
+        recorded = model(x)
+        value_cases.REBOUND_HOLDERS[case][0](model)
+        assert not torch.allclose(model(x), recorded)  # the change matters to the answer
+        _answers_as_eager_after_one_recapture(g, model)

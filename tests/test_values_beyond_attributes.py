@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from value_cases import BEYOND_ATTRIBUTES, HELD_TENSORS, DefaultedChild, Holding
+from value_cases import (
+    BEYOND_ATTRIBUTES,
+    HELD_TENSORS,
+    REBOUND_HOLDERS,
+    Configured,
+    DefaultedChild,
+    Holding,
+)
 
 import cudagraphs as cg
 
@@ -50,6 +57,27 @@ def test_a_tensor_or_module_held_outside_the_module_tree_changed_after_capture(
     torch.testing.assert_close(g(fresh), model(fresh))
     recorded = model(fresh)
     change, name = HELD_TENSORS[case]
+    change(model)
+    expected = model(fresh)
+    assert not torch.allclose(expected, recorded)  # the change matters to the answer
+    torch.testing.assert_close(g(fresh), expected)
+    assert g.stats.recaptures == 1
+    assert any(name in notice for notice in g.stats.notices), g.stats.notices
+
+
+@pytest.mark.parametrize("case", list(REBOUND_HOLDERS))
+def test_an_object_the_forward_reads_values_through_rebound_after_capture(
+    stand_in: None, case: str
+) -> None:
+    """A config dataclass, a namespace or a dict whose values the forward reads, replaced by
+    another one: the watch held the old object's values, so the object itself is held by
+    identity too."""
+    torch.manual_seed(0)
+    model = Configured()
+    g = cg.graph(model, torch.randn(4, 8), outputs="clone")
+    fresh = torch.randn(4, 8)
+    recorded = g(fresh)
+    change, name = REBOUND_HOLDERS[case]
     change(model)
     expected = model(fresh)
     assert not torch.allclose(expected, recorded)  # the change matters to the answer

@@ -3,8 +3,10 @@ helper: the cases of the value guards' tests (CPU and GPU)."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
+import types
 from typing import Any
 
 import torch
@@ -342,4 +344,38 @@ HELD_TENSORS = {
         lambda m: m.register_buffer("late", _like(m.offset)),
         "added to or removed from",
     ),
+}
+
+
+@dataclasses.dataclass
+class Settings:
+    """A config object of the user's own class, held in an attribute."""
+
+    scale: float = 1.0
+
+
+class Configured(nn.Module):
+    """A forward that reads plain values through objects it holds: a dataclass, a namespace, a
+    dict; the objects themselves may be rebound."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width).requires_grad_(False)
+        self.settings = Settings()
+        self.shift = types.SimpleNamespace(amount=0.0)
+        self.table = {"gain": 1.0}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x) * self.settings.scale + self.shift.amount
+        return y * self.table["gain"]
+
+
+#: case -> (a change made after the capture to a Configured, a name the stale notice mentions)
+REBOUND_HOLDERS = {
+    "a dataclass config rebound": (lambda m: setattr(m, "settings", Settings(3.0)), "settings"),
+    "a namespace rebound": (
+        lambda m: setattr(m, "shift", types.SimpleNamespace(amount=2.0)),
+        "shift",
+    ),
+    "a dict rebound": (lambda m: setattr(m, "table", {"gain": -1.0}), "table"),
 }

@@ -38,14 +38,12 @@ the program changes such a value after the capture, every replay would silently 
 answer. So while the capture runs, :class:`Reader` notes which code ran (every Python function
 outside torch, the standard library and this library: the user's model and third-party model
 code such as transformers) and the names that code loads (and its identifier-like string
-constants, for ``getattr(obj, "name")``); :func:`read_values` keeps the plain
-values (:func:`is_plain`) and the functions (:func:`is_watched`: ``self.activation =
-torch.relu``, a ``functools.partial``, a bound method) that objects the function reaches hold
-under those names, and the module globals of that code under those names. :class:`ValueWatch`
-compares them
-before each replay (identity first, then equality), and a changed value makes the guard stale:
-the graph captures again for the new value (``on_stale="recapture"``, logged once per value)
-or raises :class:`~cudagraphs.errors.StaleGraphError` naming it (``on_stale="raise"``).
+constants, for ``getattr(obj, "name")``); :func:`read_values` keeps what the reached objects
+and that code's module globals hold under those names (:func:`is_watched`: plain values, and by
+identity functions, modules, tensors and the reached objects themselves). :class:`ValueWatch`
+compares them before each replay (identity, then equality where it decides), and a change
+captures again (``on_stale="recapture"``, logged once per value) or raises
+:class:`~cudagraphs.errors.StaleGraphError` naming it (``on_stale="raise"``).
 
 A name the code loads in a branch it did not take is guarded too: a change of it may be
 harmless, and then costs a recapture, never a wrong answer. Values declared with
@@ -124,11 +122,9 @@ _MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
 
 def is_plain(value: Any, depth: int = 0) -> bool:
     """An immutable plain value whose changes a recording would not see."""
-    if isinstance(value, _PLAIN):
-        return True
     if isinstance(value, tuple) and depth < 3 and len(value) <= 64:
         return all(is_plain(v, depth + 1) for v in value)
-    return False
+    return isinstance(value, _PLAIN)
 
 
 def is_watched(value: Any) -> bool:
@@ -139,11 +135,9 @@ def is_watched(value: Any) -> bool:
 
 
 def _is_watched_list(value: Any) -> bool:
-    return type(value) is list and len(value) <= 64 and all(_is_item(v) for v in value)
-
-
-def _is_item(value: Any) -> bool:
-    return is_plain(value, 1) or isinstance(value, _BY_IDENTITY)
+    if type(value) is not list or len(value) > 64:
+        return False
+    return all(is_plain(v, 1) or isinstance(v, _BY_IDENTITY) for v in value)
 
 
 class Items:
@@ -413,14 +407,25 @@ def read_values(
     capture), module globals, and values the classes of the reached ``objects`` hold
     (:func:`class_values`), under the names that code loads, harmless ones left out. The
     owner is a dict (an instance's, a module's globals) or a class; a list's value is its
-    :class:`Items`."""
+    :class:`Items`. An object the walk reached through such a name (a config, a namespace, a
+    dict whose items the code reads) is held by identity too: another one bound in its place
+    holds values the recording never read."""
     names = reader.names
+    objects = list(objects)
+    holders = {id(obj) for _, obj in objects}
     found: list[tuple[str, Any, str, Any]] = []
     for (_, key), (label, value, owner) in reached.items():
         if key in names and not _harmless(label, harmless):
             namespace = _slots_of(owner)
             if namespace is not None and namespace.get(key, MISSING) is value:
                 found.append((label, namespace, key, _held_value(value)))
+    for label, obj in objects:
+        namespace = _slots_of(obj)
+        for key, value in list(namespace.items() if namespace is not None else ())[:1000]:
+            if key in names and id(value) in holders and not is_watched(value):
+                held = f"{label}[{key!r}]" if namespace is obj else f"{label}.{key}"
+                if not _harmless(held, harmless):
+                    found.append((held, namespace, key, value))
     found.extend(v for v in class_values(reader, objects) if not _harmless(v[0], harmless))
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
@@ -429,7 +434,9 @@ def read_values(
             continue
         for name in code.co_names:
             value = namespace.get(name, MISSING)
-            if (id(namespace), name) in seen or value is MISSING or not is_watched(value):
+            if (id(namespace), name) in seen or value is MISSING:
+                continue
+            if not (is_watched(value) or id(value) in holders):
                 continue
             seen.add((id(namespace), name))
             label = f"global {module}.{name}"
@@ -573,7 +580,7 @@ class ValueWatch:
 def _words(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} at {value.data_ptr():#x}"
-    return repr(value)
+    return repr(value) if is_watched(value) else f"{_short(value)} (another object)"
 
 
 def _entry(owner: Any, key: str, value: Any) -> tuple[Any, ...]:
