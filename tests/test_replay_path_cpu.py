@@ -248,6 +248,60 @@ def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
     assert grads_at_capture == [True] * 4  # every capture started from gradients set to None
 
 
+def test_a_parameter_frozen_or_unfrozen_after_capture_is_trained_as_eager(
+    stand_in: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recorded step computes and applies the gradients of the parameters that required
+    them at capture. Freezing one afterwards (``requires_grad_(False)``, fine-tuning's usual
+    move) or unfreezing one must change what a step trains, as in eager: a new capture."""
+    import copy
+
+    from cudagraphs.training import step as train_module
+
+    monkeypatch.setattr(train_module, "make_graph_safe", lambda opt, switch, notices: None)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    twin = copy.deepcopy(model)
+
+    def make(net: nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            optimizer.zero_grad(set_to_none=True)
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            return loss
+
+        return step, optimizer
+
+    step, opt = make(model)
+    graphed = cg.train_step(step, optimizer=opt, outputs="clone", warmup=1)
+    eager, _ = make(twin)
+
+    def call_both() -> None:
+        x = torch.randn(8, 4)
+        torch.testing.assert_close(graphed(x), eager(x).detach())
+        for mine, theirs in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(mine, theirs)
+
+    for _ in range(3):
+        call_both()
+    for net in (model, twin):
+        net[0].requires_grad_(False)
+    frozen = model[0].weight.clone()
+    call_both()
+    assert graphed.stats.recaptures == 1
+    call_both()
+    torch.testing.assert_close(model[0].weight, frozen)  # not trained any more
+    for net in (model, twin):
+        net[0].weight.requires_grad_(True)
+    call_both()
+    call_both()
+    assert graphed.stats.recaptures == 2
+    assert any("requires_grad" in notice for notice in graphed.stats.notices)
+
+
 def test_keywords_and_a_mode_switch_take_the_general_path(stand_in: None) -> None:
     # A keyword call and a module switched to training mode under the guard take the general
     # path (which explains the keyword, and recaptures after the switch).

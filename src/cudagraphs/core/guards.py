@@ -195,7 +195,7 @@ class AddressGuard:
         self.fn = fn
         self.modules = modules_of(fn, modules)
         self.closures = closure_tensors(fn, values=True)
-        self.watches = list(watches)
+        self.watches = list(watches) + ([RequiresGradWatch(self.modules)] if backward else [])
         # Tensors a value watch holds by identity are read by address as parameters are.
         self.extra = list(extra) + [t for w in self.watches for t in getattr(w, "tensors", ())]
         self._record()
@@ -294,6 +294,24 @@ class AddressGuard:
         for name, hooks, recorded in self.hooks:
             if not _same_objects(hooks, recorded):
                 return f"{name} changed: a hook was added or removed after the capture"
+        return None
+
+
+class RequiresGradWatch:
+    """A training graph computes and applies gradients for the parameters that required them
+    at capture: one frozen since (``requires_grad_(False)``) would still be trained, one
+    unfrozen never. Asked before each replay (a Python loop: training steps only)."""
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        self.params = [
+            (f"{type(m).__name__}.{name}", p, p.requires_grad)
+            for m in modules for name, p in m.named_parameters()
+        ]  # fmt: skip
+
+    def stale(self) -> str | None:
+        for name, p, flag in self.params:
+            if p.requires_grad is not flag:
+                return f"{name}.requires_grad was set to {p.requires_grad} after the capture"
         return None
 
 
