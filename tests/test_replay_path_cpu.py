@@ -302,6 +302,72 @@ def test_a_parameter_frozen_or_unfrozen_after_capture_is_trained_as_eager(
     assert any("requires_grad" in notice for notice in graphed.stats.notices)
 
 
+def _sgd_step(net: nn.Module, zeroing: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+    """A training step whose gradients are zeroed as ``zeroing`` says: "none" (they carry
+    over to the next call), "to None first", "in place first", or "two backwards, zeroed
+    last" (one call's own accumulation, zeroed at the end)."""
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        if zeroing == "to None first":
+            optimizer.zero_grad(set_to_none=True)
+        elif zeroing == "in place first":
+            optimizer.zero_grad(set_to_none=False)
+        loss = net(x).pow(2).mean()
+        loss.backward()
+        if zeroing == "two backwards, zeroed last":
+            net(x).abs().mean().backward()  # adds to this call's first backward: the step's own
+        optimizer.step()
+        if zeroing == "two backwards, zeroed last":
+            optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return step, optimizer
+
+
+@pytest.mark.parametrize(
+    "zeroing", ["to None first", "in place first", "two backwards, zeroed last", "none"]
+)
+def test_a_step_that_carries_gradients_to_the_next_call_is_refused_not_replayed(
+    stand_in: None, monkeypatch: pytest.MonkeyPatch, zeroing: str
+) -> None:
+    """A step that never zeroes its gradients adds, in eager, to what the last call left; a
+    recorded step starts from gradients set to None and writes them afresh, so every replay
+    would silently drop the carried part. The last warm-up step watches for it and the capture
+    is refused, naming the parameters. Steps that zero (either way) or accumulate within one
+    call replay as eager, step for step."""
+    import copy
+
+    from cudagraphs.training import step as train_module
+
+    monkeypatch.setattr(train_module, "make_graph_safe", lambda opt, switch, notices: None)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    twin = copy.deepcopy(model)
+    step, opt = _sgd_step(model, zeroing)
+    graphed = cg.train_step(step, optimizer=opt, outputs="clone", warmup=2)
+    eager, _ = _sgd_step(twin, zeroing)
+
+    def call_both() -> None:
+        x = torch.randn(8, 4)
+        torch.testing.assert_close(graphed(x), eager(x).detach())
+        for mine, theirs in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(mine, theirs)
+
+    call_both()
+    call_both()  # the last warm-up step: watched
+    if zeroing == "none":
+        before = [p.clone() for p in model.parameters()]
+        with pytest.raises(cg.FrozenStateError, match=r"Linear\.weight.*accumulates across"):
+            graphed(torch.randn(8, 4))
+        for p, was in zip(model.parameters(), before):
+            torch.testing.assert_close(p, was)  # refused before any step ran
+        return
+    for _ in range(4):
+        call_both()
+    assert graphed.stats.replays >= 3
+
+
 def test_keywords_and_a_mode_switch_take_the_general_path(stand_in: None) -> None:
     # A keyword call and a module switched to training mode under the guard take the general
     # path (which explains the keyword, and recaptures after the switch).

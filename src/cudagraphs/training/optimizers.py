@@ -19,7 +19,9 @@ replacing the tensor, or ``load_state_dict`` replacing the state tensors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +30,13 @@ from ..core import compat
 from ..errors import ConfigError, Notices, explain, require_cuda
 from .schedules import GRAPH_SAFE, DeviceHyperparameters, device_keys
 
-__all__ = ["OptimizerWatch", "make_graph_safe", "optimizer_tensors", "warn_momentum_schedule"]
+__all__ = [
+    "OptimizerWatch",
+    "carried_gradients",
+    "make_graph_safe",
+    "optimizer_tensors",
+    "warn_momentum_schedule",
+]
 
 log = logging.getLogger("cudagraphs")
 
@@ -248,3 +256,43 @@ class OptimizerWatch:
                         "schedules: see cudagraphs.training.schedules)"
                     )
         return None
+
+
+@contextlib.contextmanager
+def carried_gradients(
+    optimizers: Sequence[torch.optim.Optimizer], names: Mapping[int, str]
+) -> Iterator[list[str]]:
+    """While active (one eager step): the names of the optimizers' parameters whose backward
+    adds to a gradient the step before left in place (not set to ``None``, not zeroed).
+
+    A recorded step starts from the gradients set to ``None`` at capture, so its backward
+    writes each gradient afresh on every replay; a step that relies on adding to the last
+    call's gradients would silently lose them. Each parameter is looked at once, before the
+    first gradient of the step reaches it (a second backward in the same step may add to the
+    first one's: that is the step's own accumulation). The value check syncs: warm-up only.
+    ``names``: ``id(param) -> name`` for messages."""
+    params = [
+        p for o in optimizers for group in o.param_groups for p in group["params"]
+        if p.requires_grad
+    ]  # fmt: skip
+    at_start = {id(p): p.grad for p in params}
+    found: list[str] = []
+    looked: set[int] = set()
+
+    def watch(p: torch.Tensor) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            if id(p) in looked:
+                return
+            looked.add(id(p))
+            now = p.grad
+            if now is not None and now is at_start[id(p)] and bool(now.ne(0).any()):
+                found.append(names.get(id(p), f"a parameter of shape {tuple(p.shape)}"))
+
+        return hook
+
+    handles = [p.register_hook(watch(p)) for p in params]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()

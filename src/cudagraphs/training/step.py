@@ -19,15 +19,15 @@ from typing import TYPE_CHECKING, Any, TypeVar, overload
 import optree
 import torch
 
-from ..core import NAMESPACE, AddressGuard, Graphed, callable_name
-from ..errors import ConfigError, explain
+from ..core import NAMESPACE, AddressGuard, Graphed, callable_name, modules_of
+from ..errors import ConfigError, FrozenStateError, explain
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 from ..options import OptionKwargs, Options
 from .distributed import checked_warmup
-from .optimizers import OptimizerWatch, make_graph_safe, optimizer_tensors
+from .optimizers import OptimizerWatch, carried_gradients, make_graph_safe, optimizer_tensors
 from .schedules import DeviceHyperparameters
 
 __all__ = ["TRAIN_STEP_OPTIONS", "TrainStep", "train_step"]
@@ -77,6 +77,7 @@ class TrainStep(Graphed[R]):
         self.switch_optimizer = switch_optimizer
         self._prepared = False
         self._hyperparameters: list[DeviceHyperparameters] = []
+        self._carried: list[str] = []  # parameters whose gradients one step leaves to the next
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         if not self._prepared:
@@ -113,7 +114,35 @@ class TrainStep(Graphed[R]):
             lambda t: t.detach() if isinstance(t, torch.Tensor) else t, output, namespace=NAMESPACE
         )
 
+    def eager_warmup_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        if self.warmups_left > 0:  # not the last warm-up step: nothing to compare with yet
+            return super().eager_warmup_call(args, kwargs)
+        names = {
+            id(p): f"{type(m).__name__}.{name}"
+            for m in modules_of(self.fn, self.options.modules)
+            for name, p in m.named_parameters()
+        }  # fmt: skip
+        with carried_gradients(self.optimizers, names) as carried:
+            output = super().eager_warmup_call(args, kwargs)
+        self._carried = carried
+        return output
+
     def before_capture(self) -> None:
+        if self._carried:
+            listed = ", ".join(self._carried[:5]) + (" and more" if len(self._carried) > 5 else "")
+            raise FrozenStateError(
+                explain(
+                    f"{callable_name(self.fn)} adds to the gradients the previous step left "
+                    f"({listed}): its backward accumulates across calls",
+                    "a recorded step starts from the gradients set to None at capture and writes "
+                    "them afresh on every replay, so the carried part would silently be lost",
+                    "zero the gradients in the step (opt.zero_grad() first, as eager training "
+                    "does), or accumulate inside one step (several backward calls before "
+                    "opt.step()); for gradients kept across calls use cg.graph_autograd on the "
+                    "forward and step the optimizer yourself",
+                ),
+                names=self._carried,
+            )
         for optimizer in self.optimizers:
             # Again (load_state_dict may have undone it); its warning counted, not repeated.
             make_graph_safe(optimizer, switch=self.switch_optimizer, notices=self.notices)
@@ -204,7 +233,9 @@ def train_step(
     :func:`cudagraphs.graph`.
 
     Wrong: ``opt.param_groups[0]["lr"] = 0.1`` (replaces the tensor the graph reads: caught,
-    and the step is captured again), ``GradScaler`` with a non-fused optimizer (its ``step`` syncs
+    and the step is captured again), a step without ``opt.zero_grad()`` whose gradients carry
+    over to the next call (refused at capture: a replay writes them afresh), ``GradScaler``
+    with a non-fused optimizer (its ``step`` syncs
     on ``found_inf``: a CaptureError; use ``fused=True``), or a data-dependent ``if loss > x:``
     inside the step (frozen at capture; ``cg.doctor`` finds it).
     """
