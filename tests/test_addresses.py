@@ -339,3 +339,37 @@ def test_one_check_holds_empty_dicts_empty_and_full_ones_as_they_were(native: bo
     assert check() is True
     slots["bias"] = torch.randn(2)  # a slot added
     assert check() is False
+
+
+def test_class_reads_finds_a_name_in_decorated_nested_and_inherited_methods() -> None:
+    """Which modules' train/eval mode the guard checks: those whose code loads ``training``,
+    through a decorator's wrapper, in a nested function, or in a base class below nn.Module."""
+    import functools
+
+    from cudagraphs.core.frames import class_reads
+
+    def decorated(f):  # type: ignore[no-untyped-def]
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+            return f(*args, **kwargs)
+
+        return wrapper
+
+    class Wrapped(torch.nn.Module):
+        @decorated
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x if self.training else -x
+
+    class Nested(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def inner() -> bool:
+                return self.training
+
+            return x * inner()
+
+    class Child(Nested):
+        pass
+
+    assert class_reads(Wrapped, "training") and class_reads(Child, "training")
+    assert class_reads(torch.nn.Dropout, "training")
+    assert not class_reads(torch.nn.Linear, "training")  # nn.Module's own train() not counted

@@ -635,3 +635,37 @@ def test_a_hook_added_or_removed_after_capture_gives_eager_s_answer(
     existing.remove()
     torch.testing.assert_close(g(x), model(x))  # a hook present at capture, removed since
     assert g.stats.recaptures == 3
+
+
+class _Scaled(nn.Module):
+    """Its forward reads its own mode, as dropout and batch norm do."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (2.0 if self.training else 1.0)
+
+
+def _switch_child_mode(model: nn.Sequential) -> None:
+    model[1].train()  # one child only, as freezing batch norm layers does
+
+
+def _swap_child_class(model: nn.Sequential) -> None:
+    model[0].__class__ = type("Shifted", (nn.Linear,), {"forward": lambda s, x: x + 1.0})
+
+
+@pytest.mark.parametrize(
+    "change", [_switch_child_mode, _swap_child_class], ids=["child's mode", "child's class"]
+)
+def test_a_child_module_s_mode_or_class_changed_after_capture_gives_eager_s_answer(
+    stand_in: None, change: Callable[[nn.Sequential], None]
+) -> None:
+    """The guard holds every module of the tree, not only the root: a child switched to train
+    mode alone (its forward reads ``self.training``) or given another class must capture again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Scaled()).eval().requires_grad_(False)
+    x = torch.randn(2, 4)
+    g = cg.graph(model, x, outputs="clone")
+    recorded = g(x)
+    change(model)
+    assert not torch.allclose(model(x), recorded)  # the change matters to the answer
+    torch.testing.assert_close(g(x), model(x))
+    assert g.stats.recaptures == 1

@@ -14,7 +14,9 @@ from value_cases import (
     REBOUND_HOLDERS,
     Configured,
     DefaultedChild,
+    GreedyPolicy,
     Holding,
+    Policy,
 )
 
 import cudagraphs as cg
@@ -37,7 +39,7 @@ def test_a_value_read_beyond_the_instance_changed_after_capture_gives_eager_s_an
     assert not torch.allclose(expected, recorded)  # the change matters to the answer
     torch.testing.assert_close(g(fresh), expected)
     assert g.stats.recaptures == 1
-    assert any(name in notice for notice in g.stats.notices)
+    assert any(name in notice for notice in g.stats.notices), g.stats.notices
     again = torch.randn(4, 8)
     torch.testing.assert_close(g(again), model(again))
     assert g.stats.recaptures == 1  # the new value is the recorded one now
@@ -84,3 +86,20 @@ def test_an_object_the_forward_reads_values_through_rebound_after_capture(
     torch.testing.assert_close(g(fresh), expected)
     assert g.stats.recaptures == 1
     assert any(name in notice for notice in g.stats.notices), g.stats.notices
+
+
+def test_a_policy_object_given_another_class_after_capture_gives_eager_s_answer(
+    stand_in: None,
+) -> None:
+    """An object of the user's own class called as the function (an RL policy): swapping its
+    class (``policy.__class__ = Other``) gives it another ``__call__``; the value watch holds
+    the class of such objects, as the address guard does each module's."""
+    torch.manual_seed(0)
+    policy = Policy()
+    g = cg.graph(policy, torch.randn(4, 8), outputs="clone")
+    obs = torch.randn(4, 8)
+    recorded = g(obs)
+    policy.__class__ = GreedyPolicy
+    assert not torch.allclose(policy(obs), recorded)  # the change matters to the answer
+    torch.testing.assert_close(g(obs), policy(obs))
+    assert g.stats.recaptures == 1

@@ -281,8 +281,8 @@ BEYOND_ATTRIBUTES = {
     ),
     "list item changed in place": (lambda m, mp: _change_list_item(m), "mix"),
     "item of a list in a dict changed in place": (lambda m, mp: _change_list_in_dict(m), "weights"),
-    "the model's class swapped": (lambda m, mp: _swap_class(m), "__class__"),
-    "a child module's class swapped": (lambda m, mp: _swap_child_class(m), "fc.__class__"),
+    "the model's class swapped": (lambda m, mp: _swap_class(m), "DefaultedChild's class"),
+    "a child module's class swapped": (lambda m, mp: _swap_child_class(m), "fc's class"),
 }
 
 
@@ -379,3 +379,10 @@ REBOUND_HOLDERS = {
     ),
     "a dict rebound": (lambda m: setattr(m, "table", {"gain": -1.0}), "table"),
 }
+
+
+class GreedyPolicy(Policy):
+    """Another class for a Policy object: another ``__call__``."""
+
+    def __call__(self, observations: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.body(observations)))

@@ -8,6 +8,7 @@ fix.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import traceback
@@ -23,6 +24,7 @@ __all__ = [
     "LIBRARY_SETTING",
     "block_hint",
     "callable_name",
+    "class_reads",
     "classify_failure",
     "failing_module",
     "is_library_file",
@@ -63,6 +65,28 @@ def is_model_code(filename: str) -> bool:
     if "<frozen" in filename or path.startswith(_LIBRARY_DIRS[:3]):
         return False
     return not path.startswith(_LIBRARY_DIRS[3]) or "-packages" + os.sep in path
+
+
+@functools.cache
+def class_reads(cls: type, name: str) -> bool:
+    """Whether a method of ``cls`` (its own, its bases' below ``nn.Module`` itself, the code a
+    decorated one wraps, the functions nested in them) loads ``name`` (``self.training``)."""
+    for klass in cls.__mro__:
+        if klass is torch.nn.Module or klass is object:
+            break
+        for member in vars(klass).values():
+            function = getattr(member, "__func__", member)
+            codes = [getattr(function, "__code__", None)]
+            for _ in range(8):  # a decorated method: the code it wraps too
+                function = getattr(function, "__wrapped__", None)
+                codes.append(getattr(function, "__code__", None))
+            codes = [c for c in codes if c is not None]
+            while codes:
+                code = codes.pop()
+                if name in code.co_names:
+                    return True
+                codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return False
 
 
 def callable_name(fn: Callable[..., Any]) -> str:

@@ -274,7 +274,7 @@ class Graphed(Generic[R]):
             "stats.notices counts each time)",
             logger=log,
         )
-        for watch in self.value_watches():
+        for watch in [*self.value_watches(), *([self.guard] if self.guard else [])]:
             retrace_after_class_change(self.fn, watch)
         old = self.replayer
         assert old is not None

@@ -75,7 +75,7 @@ import functools
 import inspect
 import logging
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -83,7 +83,8 @@ from torch import nn
 
 from ..errors import GradientsNotRecordedError, ModeMismatchError, explain
 from . import compat
-from .signature import held_value_still
+from .frames import class_reads
+from .signature import CLASS_OF, held_value_still
 from .writes import walk
 
 __all__ = [
@@ -195,7 +196,7 @@ class AddressGuard:
         self.fn = fn
         self.modules = modules_of(fn, modules)
         self.closures = closure_tensors(fn, values=True)
-        self.watches = list(watches) + ([RequiresGradWatch(self.modules)] if backward else [])
+        self.watches = list(watches)
         # Tensors a value watch holds by identity are read by address as parameters are.
         self.extra = list(extra) + [t for w in self.watches for t in getattr(w, "tensors", ())]
         self._record()
@@ -224,8 +225,13 @@ class AddressGuard:
         self.ptrs = self.addresses.ptrs
         self.unchanged = self.addresses.unchanged
         self.closure_ids = [(name, get, t) for name, get, t in self.closures]
-        # train()/eval() after capture would silently keep the recorded mode (dropout, BN).
-        self.training = [(m, m.training) for m in self.modules] if self._modes else []
+        # Every module of the tree: its class (``module.__class__ = Other`` swaps its forward),
+        # and its train/eval mode where its code reads it (dropout, BN, a model's own branch):
+        # a switch after capture (``bn.eval()`` on one layer) would keep the recorded mode.
+        tree = list({id(m): (n, m) for r in self.modules for n, m in _named_tree(r)}.values())
+        self.classes = [(name, m, type(m)) for name, m in tree]
+        moded = [m for _, m in tree if m in self.modules or class_reads(type(m), "training")]
+        self.training = [(m, m.training) for m in moded] if self._modes else []
         # Which object each parameter, buffer and child slot of the modules holds; the dicts
         # themselves, empty ones too, so that a slot added since is seen.
         self.entries = [e for m in self.modules for e in compat.module_entries(m)]
@@ -238,6 +244,7 @@ class AddressGuard:
         # A watch that holds plain values (``held``: (dict, key, value) triples) is checked
         # inside the one call below; any other watch is asked after it.
         held = tuple(v for w in self.watches for v in getattr(w, "held", ()))
+        held += tuple((m, CLASS_OF, cls) for _, m, cls in self.classes)
         others = [w for w in self.watches if not hasattr(w, "held")]
         self.simple = not self.closure_ids and not others  # one call checks everything
         # ``check()``: True when nothing watched changed. Addresses, modes, module slots and
@@ -251,6 +258,10 @@ class AddressGuard:
         self.check: Callable[[], bool] = (
             fast if self.simple else _then_each(fast, self.closure_ids, others)
         )
+
+    def classes_changed(self) -> list[type]:
+        """The classes the guarded modules were switched away from since the capture."""
+        return [cls for _, module, cls in self.classes if type(module) is not cls]
 
     @property
     def count(self) -> int:
@@ -285,6 +296,9 @@ class AddressGuard:
         for module, training in self.training:
             if module.training is not training:
                 return f"{type(module).__name__} was switched to {'train' if module.training else 'eval'} mode"
+        for name, module, cls in self.classes:
+            if type(module) is not cls:
+                return f"{name}'s class was changed from {cls.__name__} to {type(module).__name__}"
         for name, mapping, key, value in self.entries:
             if mapping.get(key) is not value:
                 return f"{name} was replaced by another object (module.to(...), module.{key} = ...)"
@@ -297,22 +311,9 @@ class AddressGuard:
         return None
 
 
-class RequiresGradWatch:
-    """A training graph computes and applies gradients for the parameters that required them
-    at capture: one frozen since (``requires_grad_(False)``) would still be trained, one
-    unfrozen never. Asked before each replay (a Python loop: training steps only)."""
-
-    def __init__(self, modules: Iterable[nn.Module]):
-        self.params = [
-            (f"{type(m).__name__}.{name}", p, p.requires_grad)
-            for m in modules for name, p in m.named_parameters()
-        ]  # fmt: skip
-
-    def stale(self) -> str | None:
-        for name, p, flag in self.params:
-            if p.requires_grad is not flag:
-                return f"{name}.requires_grad was set to {p.requires_grad} after the capture"
-        return None
+def _named_tree(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in root.named_modules():
+        yield f"{type(root).__name__}{'.' + name if name else ''}", module
 
 
 def _same_objects(mapping: dict[Any, Any], values: tuple[Any, ...]) -> bool:

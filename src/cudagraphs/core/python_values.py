@@ -485,12 +485,11 @@ def class_values(
 
 
 def _class_assignable(obj: Any) -> bool:
-    """Objects whose class a program may swap and whose class decides what the recording
-    ran: modules (torch's own too: ``linear.__class__ = Patched`` changes its forward) and
-    instances of model code's classes; not tensors."""
-    if isinstance(obj, torch.Tensor):
+    """Objects of model code's classes other than modules (the address guard holds each
+    module's class): a policy object given another class has other methods."""
+    if isinstance(obj, (torch.Tensor, torch.nn.Module)):
         return False
-    return isinstance(obj, torch.nn.Module) or is_model_class(type(obj))
+    return is_model_class(type(obj))
 
 
 def _class_reads(cls: type, names: set[str], ran: dict[types.CodeType, Any]) -> tuple[str, ...]:
@@ -591,7 +590,7 @@ def _entry(owner: Any, key: str, value: Any) -> tuple[Any, ...]:
     return (owner, key, value)
 
 
-def retrace_after_class_change(fn: Callable[..., Any], watch: ValueWatch) -> None:
+def retrace_after_class_change(fn: Callable[..., Any], watch: Any) -> None:
     """Before capturing again for a changed value: where a class's value changed, drop what
     ``torch.compile`` traced for the code ``fn`` reaches, so the new capture traces with the
     new value (``compat.forget_compiled_frames`` says why). Nothing is dropped for a change on

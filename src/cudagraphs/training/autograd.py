@@ -43,6 +43,7 @@ from ..core import (
 from ..errors import ConfigError, InputMismatchError, StaleGraphError, explain
 from ..options import Options
 from .activations import ActivationOrder
+from .optimizers import RequiresGradWatch
 
 __all__ = ["GraphedAutograd"]
 
@@ -140,7 +141,13 @@ class GraphedAutograd:
         self.stream_order: StreamOrder | None = None
         # Train/eval is checked by __call__ itself (it routes to the eval graph), not the guard.
         self._guard = (
-            AddressGuard(fn, options.modules, modes=False, backward=True)
+            AddressGuard(
+                fn,
+                options.modules,
+                modes=False,
+                backward=True,
+                watches=[RequiresGradWatch(modules_of(fn, options.modules))],
+            )
             if options.guard == "replay"
             else None
         )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from .schedules import GRAPH_SAFE, DeviceHyperparameters, device_keys
 
 __all__ = [
     "OptimizerWatch",
+    "RequiresGradWatch",
     "carried_gradients",
     "make_graph_safe",
     "optimizer_tensors",
@@ -255,6 +256,24 @@ class OptimizerWatch:
                         "(the recording froze it; hyperparameters kept on the device follow "
                         "schedules: see cudagraphs.training.schedules)"
                     )
+        return None
+
+
+class RequiresGradWatch:
+    """A training graph computes and applies gradients for the parameters that required them
+    at capture: one frozen since (``requires_grad_(False)``) would still be trained, one
+    unfrozen never. Asked before each replay (a Python loop: training steps only)."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module]):
+        self.params = [
+            (f"{type(m).__name__}.{name}", p, p.requires_grad)
+            for m in modules for name, p in m.named_parameters()
+        ]  # fmt: skip
+
+    def stale(self) -> str | None:
+        for name, p, flag in self.params:
+            if p.requires_grad is not flag:
+                return f"{name}.requires_grad was set to {p.requires_grad} after the capture"
         return None
 
 

@@ -27,7 +27,13 @@ if TYPE_CHECKING:
 
 from ..options import OptionKwargs, Options
 from .distributed import checked_warmup
-from .optimizers import OptimizerWatch, carried_gradients, make_graph_safe, optimizer_tensors
+from .optimizers import (
+    OptimizerWatch,
+    RequiresGradWatch,
+    carried_gradients,
+    make_graph_safe,
+    optimizer_tensors,
+)
 from .schedules import DeviceHyperparameters
 
 __all__ = ["TRAIN_STEP_OPTIONS", "TrainStep", "train_step"]
@@ -152,8 +158,11 @@ class TrainStep(Graphed[R]):
 
     def make_guard(self) -> AddressGuard | None:
         extra = [named for optimizer in self.optimizers for named in optimizer_tensors(optimizer)]
-        watches = [OptimizerWatch(optimizer) for optimizer in self.optimizers]
-        watches += self.value_watches()
+        watches: list[Any] = [OptimizerWatch(optimizer) for optimizer in self.optimizers]
+        watches += [
+            *self.value_watches(),
+            RequiresGradWatch(modules_of(self.fn, self.options.modules)),
+        ]
         return AddressGuard(
             self.fn, self.options.modules, extra=extra, watches=watches, backward=True
         )
