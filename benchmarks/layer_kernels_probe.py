@@ -13,7 +13,8 @@ folds every neighbour into a product, four kernels per layer:
   act_mul_matvec_add   residual + the product of act(gate) * up (down)
 
 Each is one Triton program per block of output rows, looping over the inputs, sums in float32;
-the norm's statistic is summed again by every program (the input row is a few kilobytes). The
+the norm's statistic is summed again by every program (the input row is a few kilobytes); the
+input size is a compile-time constant (one kernel per weight shape). The
 roundings follow transformers' modules (the normed row rounded to the dtype before the norm
 weight, the gate rounded after the activation, the product rounded before the residual add).
 
@@ -82,7 +83,7 @@ def _block_products(w_ptr, rows, k, a, N, K):  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _norm_matvec(  # type: ignore[no-untyped-def]
-    x_ptr, g_ptr, w_ptr, out_ptr, N, K, eps,
+    x_ptr, g_ptr, w_ptr, out_ptr, N, K: tl.constexpr, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PLUS_ONE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     rows = _start(BLOCK_N, PDL)
@@ -109,7 +110,7 @@ def _norm_matvec(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _matvec_add(  # type: ignore[no-untyped-def]
-    x_ptr, w_ptr, res_ptr, out_ptr, N, K, GATED: tl.constexpr, ACT: tl.constexpr,
+    x_ptr, w_ptr, res_ptr, out_ptr, N, K: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     rows = _start(BLOCK_N, PDL)

@@ -669,3 +669,31 @@ def test_a_child_module_s_mode_or_class_changed_after_capture_gives_eager_s_answ
     assert not torch.allclose(model(x), recorded)  # the change matters to the answer
     torch.testing.assert_close(g(x), model(x))
     assert g.stats.recaptures == 1
+
+
+TORCH_SETTINGS = {
+    "LeakyReLU.negative_slope": lambda m: setattr(m[1], "negative_slope", 0.9),
+    "LayerNorm.eps": lambda m: setattr(m[2], "eps", 10.0),
+    "GELU.approximate": lambda m: setattr(m[3], "approximate", "tanh"),
+    "Softmax.dim": lambda m: setattr(m[4], "dim", 0),
+}
+
+
+@pytest.mark.parametrize("change", list(TORCH_SETTINGS.values()), ids=list(TORCH_SETTINGS))
+def test_a_setting_of_a_torch_module_changed_after_capture_gives_eager_s_answer(
+    stand_in: None, change: Callable[[nn.Sequential], None]
+) -> None:
+    """Settings torch's own modules read in their forward (a slope, an epsilon, a dimension)
+    are plain values read by torch's code, which the value watch does not follow: the guard
+    holds the ones each module's class code loads, and a change captures again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 4), nn.LeakyReLU(0.1), nn.LayerNorm(4), nn.GELU(), nn.Softmax(dim=-1)
+    ).requires_grad_(False)
+    x = torch.randn(2, 4)
+    g = cg.graph(model, x, outputs="clone")
+    recorded = g(x)
+    change(model)
+    assert not torch.allclose(model(x), recorded)  # the change matters to the answer
+    torch.testing.assert_close(g(x), model(x))
+    assert g.stats.recaptures == 1

@@ -24,7 +24,7 @@ __all__ = [
     "LIBRARY_SETTING",
     "block_hint",
     "callable_name",
-    "class_reads",
+    "class_names",
     "classify_failure",
     "failing_module",
     "is_library_file",
@@ -68,13 +68,18 @@ def is_model_code(filename: str) -> bool:
 
 
 @functools.cache
-def class_reads(cls: type, name: str) -> bool:
-    """Whether a method of ``cls`` (its own, its bases' below ``nn.Module`` itself, the code a
-    decorated one wraps, the functions nested in them) loads ``name`` (``self.training``)."""
+def class_names(cls: type) -> frozenset[str]:
+    """The names the methods of ``cls`` load (its own, its bases' below ``nn.Module`` itself,
+    the code a decorated one wraps, the functions nested in them): ``self.training``,
+    ``self.eps``. Construction and description are not computation: ``__init__`` and the other
+    dunder methods, ``extra_repr`` and ``reset_parameters`` are left out."""
+    names: set[str] = set()
     for klass in cls.__mro__:
         if klass is torch.nn.Module or klass is object:
             break
-        for member in vars(klass).values():
+        for key, member in vars(klass).items():
+            if key.startswith("__") or key in ("extra_repr", "reset_parameters"):
+                continue
             function = getattr(member, "__func__", member)
             codes = [getattr(function, "__code__", None)]
             for _ in range(8):  # a decorated method: the code it wraps too
@@ -83,10 +88,9 @@ def class_reads(cls: type, name: str) -> bool:
             codes = [c for c in codes if c is not None]
             while codes:
                 code = codes.pop()
-                if name in code.co_names:
-                    return True
+                names.update(code.co_names)
                 codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return False
+    return frozenset(names)
 
 
 def callable_name(fn: Callable[..., Any]) -> str:

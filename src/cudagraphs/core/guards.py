@@ -83,9 +83,9 @@ from torch import nn
 
 from ..errors import GradientsNotRecordedError, ModeMismatchError, explain
 from . import compat
-from .frames import class_reads
-from .signature import CLASS_OF, held_value_still
-from .writes import walk
+from .frames import class_names
+from .signature import CLASS_OF, held_value_still, is_plain
+from .writes import is_model_class, walk
 
 __all__ = [
     "AddressCheck",
@@ -230,8 +230,16 @@ class AddressGuard:
         # a switch after capture (``bn.eval()`` on one layer) would keep the recorded mode.
         tree = list({id(m): (n, m) for r in self.modules for n, m in _named_tree(r)}.values())
         self.classes = [(name, m, type(m)) for name, m in tree]
-        moded = [m for _, m in tree if m in self.modules or class_reads(type(m), "training")]
+        moded = [m for _, m in tree if m in self.modules or "training" in class_names(type(m))]
         self.training = [(m, m.training) for m in moded] if self._modes else []
+        # The settings torch's own modules read in their forward (``LayerNorm.eps``, ``p`` of
+        # a dropout, a slope, a softmax's ``dim``): model code's are the value watch's.
+        self.settings = [
+            (f"{name}.{key}", m.__dict__, key, m.__dict__[key])
+            for name, m, cls in self.classes if not is_model_class(cls)
+            for key in class_names(cls) & m.__dict__.keys()
+            if key != "training" and is_plain(m.__dict__[key])
+        ]  # fmt: skip
         # Which object each parameter, buffer and child slot of the modules holds; the dicts
         # themselves, empty ones too, so that a slot added since is seen.
         self.entries = [e for m in self.modules for e in compat.module_entries(m)]
@@ -245,6 +253,7 @@ class AddressGuard:
         # inside the one call below; any other watch is asked after it.
         held = tuple(v for w in self.watches for v in getattr(w, "held", ()))
         held += tuple((m, CLASS_OF, cls) for _, m, cls in self.classes)
+        held += tuple((d, key, value) for _, d, key, value in self.settings)
         others = [w for w in self.watches if not hasattr(w, "held")]
         self.simple = not self.closure_ids and not others  # one call checks everything
         # ``check()``: True when nothing watched changed. Addresses, modes, module slots and
@@ -299,6 +308,9 @@ class AddressGuard:
         for name, module, cls in self.classes:
             if type(module) is not cls:
                 return f"{name}'s class was changed from {cls.__name__} to {type(module).__name__}"
+        for name, d, key, value in self.settings:
+            if not held_value_still((d, key, value)):
+                return f"{name} was changed from {value!r} to {d.get(key)!r}"
         for name, mapping, key, value in self.entries:
             if mapping.get(key) is not value:
                 return f"{name} was replaced by another object (module.to(...), module.{key} = ...)"

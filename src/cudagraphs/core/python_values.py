@@ -74,7 +74,6 @@ Wrong (a value the guard cannot see)::
 
 from __future__ import annotations
 
-import enum
 import functools
 import gc
 import sys
@@ -88,7 +87,7 @@ from ..errors import FrozenStateError, explain
 from . import compat
 from .frames import callable_name, is_model_code
 from .guards import compiled_module
-from .signature import CLASS_OF, MISSING, held_value_now, held_value_still
+from .signature import CLASS_OF, MISSING, held_value_now, held_value_still, is_plain
 from .writes import is_compiled, is_model_class, walk
 
 __all__ = [
@@ -104,7 +103,6 @@ __all__ = [
     "retrace_after_class_change",
 ]
 
-_PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
 #: Callables held in an attribute or a global (``self.activation = torch.relu``): which one
 #: ran picked the recorded kernels as a plain value does, so the guard compares them too, by
 #: identity (an equal but new ``functools.partial`` costs a recapture, never a wrong answer).
@@ -118,13 +116,6 @@ _BY_IDENTITY = (
 )  # fmt: skip
 # nn.Module's own bookkeeping: not the model's state.
 _MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
-
-
-def is_plain(value: Any, depth: int = 0) -> bool:
-    """An immutable plain value whose changes a recording would not see."""
-    if isinstance(value, tuple) and depth < 3 and len(value) <= 64:
-        return all(is_plain(v, depth + 1) for v in value)
-    return isinstance(value, _PLAIN)
 
 
 def is_watched(value: Any) -> bool:

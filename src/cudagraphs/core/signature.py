@@ -16,6 +16,7 @@ shapes of a value watch (:func:`held_value_still`, the Python form of the compil
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "flatten",
     "held_value_now",
     "held_value_still",
+    "is_plain",
     "leaf_paths",
     "same_value",
 ]
@@ -96,6 +98,16 @@ def leaf_paths(spec: optree.PyTreeSpec, root: str | None = None) -> list[str]:
         else:  # pragma: no cover - the call tree always has two children
             paths.append(code)
     return paths
+
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
+
+
+def is_plain(value: Any, depth: int = 0) -> bool:
+    """An immutable plain value whose changes a recording would not see."""
+    if isinstance(value, tuple) and depth < 3 and len(value) <= 64:
+        return all(is_plain(v, depth + 1) for v in value)
+    return isinstance(value, _PLAIN)
 
 
 def same_value(given: Any, frozen: Any) -> bool:
