@@ -254,6 +254,9 @@ class AddressGuard:
         held = tuple(v for w in self.watches for v in getattr(w, "held", ()))
         held += tuple((m, CLASS_OF, cls) for _, m, cls in self.classes)
         held += tuple((d, key, value) for _, d, key, value in self.settings)
+        # A child's mode as a dict entry (cheaper than an attribute lookup); the roots' below.
+        roots = [(m, t) for m, t in self.training if any(m is r for r in self.modules)]
+        held += tuple((m.__dict__, "training", t) for m, t in self.training if (m, t) not in roots)
         others = [w for w in self.watches if not hasattr(w, "held")]
         self.simple = not self.closure_ids and not others  # one call checks everything
         # ``check()``: True when nothing watched changed. Addresses, modes, module slots and
@@ -261,7 +264,7 @@ class AddressGuard:
         # by every replay. Rebound names and other watched objects, where there are any, are
         # checked after it one by one (a few per guard), never the module tree in Python.
         fast = self.addresses.with_modes(
-            [m for m, _ in self.training], [t for _, t in self.training],
+            [m for m, _ in roots], [t for _, t in roots],
             [(d, values) for _, d, values in self.slots + self.hooks], held,
         )  # fmt: skip
         self.check: Callable[[], bool] = (
