@@ -118,6 +118,18 @@ def test_a_harmless_counter_replays_without_recapture() -> None:
         assert g.stats.recaptures == 0 and g.stats.replays == 5
 
 
+def _captured_changed_and_checked(model: nn.Module, change: Any, compile: bool) -> None:
+    """Capture ``model`` on the GPU, apply ``change(model)``, and check the change matters and
+    the graph answers as eager through one new capture."""
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(8, 64, device="cuda"), compile=compile)
+        x = torch.randn(8, 64, device="cuda")
+        recorded = model(x)
+        change(model)
+        assert not torch.allclose(model(x), recorded)  # the change matters to the answer
+        _answers_as_eager_after_one_recapture(g, model)
+
+
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("case", list(value_cases.BEYOND_ATTRIBUTES))
 def test_a_value_read_from_the_class_or_a_list_changed_after_capture_gives_eager_s_answer(
@@ -126,15 +138,9 @@ def test_a_value_read_from_the_class_or_a_list_changed_after_capture_gives_eager
     """A class-level default, a method, a subclass's own value, a list item: changed after the
     capture, the replay must not give the recorded answer."""
     torch.manual_seed(0)
+    change, _ = value_cases.BEYOND_ATTRIBUTES[case]
     model = value_cases.DefaultedChild(64).cuda().eval()
-    with torch.no_grad():
-        g = cg.graph(model, torch.randn(8, 64, device="cuda"), compile=compile)
-        x = torch.randn(8, 64, device="cuda")
-        recorded = model(x)
-        change, _ = value_cases.BEYOND_ATTRIBUTES[case]
-        change(model, monkeypatch)
-        assert not torch.allclose(model(x), recorded)  # the change matters to the answer
-        _answers_as_eager_after_one_recapture(g, model)
+    _captured_changed_and_checked(model, lambda m: change(m, monkeypatch), compile)
 
 
 def _held_on_gpu(model: value_cases.Holding) -> value_cases.Holding:
@@ -156,15 +162,8 @@ def test_a_tensor_or_module_held_outside_the_tree_changed_after_capture_gives_ea
     changed after the capture (on the GPU, the change moved device memory), a replay must not
     read the recorded memory."""
     torch.manual_seed(0)
-    model = _held_on_gpu(value_cases.Holding(64))
-    with torch.no_grad():
-        g = cg.graph(model, torch.randn(8, 64, device="cuda"), compile=compile)
-        x = torch.randn(8, 64, device="cuda")
-        recorded = model(x)
-        change, _ = value_cases.HELD_TENSORS[case]
-        change(model)  # new tensors and modules where the old ones live
-        assert not torch.allclose(model(x), recorded)  # the change matters to the answer
-        _answers_as_eager_after_one_recapture(g, model)
+    change, _ = value_cases.HELD_TENSORS[case]
+    _captured_changed_and_checked(_held_on_gpu(value_cases.Holding(64)), change, compile)
 
 
 @pytest.mark.parametrize("compile", [False, True])
@@ -175,11 +174,5 @@ def test_an_object_the_forward_reads_through_rebound_after_capture_gives_eager_s
     """A config dataclass, a namespace or a dict the forward reads values through, replaced by
     another after the capture: a replay must not repeat the old object's values."""
     torch.manual_seed(0)
-    model = value_cases.Configured(64).cuda().eval()
-    with torch.no_grad():
-        g = cg.graph(model, torch.randn(8, 64, device="cuda"), compile=compile)
-        x = torch.randn(8, 64, device="cuda")
-        recorded = model(x)
-        value_cases.REBOUND_HOLDERS[case][0](model)
-        assert not torch.allclose(model(x), recorded)  # the change matters to the answer
-        _answers_as_eager_after_one_recapture(g, model)
+    change, _ = value_cases.REBOUND_HOLDERS[case]
+    _captured_changed_and_checked(value_cases.Configured(64).cuda().eval(), change, compile)

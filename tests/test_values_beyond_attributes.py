@@ -6,6 +6,8 @@ function, so a value the guard missed would give the old answer here as in a gra
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from value_cases import (
@@ -53,12 +55,16 @@ def test_a_tensor_or_module_held_outside_the_module_tree_changed_after_capture(
     item), a module in a plain list, a buffer registered later: the recording read them by
     address, so another object there (an equal one too) or new memory must capture again."""
     torch.manual_seed(0)
-    model = Holding()
+    _captures_again_for(Holding(), *HELD_TENSORS[case])
+
+
+def _captures_again_for(model: torch.nn.Module, change: Any, name: str) -> None:
+    """Capture ``model``, make the change, and check the next call answers as eager through
+    one new capture whose notice names ``name``."""
     g = cg.graph(model, torch.randn(4, 8), outputs="clone")
     fresh = torch.randn(4, 8)
-    torch.testing.assert_close(g(fresh), model(fresh))
-    recorded = model(fresh)
-    change, name = HELD_TENSORS[case]
+    recorded = g(fresh)
+    torch.testing.assert_close(recorded, model(fresh))
     change(model)
     expected = model(fresh)
     assert not torch.allclose(expected, recorded)  # the change matters to the answer
@@ -75,17 +81,7 @@ def test_an_object_the_forward_reads_values_through_rebound_after_capture(
     another one: the watch held the old object's values, so the object itself is held by
     identity too."""
     torch.manual_seed(0)
-    model = Configured()
-    g = cg.graph(model, torch.randn(4, 8), outputs="clone")
-    fresh = torch.randn(4, 8)
-    recorded = g(fresh)
-    change, name = REBOUND_HOLDERS[case]
-    change(model)
-    expected = model(fresh)
-    assert not torch.allclose(expected, recorded)  # the change matters to the answer
-    torch.testing.assert_close(g(fresh), expected)
-    assert g.stats.recaptures == 1
-    assert any(name in notice for notice in g.stats.notices), g.stats.notices
+    _captures_again_for(Configured(), *REBOUND_HOLDERS[case])
 
 
 def test_a_policy_object_given_another_class_after_capture_gives_eager_s_answer(
