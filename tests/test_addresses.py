@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -373,3 +374,28 @@ def test_class_names_finds_a_name_in_decorated_nested_and_inherited_methods() ->
     assert "training" in class_names(Wrapped) and "training" in class_names(Child)
     assert {"training", "p"} <= class_names(torch.nn.Dropout)
     assert "training" not in class_names(torch.nn.Linear)  # nn.Module's own train() not counted
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+def test_one_check_holds_a_closure_cell_s_contents(native: bool) -> None:
+    """``(cell, "cell_contents", value[, items])``: a closure variable still holds its value
+    (a list: those items), in the C check and its Python form alike."""
+    if native and guards.compiled_module() is None:
+        pytest.skip(f"no compiled check here: {guards._failure}")
+    gain, items = 2.0, [1.0, torch.ones(2)]
+
+    def reads() -> tuple[float, list[Any]]:
+        return gain, items
+
+    gain_cell, items_cell = reads.__closure__ or ()
+    check = guards.AddressCheck([torch.randn(2)], native=native).with_modes(
+        [], [], [],
+        [(gain_cell, "cell_contents", 2.0), (items_cell, "cell_contents", items, tuple(items))],
+    )  # fmt: skip
+    assert check() is True
+    gain = 5.0
+    assert check() is False
+    gain = 2.0
+    assert check() is True
+    items[1] = torch.ones(2)  # an equal new tensor: not the one read
+    assert check() is False

@@ -99,3 +99,46 @@ def test_a_policy_object_given_another_class_after_capture_gives_eager_s_answer(
     assert not torch.allclose(policy(obs), recorded)  # the change matters to the answer
     torch.testing.assert_close(g(obs), policy(obs))
     assert g.stats.recaptures == 1
+
+
+def _closures() -> tuple[Any, Any, list[torch.Tensor]]:
+    """A graphed function reading closure variables: a helper's float, its own list."""
+    gain = 2.0
+    scales = [torch.ones(8)]
+
+    def helper(x: torch.Tensor) -> torch.Tensor:
+        return x * gain
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return helper(x) * scales[0]
+
+    def set_gain(value: float) -> None:
+        nonlocal gain
+        gain = value
+
+    return fn, set_gain, scales
+
+
+CLOSURE_CHANGES = {
+    "a helper's closure variable rebound": lambda set_gain, scales: set_gain(5.0),
+    "an item of a list in the closure replaced": lambda set_gain, scales: scales.__setitem__(
+        0, torch.full((8,), 3.0)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CLOSURE_CHANGES))
+def test_a_closure_variable_read_by_the_code_that_ran_changed_after_capture(
+    stand_in: None, case: str
+) -> None:
+    """Closure variables are loaded as free variables, not by name: the cells of every reached
+    function whose code ran are held (a helper's too, and a list's items)."""
+    fn, set_gain, scales = _closures()
+    x = torch.randn(4, 8)
+    g = cg.graph(fn, x, outputs="clone")
+    recorded = g(x)
+    CLOSURE_CHANGES[case](set_gain, scales)
+    assert not torch.allclose(fn(x), recorded)  # the change matters to the answer
+    torch.testing.assert_close(g(x), fn(x))
+    assert g.stats.recaptures == 1
+    assert any("closure variable" in notice for notice in g.stats.notices), g.stats.notices

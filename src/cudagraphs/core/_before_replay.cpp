@@ -93,7 +93,8 @@ static int same_object(PyObject* now, PyObject* value) {
 //                              before it was given another;
 //   (dict, key)                key is absent (the class's value is not shadowed);
 //   (dict, key, list, items)   the dict holds a list whose items are still items (a tuple);
-//   (object, None, class)      the object's class is still that very class.
+//   (object, None, class)      the object's class is still that very class;
+//   (cell, key, value[, items]) a closure cell holds value (or, a list, those items).
 static int values_hold(PyObject* held) {
   if (!PyTuple_Check(held)) {
     PyErr_SetString(PyExc_TypeError, "values: a tuple of entries expected");
@@ -114,14 +115,16 @@ static int values_hold(PyObject* held) {
       if (reinterpret_cast<PyObject*>(Py_TYPE(owner)) != PyTuple_GET_ITEM(entry, 2)) return 0;
       continue;
     }
-    if (PyDict_Check(owner)) {
+    if (PyCell_Check(owner) && size >= 3) {  // a closure variable: NULL once emptied
+      now = PyCell_GET(owner);
+    } else if (PyDict_Check(owner)) {
       now = PyDict_GetItemWithError(owner, key);
       if (now == nullptr && PyErr_Occurred()) return -1;
     } else if (PyType_Check(owner) && PyUnicode_Check(key) && size == 3) {
       now = _PyType_Lookup(reinterpret_cast<PyTypeObject*>(owner), key);
     } else {
       PyErr_SetString(PyExc_TypeError,
-                      "values: an entry's owner is a dict or a class, or its key is None");
+                      "values: an entry's owner is a dict, a class or a cell, or its key is None");
       return -1;
     }
     if (size == 2) {

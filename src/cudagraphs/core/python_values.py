@@ -1,20 +1,15 @@
 """Plain Python values a recording freezes: refused where the function changes them, guarded
 where the program might.
 
-Values the function changes.
-A recording runs the function's Python code once. Every plain value it read then (a step
-counter, a "cache is full" flag, a sliding-window cache's Python position) is baked into the
-kernels it launched: which branch, which index, which constant. If the function itself changes
-such a value from one run to the next, every replay repeats the first run's choice, silently
-(or, for a position that indexes a cache, with an out-of-bounds write on the device).
-
-So around warm-up and capture the library takes a :class:`PythonSnapshot` of the plain values (int,
-float, bool, complex, str, bytes, None, enums, and tuples of these) in the instance dictionaries
+Values the function changes. A recording runs the function's Python code once: every plain
+value it read (a step counter, a "cache is full" flag, a cache's Python position) is baked into
+the kernels it launched. If the function changes such a value from run to run, every replay
+repeats the first run's choice, silently. So around warm-up and capture a
+:class:`PythonSnapshot` holds the plain values (:func:`is_plain`) in the instance dictionaries
 of every object the function reaches (``writes.walk``: the module tree, a bound method's
-``self``, closure cells, globals its code names, attributes of its plain arguments such as a
-cache object). A value that differs between two runs after the first (the first may set things
-up once: a lazily built table, a compile) raises :class:`~cudagraphs.errors.FrozenStateError`
-at capture, naming ``object.attribute``, what it was and what it became.
+``self``, closure cells, globals its code names, attributes of its plain arguments). One that
+differs between two runs after the first (which may set things up once) raises
+:class:`~cudagraphs.errors.FrozenStateError` at capture, naming it.
 
 Right::
 
@@ -103,13 +98,9 @@ __all__ = [
     "retrace_after_class_change",
 ]
 
-#: Callables held in an attribute or a global (``self.activation = torch.relu``): which one
-#: ran picked the recorded kernels as a plain value does, so the guard compares them too, by
-#: identity (an equal but new ``functools.partial`` costs a recapture, never a wrong answer).
-#: So are modules held outside a module (a policy object's ``self.head``, a global ``model``):
-#: a new one in that slot has its own parameters, which the recording never read. And tensors
-#: that are not parameters or buffers (``self.mask = t``, a tensor in a dict or list): the
-#: recording read them at their address, so a new one there (even an equal one) is not it.
+#: Compared by identity: callables (``self.activation = torch.relu``; an equal new partial costs
+#: a recapture, never a wrong answer), modules held outside a module (a policy's ``self.head``),
+#: and tensors that are not parameters or buffers (``self.mask = t``), read at their address.
 _BY_IDENTITY = (
     types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
     torch.nn.Module, torch.Tensor,
@@ -174,7 +165,8 @@ class PythonSnapshot:
         # more the user's state than those objects' attributes are. Breadth first, an owner
         # comes before what it holds.
         owned: set[int] = set()
-        self.objects: list[tuple[str, Any]] = []
+        fn = getattr(self.fn, "__func__", self.fn)  # its own closure cells are read too
+        self.objects = [(callable_name(fn), fn)] if isinstance(fn, types.FunctionType) else []
         for name, obj in walk(self.fn, self.roots):
             attributes = _slots_of(obj)
             if attributes is None or id(obj) in owned:
@@ -418,6 +410,7 @@ def read_values(
                 if not _harmless(held, harmless):
                     found.append((held, namespace, key, value))
     found.extend(v for v in class_values(reader, objects) if not _harmless(v[0], harmless))
+    found.extend(v for v in _cells_read(reader, objects) if not _harmless(v[0], harmless))
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
         module = namespace.get("__name__", "?")
@@ -433,6 +426,22 @@ def read_values(
             label = f"global {module}.{name}"
             if not _harmless(label, harmless):
                 found.append((label, namespace, name, _held_value(value)))
+    return found
+
+
+def _cells_read(reader: Reader, objects: list[tuple[str, Any]]) -> list[tuple[str, Any, str, Any]]:
+    """The closure cells of the reached functions whose code ran (a helper's ``k``, a lambda's
+    list), held like attributes (the code loads them as free variables, not by name)."""
+    found = []
+    for label, fn in objects:
+        if isinstance(fn, types.FunctionType) and fn.__code__ in reader.codes:
+            for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+                value = held_value_now(cell, "cell_contents")
+                if value is not MISSING and is_watched(value):
+                    held = _held_value(value)
+                    found.append(
+                        (f"{label}'s closure variable {name!r}", cell, "cell_contents", held)
+                    )
     return found
 
 

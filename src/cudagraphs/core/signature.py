@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -134,9 +135,15 @@ CLASS_OF = None
 
 def held_value_now(owner: Any, key: str | None) -> Any:
     """What ``owner`` holds under ``key`` now: a dict's item, a class's attribute lookup (bases
-    in order, no descriptor run), or its class for :data:`CLASS_OF`; else :data:`MISSING`."""
+    in order, no descriptor run), a closure cell's contents, or its class for
+    :data:`CLASS_OF`; else :data:`MISSING`."""
     if key is CLASS_OF:
         return type(owner)
+    if isinstance(owner, types.CellType):  # a closure variable (key "cell_contents")
+        try:
+            return owner.cell_contents
+        except ValueError:  # an emptied cell
+            return MISSING
     if not isinstance(owner, type):
         return owner.get(key, MISSING)
     for klass in owner.__mro__:
