@@ -39,7 +39,6 @@ __all__ = [
     "guarded_storage",
     "guarded_tensor",
     "kill_storage",
-    "module_entries",
     "module_state_inputs",
     "new_graph",
     "op_argument_defaults",
@@ -492,17 +491,6 @@ def module_slot_dicts(module: torch.nn.Module) -> list[tuple[str, dict[str, Any]
         base = f"{type(module).__name__}{'.' + prefix if prefix else ''}"
         found += [(base, mapping) for mapping in (sub._parameters, sub._buffers, sub._modules)]
     return found
-
-
-def module_entries(module: torch.nn.Module) -> list[tuple[str, dict[str, Any], str, Any]]:
-    """``(name, mapping, key, value)`` for every parameter, buffer and child slot of ``module``
-    and its submodules (:func:`module_slot_dicts`), so that a guard can tell which slot holds
-    another object."""
-    return [
-        (f"{base}.{key}", mapping, key, value)
-        for base, mapping in module_slot_dicts(module)
-        for key, value in mapping.items()
-    ]
 
 
 #: The hook dicts of an ``nn.Module`` whose entries run around its forward, and around its

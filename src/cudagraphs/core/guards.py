@@ -242,7 +242,6 @@ class AddressGuard:
         ]  # fmt: skip
         # Which object each parameter, buffer and child slot of the modules holds; the dicts
         # themselves, empty ones too, so that a slot added since is seen.
-        self.entries = [e for m in self.modules for e in compat.module_entries(m)]
         slots = [s for m in self.modules for s in compat.module_slot_dicts(m)]
         self.slots = [(name, d, tuple(dict.values(d))) for name, d in slots]
         # Hooks ran at capture: one added or removed since would silently not (or still) run.
@@ -255,8 +254,9 @@ class AddressGuard:
         held += tuple((m, CLASS_OF, cls) for _, m, cls in self.classes)
         held += tuple((d, key, value) for _, d, key, value in self.settings)
         # A child's mode as a dict entry (cheaper than an attribute lookup); the roots' below.
-        roots = [(m, t) for m, t in self.training if any(m is r for r in self.modules)]
-        held += tuple((m.__dict__, "training", t) for m, t in self.training if (m, t) not in roots)
+        is_root = {id(m) for m in self.modules}
+        roots = [(m, t) for m, t in self.training if id(m) in is_root]
+        held += tuple((m.__dict__, "training", t) for m, t in self.training if id(m) not in is_root)
         others = [w for w in self.watches if not hasattr(w, "held")]
         self.simple = not self.closure_ids and not others  # one call checks everything
         # ``check()``: True when nothing watched changed. Addresses, modes, module slots and
@@ -314,12 +314,14 @@ class AddressGuard:
         for name, d, key, value in self.settings:
             if not held_value_still((d, key, value)):
                 return f"{name} was changed from {value!r} to {d.get(key)!r}"
-        for name, mapping, key, value in self.entries:
-            if mapping.get(key) is not value:
-                return f"{name} was replaced by another object (module.to(...), module.{key} = ...)"
         for name, slot, recorded in self.slots:
-            if not _same_objects(slot, recorded):
-                return f"a parameter, buffer or submodule was added to or removed from {name}"
+            if _same_objects(slot, recorded):
+                continue
+            if len(slot) == len(recorded):  # the same keys: one holds another object
+                for key, now, was in zip(dict.keys(slot), dict.values(slot), recorded):
+                    if now is not was:
+                        return f"{name}.{key} was replaced by another object (module.to(...), module.{key} = ...)"
+            return f"a parameter, buffer or submodule was added to or removed from {name}"
         for name, hooks, recorded in self.hooks:
             if not _same_objects(hooks, recorded):
                 return f"{name} changed: a hook was added or removed after the capture"
