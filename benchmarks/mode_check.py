@@ -1,7 +1,9 @@
 """Host cost of the checks every replay makes before its launch, timed on the CPU alone.
 
 These checks are host work (no kernel), so they can be timed on any machine: the modes check
-(PyTorch's global-state guard, one C call, plus the inference-mode flag), the thread check, and
+(``Modes.same``: PyTorch's global-state guard, the inference-mode flag and the backend settings
+that guard leaves out, read in one call into the compiled extension), its parts, the thread
+check, and
 the whole pre-launch part of a call, with a stand-in graph whose replay does nothing, so that
 no GPU is needed. Medians of repeated timings, ns per call.
 
@@ -20,7 +22,7 @@ from typing import Any
 
 import torch
 
-from cudagraphs.core.guards import Modes
+from cudagraphs.core.modes import Modes
 from cudagraphs.core.replay import Counters, Replayer
 from cudagraphs.core.signature import Signature
 
@@ -43,6 +45,7 @@ def main() -> None:
     modes = Modes("bench")
     guard_check = modes.guard.check
     inference = torch.is_inference_mode_enabled
+    want = inference()
     ident = threading.get_ident
     x = torch.randn(4, 4)
     signature, leaves = Signature.of_call((x,), {})
@@ -54,6 +57,10 @@ def main() -> None:
         "empty call (the loop's own cost)": per_call_ns(lambda: None),
         "modes: global-state guard check (C)": per_call_ns(guard_check),
         "modes: inference-mode flag": per_call_ns(inference),
+        "modes: guard check and inference flag, in Python (the check without backend settings)": (
+            per_call_ns(lambda: guard_check() and inference() is want)
+        ),
+        f"modes: Modes.same, all {len(modes.calls)} reads": per_call_ns(modes.same),
         "thread: threading.get_ident()": per_call_ns(ident),
         "Replayer.call, one tensor, alias outputs, no-op replay": per_call_ns(
             lambda: replayer.call((x,), (x,), {})

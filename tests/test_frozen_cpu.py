@@ -5,8 +5,10 @@ test_footguns.py."""
 
 from __future__ import annotations
 
+import re
 import threading
 import warnings
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,6 +18,7 @@ from stateful_models import Counting, Flipping
 from torch import nn
 
 import cudagraphs as cg
+from cudagraphs.core import modes as modes_module
 from cudagraphs.core.python_values import PythonSnapshot as Snapshot
 from cudagraphs.core.random_draws import RandomDraws
 from cudagraphs.core.replay import Counters, OutputsInUse, Replayer
@@ -58,6 +61,105 @@ def test_grad_mode_on_at_call_raises_naming_graph_autograd(stand_in: None) -> No
         g(torch.randn(2, 8))  # nothing requires grad, but the modes still differ
     with torch.inference_mode(), pytest.raises(cg.ModeMismatchError, match="inference mode"):
         g(torch.randn(2, 8))
+
+
+@pytest.fixture
+def backend_flags() -> Iterator[None]:
+    """Restores cuDNN's and cuBLAS's settings (global to the process) after a test."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    before = cg.core.math_settings()
+    flags = (cudnn.enabled, cudnn.deterministic, matmul.allow_fp16_accumulation)
+    tf32 = (cudnn.allow_tf32, matmul.allow_tf32)
+    precisions = {b_o: torch._C._get_fp32_precision_getter(*b_o) for b_o in PRECISIONS}
+    yield
+    cudnn.enabled, cudnn.deterministic, matmul.allow_fp16_accumulation = flags
+    cudnn.allow_tf32, matmul.allow_tf32 = tf32  # the legacy flags (they set some levels too)
+    for (backend, op), value in precisions.items():  # then every level as it was
+        torch._C._set_fp32_precision_setter(backend, op, value)
+    assert cg.core.math_settings() == before, "the settings were not restored"
+
+
+PRECISIONS = [
+    ("generic", "all"),
+    ("cuda", "all"),
+    ("cuda", "conv"),
+    ("cuda", "rnn"),
+    ("cuda", "matmul"),
+]
+
+
+def _set_tf32_convolutions_off() -> None:
+    torch.backends.cudnn.conv.fp32_precision = "ieee"  # the newer, per-operation flag
+
+
+@pytest.mark.parametrize(
+    ("flip", "named"),
+    [
+        (lambda: setattr(torch.backends.cudnn, "allow_tf32", False), "TF32 in cuDNN"),
+        (_set_tf32_convolutions_off, "TF32 in cuDNN"),
+        (lambda: setattr(torch.backends.cudnn, "enabled", False), "cuDNN enabled"),
+        (lambda: setattr(torch.backends.cudnn, "deterministic", True), "cuDNN deterministic"),
+        (
+            lambda: setattr(torch.backends.cuda.matmul, "allow_fp16_accumulation", True),
+            "fp16 accumulation in cuBLAS matmuls",
+        ),
+    ],
+    ids=["legacy-tf32", "conv-precision", "enabled", "deterministic", "fp16-accumulation"],
+)
+def test_backend_setting_changed_after_capture_is_refused(
+    stand_in: None, backend_flags: None, flip: Callable[[], None], named: str
+) -> None:
+    """PyTorch's global-state guard leaves these out; a recording keeps the kernels (and their
+    precision) chosen at capture, so a replay after the change would not be eager's answer."""
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.enabled, torch.backends.cudnn.deterministic = True, False
+    torch.backends.cuda.matmul.allow_fp16_accumulation = False
+    model = mlp()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(2, 8), outputs="clone")
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(g(x), model(x))
+        flip()
+        with pytest.raises(cg.ModeMismatchError, match=re.escape(named)):
+            g(x)
+
+
+def test_mixed_tf32_flags_are_read_one_by_one(stand_in: None, backend_flags: None) -> None:
+    """With the legacy and the per-operation flags mixed, the combined getter raises at
+    capture: the check reads each precision instead, and still sees a change."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.fp32_precision = "tf32"  # the legacy getter now raises
+    with pytest.raises(RuntimeError):
+        torch._C._get_cudnn_allow_tf32()
+    assert cg.core.math_settings()["TF32 in cuDNN"].startswith("mixed")  # keys still readable
+    model = mlp()
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(2, 8), outputs="clone")
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(g(x), model(x))  # replays: nothing changed
+        assert g.stats.replays >= 1
+        torch.backends.cudnn.conv.fp32_precision = "ieee"
+        with pytest.raises(cg.ModeMismatchError, match=r"float32 precision \(cuda, conv\)"):
+            g(x)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_modes_check_sees_each_setting_with_and_without_the_extension(
+    backend_flags: None, monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    if compiled and modes_module.compiled_module() is None:
+        pytest.skip("the compiled extension is not built here")
+    if not compiled:
+        monkeypatch.setattr(modes_module, "compiled_module", lambda: None)
+    torch.backends.cudnn.deterministic = False
+    modes = modes_module.Modes("probe")
+    assert modes.same()
+    torch.backends.cudnn.deterministic = True
+    assert not modes.same()
+    torch.backends.cudnn.deterministic = False
+    assert modes.same()
+    with torch.inference_mode():
+        assert not modes.same()
 
 
 def test_capture_whose_outputs_need_gradients_is_refused(stand_in: None) -> None:

@@ -8,7 +8,8 @@ modules inside follow a graph's life, lower layers first:
 - ``frames``: where in the user's code something happened, and why captures fail;
 - ``active_capture``, ``collectives``: the capture this thread is recording, and collectives;
 - ``writes``: tensors a function writes outside its inputs (found, restored, refused);
-- ``guards``: what a replay checks first: modes, gradients, tensors read by address;
+- ``guards``: what a replay checks first: tensors read by address, module slots and hooks;
+- ``modes``: the modes and math settings a recording froze; gradients;
 - ``python_values``: Python values a capture must not freeze, and the ones it read;
 - ``launch``: launching a recording, and the input copies recorded into it;
 - ``segments``: recordings split around eager steps;
@@ -33,6 +34,7 @@ from .frames import (
 )
 from .graphed import Diagnostics, Graphed, Pool, State, install_diagnostics
 from .guards import AddressGuard, closure_tensors, modules_of
+from .modes import math_settings
 from .python_values import (
     READS_LIKE,
     PythonSnapshot,
@@ -92,6 +94,7 @@ __all__ = [
     "is_torch_file",
     "leaf_paths",
     "library_setting",
+    "math_settings",
     "modules_of",
     "named_roots",
     "reachable_tensors",

@@ -85,6 +85,36 @@ static int same_object(PyObject* now, PyObject* value) {
   return equal;
 }
 
+// settings_hold(calls: tuple of (getter, args, value)) -> bool: each getter(*args) still
+// returns value (or an equal one where equality decides). The modes a recording froze
+// (modes.Modes): PyTorch's global-state guard's check, the inference-mode flag and the backend
+// settings that guard leaves out, in one C call with no Python frame per setting. A getter
+// that raises counts as a change (the slow path then says which).
+static PyObject* settings_hold(PyObject*, PyObject* calls) {
+  if (!PyTuple_Check(calls)) {
+    PyErr_SetString(PyExc_TypeError, "settings_hold(calls: tuple) expected");
+    return nullptr;
+  }
+  Py_ssize_t n = PyTuple_GET_SIZE(calls);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* call = PyTuple_GET_ITEM(calls, i);
+    if (!PyTuple_Check(call) || PyTuple_GET_SIZE(call) != 3 ||
+        !PyTuple_Check(PyTuple_GET_ITEM(call, 1))) {
+      PyErr_SetString(PyExc_TypeError, "each call: (getter, args: tuple, value) expected");
+      return nullptr;
+    }
+    PyObject* now = PyObject_Call(PyTuple_GET_ITEM(call, 0), PyTuple_GET_ITEM(call, 1), nullptr);
+    if (now == nullptr) {
+      PyErr_Clear();
+      Py_RETURN_FALSE;
+    }
+    int same = same_object(now, PyTuple_GET_ITEM(call, 2));
+    Py_DECREF(now);
+    if (!same) Py_RETURN_FALSE;
+  }
+  Py_RETURN_TRUE;
+}
+
 // 1: each entry still holds (python_values.ValueWatch); 0: one changed; -1: error set. The
 // plain Python values a recording read, checked before every replay. Entries:
 //   (dict, key, value)         the dict holds value (or an equal one) under key;
@@ -313,6 +343,7 @@ static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs
 
 static PyMethodDef methods[] = {
   {"values_same", values_same, METH_O, "Does every dict still hold its recorded value?"},
+  {"settings_hold", settings_hold, METH_O, "Does every getter still return its recorded value?"},
   {"launch_graph", (PyCFunction)(void (*)(void))launch_graph, METH_FASTCALL,
    "Launch an instantiated graph on the current stream of its device; return the cudaError_t."},
   {"bind", bind, METH_O, "Set the address reader."},

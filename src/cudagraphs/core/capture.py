@@ -38,9 +38,10 @@ from ..options import Options
 from . import collectives, compat, python_values, segments, writes
 from .active_capture import capturing
 from .frames import block_hint, callable_name, classify_failure, failing_module, user_location
-from .guards import Modes, modules_of, outputs_needing_gradients, refuse_gradients
+from .guards import modules_of
 from .launch import CopyNodes, CopyNodesUnavailable, sources_for
 from .launch import record as record_copies
+from .modes import Modes, outputs_needing_gradients, refuse_gradients
 from .replay import Counters, Replayer, detach_outputs
 from .segments import KeptWrites, NeedsSplitting, Segments, Splitter, module_gaps
 from .signature import Signature

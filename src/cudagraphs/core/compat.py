@@ -82,7 +82,7 @@ class _PythonStateGuard:
             torch.is_grad_enabled(),
             torch.get_default_dtype(),
             torch.are_deterministic_algorithms_enabled(),
-            matmul.allow_tf32,
+            _tf32_matmuls(),
             matmul.allow_fp16_reduced_precision_reduction,
             matmul.allow_bf16_reduced_precision_reduction,
             *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cuda", "cpu")),
@@ -92,6 +92,13 @@ class _PythonStateGuard:
         return self._now() == self.state
 
 
+def _tf32_matmuls() -> Any:
+    try:
+        return torch.backends.cuda.matmul.allow_tf32
+    except RuntimeError:  # legacy and per-operation flags mixed: compare the precisions
+        return tuple(getter(*args) for _, getter, args in float32_precisions())
+
+
 def global_state_guard() -> Any:
     """An object whose ``check()`` is True while grad mode, autocast (every device type),
     TF32 and reduced-precision settings, the default dtype and determinism are as now: the
@@ -99,6 +106,48 @@ def global_state_guard() -> Any:
     guards = getattr(getattr(_C, "_dynamo", None), "guards", None)
     make = getattr(guards, "GlobalStateGuard", None)
     return make() if make is not None else _PythonStateGuard()
+
+
+#: A setting a recording depends on: (words for a message, getter, the getter's arguments).
+Setting = tuple[str, Any, tuple[Any, ...]]
+
+
+def backend_settings() -> list[Setting]:
+    """Settings that choose a recording's kernels or their precision but that PyTorch's
+    global-state guard does not cover, each read by a getter without arguments (cheap from C):
+    TF32 in cuDNN, cuDNN on and deterministic, fp16 accumulation in cuBLAS; those this
+    PyTorch has. The TF32 getter raises where the legacy and the per-operation flags were
+    mixed; :func:`float32_precisions` then reads them one by one."""
+    found: list[Setting] = []
+    for words, name in (
+        ("TF32 in cuDNN", "_get_cudnn_allow_tf32"),
+        ("cuDNN enabled", "_get_cudnn_enabled"),
+        ("cuDNN deterministic", "_get_cudnn_deterministic"),
+        ("fp16 accumulation in cuBLAS matmuls", "_get_cublas_allow_fp16_accumulation"),
+    ):
+        getter = getattr(_C, name, None)
+        if getter is not None:
+            found.append((words, getter, ()))
+    return found
+
+
+def float32_precisions() -> list[Setting]:
+    """The float32 precisions that decide TF32 in cuDNN's convolutions and recurrent layers
+    and in cuBLAS's matmuls, with the levels they inherit from (empty where this PyTorch has
+    no per-operation flags)."""
+    precision = getattr(_C, "_get_fp32_precision_getter", None)
+    if precision is None:
+        return []
+    return [
+        (f"float32 precision ({backend}, {op})", precision, (backend, op))
+        for backend, op in (
+            ("cuda", "conv"),
+            ("cuda", "rnn"),
+            ("cuda", "matmul"),
+            ("cuda", "all"),
+            ("generic", "all"),
+        )
+    ]
 
 
 def torch_function_enabled() -> bool:

@@ -40,13 +40,8 @@ from ..errors import CaptureError, ConfigError, Notices, StaleGraphError, Verifi
 from ..options import Options
 from . import capture
 from .frames import callable_name, user_stacklevel
-from .guards import (
-    AddressGuard,
-    closure_tensors,
-    modules_of,
-    outputs_needing_gradients,
-    refuse_gradients,
-)
+from .guards import AddressGuard, closure_tensors, modules_of
+from .modes import outputs_needing_gradients, refuse_gradients
 from .python_values import ValueWatch, retrace_after_class_change
 from .replay import Counters, InputsAlias, OutputsInUse, Replayer, StreamOrder
 from .segments import describe_segments, print_segments

@@ -7,7 +7,7 @@ whose arguments still need checking and copying, :meth:`Replayer.enter` then
 :meth:`Replayer.replay_static` for a caller that fills the static buffers itself. Everything the
 check needs is precomputed here, once. Before anything is written, every replay checks
 
-1. the modes (``guards.Modes``: autocast, grad and inference mode, TF32...) against the capture's;
+1. the modes (``modes.Modes``: autocast, grad and inference mode, TF32...) against the capture's;
 2. gradients: under grad mode, that nothing the call reads requires grad (a replay records no
    autograd history);
 3. the calling thread. Guarded outputs alias the graph's memory, and a read from one thread
@@ -60,8 +60,8 @@ import torch
 from ..errors import CudaGraphsError, CudaGraphsWarning, ReplayTimeoutError, explain
 from . import compat
 from .frames import user_stacklevel
-from .guards import Modes, newly_requiring_grad, refuse_gradients
 from .launch import CopyNodes, InputCopying, Launcher
+from .modes import Modes, newly_requiring_grad, refuse_gradients
 from .segments import Segments
 from .signature import Signature
 
@@ -104,9 +104,6 @@ class StreamOrder:
             event.record(torch.cuda.ExternalStream(self.last, device=device))
             torch.cuda.current_stream(device).wait_event(event)
         self.last = current
-
-
-_inference_enabled = torch.is_inference_mode_enabled
 
 
 @dataclass
@@ -203,12 +200,11 @@ class Replayer:
         self.emit: Callable[[], Any] = getattr(self._emitter, "emit", self._emitter)
         self.invalidate: Callable[[], None] | None = getattr(self._emitter, "invalidate", None)
         self.modes = modes if modes is not None else Modes(name)
-        self.same_modes = self.modes.guard.check
-        self.inference = self.modes.inference
+        self.same_modes = self.modes.same
         self.grad_sources = tuple(grad_sources) if grad_sources is not None else ()
         # Captured with grad mode on (and outputs without a gradient path): every call checks
         # that no input or source requires grad that did not at capture. Captured under
-        # no_grad, grad mode on is a mode change (guards.Modes.refuse).
+        # no_grad, grad mode on is a mode change (modes.Modes.refuse).
         self.check_grad = grad_sources is not None and self.modes.seen["grad mode"] == "on"
         self.owner: int | None = None  # the thread of the calls so far
         self.order = order if order is not None else StreamOrder(device)
@@ -251,11 +247,7 @@ class Replayer:
         only a call with something to refuse or note takes :meth:`enter`; any doubt in the
         input check goes to the slow check, which explains.
         """
-        if (
-            self.check_grad
-            or _get_ident() != self.owner
-            or not (self.same_modes() and _inference_enabled() is self.inference)
-        ):
+        if self.check_grad or _get_ident() != self.owner or not self.same_modes():
             self.enter(leaves)  # anything to check or refuse there: the slow path explains
         elif self._stream is not None and self._stream() != self.order.last:
             self.order.follow()
@@ -315,9 +307,9 @@ class Replayer:
     def enter(self, leaves: Sequence[Any] = ()) -> None:
         """The checks that come before anything is written (for a caller that stages the
         static inputs itself before :meth:`replay_static`): modes, gradients, thread."""
-        if not (self.same_modes() and _inference_enabled() is self.inference):
+        if not self.same_modes():
             self.modes.refuse(self._grad_tensors(leaves))  # raises, or accepts the new state
-            self.same_modes = self.modes.guard.check
+            self.same_modes = self.modes.same
         if self.check_grad:
             self._check_gradients(leaves)
         if _get_ident() != self.owner:

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from ..core import compat
+from ..core import compat, math_settings
 from ..errors import Notices
 
 __all__ = [
@@ -80,8 +80,8 @@ def compile_key(model: Any, fn: Callable[..., Any], settings: dict[str, Any], *e
         model.config.to_json_string(use_diff=False), _private_settings(model.config),
         sorted({str(p.dtype) for p in model.parameters()}),
         f"{fn.__module__}.{fn.__qualname__}", repr(sorted((settings["options"] or {}).items())),
-        settings["mode"], _cache()[1], torch.get_float32_matmul_precision(),
-        torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(),
+        settings["mode"], _cache()[1], sorted(math_settings().items()),
+        torch.are_deterministic_algorithms_enabled(),
         str(torch.get_default_dtype()), [repr(e) for e in extra],
         # Module classes: a fused projection's forward differs from nn.Linear's.
         sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()}),

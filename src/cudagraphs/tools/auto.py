@@ -63,6 +63,7 @@ from ..core import (
     compat,
     flatten,
     is_plain,
+    math_settings,
     modules_of,
     reachable_tensors,
     read_values,
@@ -376,7 +377,7 @@ def _graph_over_saved_compile(
     step_key = hashlib.sha256(
         json.dumps(
             [key, repr(sorted((settings["options"] or {}).items())), settings["mode"], inductor,
-             torch.backends.cudnn.allow_tf32, torch.are_deterministic_algorithms_enabled(),
+             sorted(math_settings().items()), torch.are_deterministic_algorithms_enabled(),
              [(label, _key_text(value)) for label, _, _, value in read], identities]
         ).encode()
     ).hexdigest()[:32]  # fmt: skip
@@ -535,7 +536,7 @@ def _decision_key(
         hashlib.sha256(source.encode()).hexdigest(), callable_name(fn),
         [c.to_json_string() if hasattr(c, "to_json_string") else repr(c) for c in config],
         layout, example, list(candidates), repr(buckets),
-        torch.get_float32_matmul_precision(), str(torch.get_default_dtype()),
+        sorted(math_settings().items()), str(torch.get_default_dtype()),
     ]  # fmt: skip
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
