@@ -642,6 +642,28 @@ def test_autocast_at_call_is_checked_against_the_capture() -> None:
 
 
 @cuda
+def test_tf32_convolutions_switched_off_after_capture_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A recording holds the TF32 convolution kernels cuDNN chose at capture; with the flag off
+    eager runs full fp32 ones, which PyTorch's global-state guard does not notice."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 8, 3))
+    model = model.cuda().eval()
+    x = torch.randn(4, 16, 32, 32, device="cuda")
+    with torch.no_grad():
+        g = cg.graph(model, x)
+        y = torch.randn(4, 16, 32, 32, device="cuda")
+        torch.testing.assert_close(g(y), model(y), rtol=1e-2, atol=1e-2)
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        with pytest.raises(cg.ModeMismatchError, match="TF32 in cuDNN"):
+            g(y)
+        exact = cg.graph(model, x)  # captured with the flag off: full fp32 kernels
+        torch.testing.assert_close(exact(y), model(y), rtol=1e-5, atol=1e-5)
+
+
+@cuda
 def test_a_call_that_needs_gradients_raises() -> None:
     model = small_mlp()
     with torch.no_grad():
