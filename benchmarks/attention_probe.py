@@ -188,10 +188,17 @@ def _ways(valid: torch.Tensor) -> dict[str, Callable[..., torch.Tensor]]:
             q, k, v, attn_mask=mask[:, None, None, :], enable_gqa=True
         )
 
+    def one_kernel(q: Any, k: Any, v: Any) -> torch.Tensor:
+        from cudagraphs.integrations.decode_attention import decode_attention as library_kernel
+
+        mask = torch.arange(k.shape[2], device=k.device)[None, :] < valid[:, None]
+        return library_kernel(q, k, v, mask[:, None, None, :])
+
     return {
         "repeat_kv + sdpa": repeat_kv_sdpa,
         "sdpa gqa": sdpa_gqa,
         "grouped kernel": lambda q, k, v: decode_attention(q, k, v, valid),
+        "one-kernel decode attention (library)": one_kernel,
     }
 
 

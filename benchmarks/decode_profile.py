@@ -65,6 +65,8 @@ def profile(args: argparse.Namespace, fuse: bool = True, grouped: bool = True) -
     model = random_llama(args.model, device, getattr(torch, args.dtype))
     if args.attention == "gqa":
         use_gqa_attention(model)
+    elif args.attention == "kernel":
+        use_kernel_attention(model)
     elif args.attention != "sdpa":  # transformers' own attention, written out in torch ops
         model.set_attn_implementation(args.attention)
     named = {"default": True, "none": False, "coordinate-descent": dict(COORDINATE_DESCENT)}
@@ -200,6 +202,35 @@ def use_gqa_attention(model: Any) -> None:
     model.set_attn_implementation(GQA_ATTENTION)
 
 
+KERNEL_ATTENTION = "decode_profile_decode_kernel"
+
+
+def kernel_attention(
+    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
+) -> tuple[Any, None]:
+    """One token's attention as the library's one-kernel decode attention
+    (``integrations/decode_attention.py``) where it applies; anything else is the library's
+    grouped attention."""
+    from cudagraphs.integrations.decode_attention import applies, decode_attention
+    from cudagraphs.integrations.grouped_attention import grouped_sdpa_attention
+
+    plain = not kwargs.get("dropout", 0.0) and kwargs.get("softcap") is None
+    if plain and applies(query, key, value, attention_mask):
+        out = decode_attention(query, key, value, attention_mask, kwargs.get("scaling"))
+        return out.transpose(1, 2), None
+    return grouped_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
+
+
+def use_kernel_attention(model: Any) -> None:
+    """The model's attention becomes :func:`kernel_attention` (with SDPA's mask function)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(KERNEL_ATTENTION, kernel_attention)
+    AttentionMaskInterface.register(KERNEL_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(KERNEL_ATTENTION)
+
+
 def _option(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` of ``--option``: the value as Python reads it (``1``, ``True``), else the
     string."""
@@ -308,11 +339,12 @@ def main() -> None:
     p.add_argument(
         "--attention",
         default="sdpa",
-        choices=["sdpa", "eager", "gqa"],
+        choices=["sdpa", "eager", "gqa", "kernel"],
         help="transformers' attention implementation: 'eager' writes it out in torch ops (two "
         "products and a softmax), which Inductor may fuse with its neighbours; 'gqa': one "
         "token's attention through SDPA's enable_gqa (the Decoder keeps it, instead of its "
-        "grouped attention)",
+        "grouped attention); 'kernel': one token's attention as the library's one-kernel "
+        "decode attention (integrations/decode_attention.py)",
     )
     p.add_argument(
         "--option",

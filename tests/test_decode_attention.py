@@ -1,0 +1,84 @@
+"""The one-kernel decode attention (``integrations/decode_attention.py``) on the CPU under
+Triton's interpreter: the same answers as a float32 masked SDPA over ``repeat_kv`` for masks
+with a filled prefix, holes (left padding), one mask shared by the rows, none, and a row that
+allows nothing; queries strided as transformers makes them. float32 and float16 only: the
+interpreter multiplies bf16 blocks wrongly (the GPU test covers bf16)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import torch
+from triton_interpreter import needs_triton, run_under_interpreter
+
+from cudagraphs.integrations.decode_attention import applies, decode_attention
+
+CHECK = textwrap.dedent(
+    """
+    import torch
+    from torch.nn import functional as F
+    from cudagraphs.integrations import decode_attention as da
+
+    torch.manual_seed(0)
+    def reference(q, k, v, mask, scale):
+        group = q.shape[1] // k.shape[1]
+        keys = k.float().repeat_interleave(group, dim=1)
+        values = v.float().repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q.float(), keys, values, attn_mask=mask, scale=scale)
+
+    cases = [  # batch, heads, kv heads, positions, head size, dtype, tolerance, mask kind
+        (1, 8, 2, 37, 16, torch.float32, 1e-5, "prefix"),
+        (2, 8, 4, 130, 32, torch.float32, 1e-5, "holes"),
+        (3, 4, 1, 70, 16, torch.float32, 1e-5, "none"),
+        (2, 4, 4, 20, 16, torch.float32, 1e-5, "shared"),
+        (1, 32, 4, 168, 64, torch.float32, 1e-5, "prefix"),
+        (2, 12, 3, 90, 64, torch.float16, 3e-3, "holes"),
+    ]
+    for batch, heads, kv, positions, size, dtype, tolerance, kind in cases:
+        # the query as transformers makes it: [batch, 1, heads, d] transposed (not contiguous)
+        q = torch.randn(batch, 1, heads, size, dtype=dtype).transpose(1, 2)
+        cache_k = torch.randn(batch, kv, positions, size, dtype=dtype)
+        cache_v = torch.randn(batch, kv, positions, size, dtype=dtype)
+        if kind == "none":
+            mask = None
+        elif kind == "shared":
+            mask = (torch.arange(positions) < positions - 3)[None, None, None, :]
+        else:
+            filled = torch.randint(1, positions + 1, (batch,))
+            mask = torch.arange(positions)[None, :] < filled[:, None]
+            if kind == "holes":  # left padding: the first positions of a row masked out
+                mask &= torch.arange(positions)[None, :] >= torch.randint(0, 3, (batch, 1))
+                mask[:, positions - 1] = True
+            mask = mask[:, None, None, :]
+        scale = size ** -0.5 * 1.3
+        got = torch.ops.cudagraphs.decode_attention(q, cache_k, cache_v, mask, scale)
+        expected = reference(q, cache_k, cache_v, mask, scale)
+        assert got.dtype == dtype and got.shape == q.shape, (got.dtype, got.shape)
+        error = (got.float() - expected).abs().max().item()
+        assert error <= tolerance, (batch, heads, kv, positions, size, dtype, kind, error)
+    # a row whose mask allows nothing: zeros, as SDPA gives
+    q = torch.randn(2, 4, 1, 16); k = torch.randn(2, 2, 10, 16); v = torch.randn(2, 2, 10, 16)
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool); mask[1] = False
+    got = torch.ops.cudagraphs.decode_attention(q, k, v, mask, 0.25)
+    torch.testing.assert_close(got, reference(q, k, v, mask, 0.25))
+    assert (got[1] == 0).all() and not torch.isnan(got).any()
+    print("ok")
+    """
+)
+
+
+@needs_triton
+def test_kernel_equals_masked_sdpa_under_the_interpreter() -> None:
+    run_under_interpreter("import sys; sys.path.insert(0, 'src')\n" + CHECK)
+
+
+def test_on_the_cpu_it_does_not_apply_and_says_to_use_sdpa() -> None:
+    q = torch.randn(1, 8, 1, 16)
+    k = v = torch.randn(1, 2, 10, 16)
+    assert not applies(q, k, v, None)
+    try:
+        decode_attention(q, k, v, None)
+    except ValueError as error:
+        assert "use SDPA here" in str(error)
+    else:
+        raise AssertionError("decode_attention ran on the CPU")
