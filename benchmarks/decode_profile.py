@@ -7,7 +7,8 @@ weight-streaming roofline (every weight read once per token at the HBM bandwidth
 per token by class (products, attention, Inductor's fused kernels, copies, other), and the ten
 kernels that cost the most per token. ``--variants`` profiles the Decoder with its projections
 unfused (``fuse=False``), with the model's own attention (``expanded``: ``grouped_attention=
-False``) and as it comes (``fused``) in one run, each on a fresh model of the same seed.
+False``), with the grouped attention through SDPA (``grouped-sdpa``: ``attention_kernel=False``)
+and as it comes (``fused``) in one run, each on a fresh model of the same seed.
 
     python benchmarks/decode_profile.py --model llama-2048 --max-length 168
     python benchmarks/decode_profile.py --model llama-2048 --compile max-autotune-no-cudagraphs
@@ -52,7 +53,9 @@ def kernel_class(name: str) -> str:
     return next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
 
 
-def profile(args: argparse.Namespace, fuse: bool = True, grouped: bool = True) -> dict[str, Any]:
+def profile(
+    args: argparse.Namespace, fuse: bool = True, grouped: bool = True, kernel: bool = True
+) -> dict[str, Any]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -65,8 +68,6 @@ def profile(args: argparse.Namespace, fuse: bool = True, grouped: bool = True) -
     model = random_llama(args.model, device, getattr(torch, args.dtype))
     if args.attention == "gqa":
         use_gqa_attention(model)
-    elif args.attention == "kernel":
-        use_kernel_attention(model)
     elif args.attention != "sdpa":  # transformers' own attention, written out in torch ops
         model.set_attn_implementation(args.attention)
     named = {"default": True, "none": False, "coordinate-descent": dict(COORDINATE_DESCENT)}
@@ -83,7 +84,7 @@ def profile(args: argparse.Namespace, fuse: bool = True, grouped: bool = True) -
     start = time.perf_counter()
     decoder = Decoder(
         model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode,
-        fuse=fuse, grouped_attention=grouped,
+        fuse=fuse, grouped_attention=grouped, attention_kernel=kernel,
     )  # fmt: skip
     setup_s = time.perf_counter() - start
     torch.manual_seed(0)
@@ -202,35 +203,6 @@ def use_gqa_attention(model: Any) -> None:
     model.set_attn_implementation(GQA_ATTENTION)
 
 
-KERNEL_ATTENTION = "decode_profile_decode_kernel"
-
-
-def kernel_attention(
-    module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any
-) -> tuple[Any, None]:
-    """One token's attention as the library's one-kernel decode attention
-    (``integrations/decode_attention.py``) where it applies; anything else is the library's
-    grouped attention."""
-    from cudagraphs.integrations.decode_attention import applies, decode_attention
-    from cudagraphs.integrations.grouped_attention import grouped_sdpa_attention
-
-    plain = not kwargs.get("dropout", 0.0) and kwargs.get("softcap") is None
-    if plain and applies(query, key, value, attention_mask):
-        out = decode_attention(query, key, value, attention_mask, kwargs.get("scaling"))
-        return out.transpose(1, 2), None
-    return grouped_sdpa_attention(module, query, key, value, attention_mask, **kwargs)
-
-
-def use_kernel_attention(model: Any) -> None:
-    """The model's attention becomes :func:`kernel_attention` (with SDPA's mask function)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(KERNEL_ATTENTION, kernel_attention)
-    AttentionMaskInterface.register(KERNEL_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(KERNEL_ATTENTION)
-
-
 def _option(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` of ``--option``: the value as Python reads it (``1``, ``True``), else the
     string."""
@@ -279,7 +251,9 @@ def markdown(r: dict[str, Any]) -> list[str]:
             f", {r['attention']} attention"
             if r.get("attention", "sdpa") != "sdpa"
             else ", expanded attention"
-            if r.get("grouped_attention", "grouped") != "grouped"
+            if not r.get("grouped_attention", "grouped").startswith("grouped")
+            else ", grouped attention through SDPA"
+            if r.get("grouped_attention") == "grouped"
             else ""
         )
         + ": roofline share "
@@ -339,12 +313,11 @@ def main() -> None:
     p.add_argument(
         "--attention",
         default="sdpa",
-        choices=["sdpa", "eager", "gqa", "kernel"],
+        choices=["sdpa", "eager", "gqa"],
         help="transformers' attention implementation: 'eager' writes it out in torch ops (two "
         "products and a softmax), which Inductor may fuse with its neighbours; 'gqa': one "
         "token's attention through SDPA's enable_gqa (the Decoder keeps it, instead of its "
-        "grouped attention); 'kernel': one token's attention as the library's one-kernel "
-        "decode attention (integrations/decode_attention.py)",
+        "grouped attention)",
     )
     p.add_argument(
         "--option",
@@ -358,23 +331,27 @@ def main() -> None:
         "--variants",
         default="fused",
         help="comma-separated: 'unfused' (Decoder(fuse=False)), 'expanded' (fused, "
-        "grouped_attention=False: the model's own SDPA attention) and/or 'fused' (the default), "
-        "profiled in this order in one run",
+        "grouped_attention=False: the model's own SDPA attention), 'grouped-sdpa' (fused, "
+        "attention_kernel=False: the grouped attention through SDPA) and/or 'fused' (the "
+        "default), profiled in this order in one run",
     )
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
     args = p.parse_args()
     variants = args.variants.split(",")
-    if not variants or any(v not in ("unfused", "expanded", "fused") for v in variants):
-        p.error(
-            f"--variants {args.variants}: expected 'unfused', 'expanded' or 'fused', "
-            "comma-separated"
-        )
+    known = ("unfused", "expanded", "grouped-sdpa", "fused")
+    if not variants or any(v not in known for v in variants):
+        p.error(f"--variants {args.variants}: expected some of {', '.join(known)}, comma-separated")
     warnings.filterwarnings("ignore")
     runs = []
     for variant in variants:
         with torch.no_grad(), attention_kernel(args.sdpa):
-            runs.append(profile(args, fuse=variant != "unfused", grouped=variant != "expanded"))
+            runs.append(
+                profile(
+                    args, fuse=variant != "unfused", grouped=variant != "expanded",
+                    kernel=variant != "grouped-sdpa",
+                )
+            )  # fmt: skip
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     results: Any = runs[0] if len(runs) == 1 else runs

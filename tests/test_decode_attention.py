@@ -31,6 +31,7 @@ CHECK = textwrap.dedent(
         (2, 8, 4, 130, 32, torch.float32, 1e-5, "holes"),
         (3, 4, 1, 70, 16, torch.float32, 1e-5, "none"),
         (2, 4, 4, 20, 16, torch.float32, 1e-5, "shared"),
+        (1, 8, 2, 300, 16, torch.float32, 1e-5, "holes"),  # past one block: the running softmax
         (1, 32, 4, 168, 64, torch.float32, 1e-5, "prefix"),
         (2, 12, 3, 90, 64, torch.float16, 3e-3, "holes"),
     ]

@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from cudagraphs.integrations.grouped_attention import (
+    GROUPED_KERNEL,
     GROUPED_SDPA,
     grouped_sdpa_attention,
     use_grouped_attention,
@@ -101,8 +102,10 @@ def test_the_switch_refuses_other_attentions_and_leaves_them() -> None:
     assert model.config._attn_implementation == "eager"
     model.set_attn_implementation("sdpa")
     assert use_grouped_attention(model) is None
-    assert model.config._attn_implementation == GROUPED_SDPA
+    assert model.config._attn_implementation == GROUPED_KERNEL
     assert use_grouped_attention(model) is None  # again: nothing to do
+    assert use_grouped_attention(model, kernel=False) is None  # another Decoder's choice
+    assert model.config._attn_implementation == GROUPED_SDPA
 
 
 @pytest.mark.parametrize("grouped", [True, False])
@@ -122,7 +125,7 @@ def test_the_decoder_decodes_generate_s_tokens_with_either_attention(
     got = decoder.generate(prompt, max_new_tokens=16, eos_token_id=None)
     assert torch.equal(got, expected)
     if grouped:
-        assert decoder.stats.attention == "grouped"
+        assert decoder.stats.attention.startswith("grouped")
         assert (4, 2, 2, 16) in shapes  # batch rung 4, 2 key/value heads, a group of 2, size 16
     else:
         assert decoder.stats.attention == "the model's own: grouped_attention=False"
@@ -140,7 +143,7 @@ def test_the_attention_switched_back_after_capture_is_caught(
     torch.manual_seed(6)
     prompt = torch.randint(1, 512, (1, 6))
     first = decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)
-    assert decoder.stats.recaptures == 0 and decoder.stats.attention == "grouped"
+    assert decoder.stats.recaptures == 0 and decoder.stats.attention.startswith("grouped")
     model.set_attn_implementation("sdpa")
     shapes = packed_calls(monkeypatch)
     again = decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)

@@ -32,6 +32,7 @@ Wrong::
 from __future__ import annotations
 
 import functools
+import importlib.util
 from typing import Any
 
 import torch
@@ -39,9 +40,12 @@ import torch
 __all__ = ["MAX_POSITIONS", "applies", "decode_attention"]
 
 #: The longest cache the kernel takes: one program per key/value head walks every position, so
-#: a long cache with few heads is better served by SDPA's split kernels.
-MAX_POSITIONS = 1024
+#: a long cache with few heads is better served by SDPA's split kernels
+#: (``benchmarks/attention_probe.py`` times both).
+MAX_POSITIONS = 256
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Decided at import: a check under torch.compile must not import Triton (Dynamo would trace it).
+_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def applies(
@@ -67,7 +71,7 @@ def applies(
         and size & (size - 1) == 0
         and positions <= MAX_POSITIONS
         and (mask is None or _mask_fits(mask, batch, positions, query.device))
-        and _kernel() is not None
+        and _TRITON
     )
 
 
@@ -126,7 +130,8 @@ def _decode_attention_op(
     mask_strides = (
         (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(3)) if mask is not None else (0, 0)
     )
-    block = 64 if positions >= 64 else max(16, 1 << (positions - 1).bit_length())
+    # The whole cache in one block where it fits: one round of loads instead of a chain.
+    block = min(max(16, 1 << (positions - 1).bit_length()), MAX_POSITIONS)
     _kernel()[(batch * kv_heads,)](
         query, key, value, mask_arg, out, positions, kv_heads, scale,
         query.stride(0), query.stride(1), query.stride(3),
@@ -136,7 +141,7 @@ def _decode_attention_op(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), HEAD_SIZE=size,
         BLOCK=block, HAS_MASK=has_mask, IEEE=query.dtype == torch.float32,
-        num_warps=4,
+        num_warps=8 if block * size >= 128 * 64 else 4,
     )  # fmt: skip
     return out
 

@@ -36,10 +36,21 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-__all__ = ["GROUPED_SDPA", "grouped_sdpa_attention", "takes_sdpa_mask", "use_grouped_attention"]
+from .decode_attention import applies, decode_attention
+
+__all__ = [
+    "GROUPED_KERNEL",
+    "GROUPED_SDPA",
+    "grouped_kernel_attention",
+    "grouped_sdpa_attention",
+    "takes_sdpa_mask",
+    "use_grouped_attention",
+]
 
 #: The name the function is registered under in transformers' attention registries.
 GROUPED_SDPA = "cudagraphs_grouped_sdpa"
+#: The same, with a short cache's one-token attention as one kernel (``decode_attention.py``).
+GROUPED_KERNEL = "cudagraphs_grouped_kernel"
 
 
 def grouped_sdpa_attention(
@@ -90,19 +101,58 @@ def grouped_sdpa_attention(
     return out.reshape(out.shape[0], heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
 
 
+def grouped_kernel_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """:func:`grouped_sdpa_attention`, except that one query token over a cache whose length
+    is fixed where this is traced (a static compile, or eager) and short enough runs as one
+    kernel (``decode_attention.applies``). A length that varies between calls (a compile
+    with a dynamic cache length) keeps SDPA, so no compiled step is split by a guard on it."""
+    plain = (
+        isinstance(key.shape[2], int)
+        and dropout == 0.0
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )
+    if plain and applies(query, key, value, attention_mask):
+        return decode_attention(query, key, value, attention_mask, scaling).transpose(1, 2), None
+    return grouped_sdpa_attention(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+        is_causal=is_causal, **kwargs,
+    )  # fmt: skip
+
+
 def takes_sdpa_mask(model: Any) -> bool:
-    """Whether ``model``'s attention takes SDPA's boolean mask as given: ``"sdpa"`` itself or
-    :data:`GROUPED_SDPA`, which hands it to SDPA unchanged."""
-    return getattr(model.config, "_attn_implementation", None) in ("sdpa", GROUPED_SDPA)
+    """Whether ``model``'s attention takes SDPA's boolean mask as given: ``"sdpa"`` itself,
+    :data:`GROUPED_SDPA` or :data:`GROUPED_KERNEL`, which hand it on unchanged."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    return implementation in ("sdpa", GROUPED_SDPA, GROUPED_KERNEL)
 
 
-def use_grouped_attention(model: Any) -> str | None:
+def use_grouped_attention(model: Any, kernel: bool = True) -> str | None:
     """Switch ``model`` (a transformers model whose attention is ``"sdpa"``) to
-    :func:`grouped_sdpa_attention`; ``None`` once switched (or already), else why not, with
-    the model left as it was."""
+    :func:`grouped_kernel_attention` (``kernel=False``: :func:`grouped_sdpa_attention`);
+    ``None`` once switched (or already), else why not, with the model left as it was."""
+    name, function = (
+        (GROUPED_KERNEL, grouped_kernel_attention)
+        if kernel
+        else (GROUPED_SDPA, grouped_sdpa_attention)
+    )
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if implementation == GROUPED_SDPA:
+    if implementation == name:
         return None
+    if implementation in (GROUPED_SDPA, GROUPED_KERNEL):  # switched by another Decoder
+        implementation = "sdpa"
+        model.set_attn_implementation("sdpa")
     if implementation != "sdpa":
         return f"the model's attention is {implementation!r}, not 'sdpa'"
     if not callable(getattr(model, "set_attn_implementation", None)):
@@ -111,14 +161,14 @@ def use_grouped_attention(model: Any) -> str | None:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     # Registering a new name changes nothing for models that do not ask for it.
-    AttentionInterface.register(GROUPED_SDPA, grouped_sdpa_attention)
-    AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)
+    AttentionInterface.register(name, function)
+    AttentionMaskInterface.register(name, sdpa_mask)
     try:
-        model.set_attn_implementation(GROUPED_SDPA)
+        model.set_attn_implementation(name)
     except (ValueError, KeyError, TypeError) as error:
         model.set_attn_implementation("sdpa")
         return f"transformers refused the attention function: {str(error).splitlines()[0]}"
-    if model.config._attn_implementation != GROUPED_SDPA:
+    if model.config._attn_implementation != name:
         model.set_attn_implementation("sdpa")
         return "transformers kept the model's attention (set_attn_implementation did not apply)"
     return None

@@ -39,6 +39,7 @@ from ..errors import ConfigError, explain
 from ..options import check_bool, check_positive_int, checked_keywords
 from ..shapes.ladders import powers_of_two
 from .compiled import compiled_forward, compiled_tail, mark_rung_dims, step_logits
+from .decode_attention import MAX_POSITIONS
 from .decode_requests import (
     MAX_EOS,
     check_attention,
@@ -146,6 +147,10 @@ class Decoder:
             (``integrations/grouped_attention.py``: the model's attention becomes that
             function, registered with transformers; other calls go to its SDPA attention).
             For models whose attention is ``"sdpa"``; ``stats.attention`` says which ran.
+        attention_kernel: with ``grouped_attention``, one token's attention over a cache of at
+            most ``decode_attention.MAX_POSITIONS`` positions (fixed for the compiled step)
+            runs as one Triton kernel (``integrations/decode_attention.py``) instead of SDPA's
+            kernels; ``False``: SDPA always.
     """
 
     @checked_keywords("Decoder")
@@ -168,6 +173,7 @@ class Decoder:
         save_compile: bool = True,
         fuse: bool = True,
         grouped_attention: bool = True,
+        attention_kernel: bool = True,
     ):
         start = time.perf_counter()
         check_model(model)
@@ -175,6 +181,10 @@ class Decoder:
         check_bool(
             "grouped_attention", grouped_attention,
             "it says whether one token's attention reads grouped key/value heads in place",
+        )  # fmt: skip
+        check_bool(
+            "attention_kernel", attention_kernel,
+            "it says whether one token's attention over a short cache runs as one kernel",
         )  # fmt: skip
         for name, value in (
             ("max_batch", max_batch),
@@ -215,8 +225,16 @@ class Decoder:
         if fuse:
             fusion = fuse_projections(model)
             self.stats.fused_groups, self.stats.unfused = len(fusion.fused), fusion.refused
-        why = use_grouped_attention(model) if grouped_attention else "grouped_attention=False"
-        self.stats.attention = "grouped" if why is None else f"the model's own: {why}"
+        why = (
+            use_grouped_attention(model, kernel=attention_kernel)
+            if grouped_attention
+            else "grouped_attention=False"
+        )
+        self.stats.attention = (
+            f"the model's own: {why}" if why is not None
+            else f"grouped, one kernel up to {MAX_POSITIONS} cache positions" if attention_kernel
+            else "grouped"
+        )  # fmt: skip
         # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
         # run past its last token (those steps are thrown away).
         cache_len = max_length + steps_per_graph - 1
