@@ -1,7 +1,7 @@
 """The one-kernel decode attention on a GPU: against a float32 masked SDPA over ``repeat_kv``,
 in bf16 (no larger error than SDPA's own bf16 kernel) and float32 (to 1e-5: full-precision
 products, no TF32), eagerly, under ``torch.compile`` and replayed in a graph; and where it does
-not apply (a long cache, a prefill, a float mask) it says so. bf16 runs here only: Triton's CPU
+not apply (a cache longer than ``MAX_POSITIONS``, a prefill, a float mask) it says so. bf16 runs here only: Triton's CPU
 interpreter multiplies bf16 blocks wrongly, so the CPU test covers float32 and float16."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def inputs(batch: int, positions: int, dtype: torch.dtype, heads: int = 32, kv: 
     return q, k, v, mask
 
 
-@pytest.mark.parametrize("batch,positions", [(1, 168), (16, 168), (3, 1024), (2, 40)])
+@pytest.mark.parametrize("batch,positions", [(1, 168), (16, 168), (3, MAX_POSITIONS), (2, 40)])
 @pytest.mark.parametrize("how", ["eager", "compiled", "graphed"])
 def test_bf16_error_is_no_larger_than_sdpas(batch: int, positions: int, how: str) -> None:
     torch.manual_seed(batch * positions)
@@ -53,8 +53,9 @@ def test_bf16_error_is_no_larger_than_sdpas(batch: int, positions: int, how: str
         assert ours <= max(2 * theirs, 4e-3), (ours, theirs)
 
 
-@pytest.mark.parametrize("positions", [168, 1024])
+@pytest.mark.parametrize("positions", [168, MAX_POSITIONS])
 def test_float32_equals_the_reference(positions: int) -> None:
+    """Float32 blocks are narrower (shared memory): 256 positions take two."""
     torch.manual_seed(positions)
     q, k, v, mask = inputs(2, positions, torch.float32, heads=8, kv=2)
     got = decode_attention(q, k, v, mask, 0.2)

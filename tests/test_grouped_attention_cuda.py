@@ -56,12 +56,14 @@ def grouped_call(module: torch.nn.Module, compiled: bool):
     return torch.compile(run, fullgraph=True, dynamic=False) if compiled else run
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["sdpa", "one-kernel"])
 def test_a_bf16_decode_step_s_logits_err_no_more_than_the_model_s_own_attention(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, kernel: bool
 ) -> None:
     """One decode token through a bf16 Llama with grouped heads, both attentions, against the
-    same model in float32: the grouped step's logits are as close to float32's as the model's
-    own attention's."""
+    same model in float32: the grouped step's logits (through SDPA or the one-kernel decode
+    attention, over a 64-position cache) are as close to float32's as the model's own
+    attention's."""
     model = random_llama("llama-512", "cuda", torch.bfloat16, init=0.02)
     exact = copy.deepcopy(model).float()
     torch.manual_seed(7)
@@ -79,11 +81,12 @@ def test_a_bf16_decode_step_s_logits_err_no_more_than_the_model_s_own_attention(
         reference = next_logits(exact)
     with transformers_attention(model):
         theirs = next_logits(model)
-    assert use_grouped_attention(model) is None
+    assert use_grouped_attention(model, kernel=kernel) is None
     shapes = packed_calls(monkeypatch)
     ours = next_logits(model)
     heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-    assert (2, kv_heads, heads // kv_heads, model.config.head_dim) in shapes
+    packed = (2, kv_heads, heads // kv_heads, model.config.head_dim) in shapes
+    assert packed is not kernel  # the kernel takes the decode token; SDPA only the prompt
     scale = reference.abs().max().item()
     error = (ours - reference).abs().max().item() / scale
     their_error = (theirs - reference).abs().max().item() / scale

@@ -130,8 +130,10 @@ def _decode_attention_op(
     mask_strides = (
         (mask.stride(0) if mask.shape[0] > 1 else 0, mask.stride(3)) if mask is not None else (0, 0)
     )
-    # The whole cache in one block where it fits: one round of loads instead of a chain.
-    block = min(max(16, 1 << (positions - 1).bit_length()), MAX_POSITIONS)
+    # The whole cache in one block where it fits (one round of loads instead of a chain), up
+    # to 32 KiB of keys per block so that a block's keys and values fit in shared memory.
+    widest = max(16, (32 * 1024) // (size * query.element_size()))
+    block = min(max(16, 1 << (positions - 1).bit_length()), MAX_POSITIONS, widest)
     _kernel()[(batch * kv_heads,)](
         query, key, value, mask_arg, out, positions, kv_heads, scale,
         query.stride(0), query.stride(1), query.stride(3),
@@ -141,7 +143,7 @@ def _decode_attention_op(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), HEAD_SIZE=size,
         BLOCK=block, HAS_MASK=has_mask, IEEE=query.dtype == torch.float32,
-        num_warps=8 if block * size >= 128 * 64 else 4,
+        num_warps=8 if block * size >= 128 * 64 else 4, num_stages=1,
     )  # fmt: skip
     return out
 

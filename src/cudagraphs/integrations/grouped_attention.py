@@ -112,13 +112,12 @@ def grouped_kernel_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """:func:`grouped_sdpa_attention`, except that one query token over a cache whose length
-    is fixed where this is traced (a static compile, or eager) and short enough runs as one
-    kernel (``decode_attention.applies``). A length that varies between calls (a compile
-    with a dynamic cache length) keeps SDPA, so no compiled step is split by a guard on it."""
+    """:func:`grouped_sdpa_attention`, except that one query token over a short cache runs as
+    one kernel (``decode_attention.applies``). The choice reads the cache's length: under a
+    compile whose shapes vary it would become a guard that splits the compiled step, so such
+    a compile registers :data:`GROUPED_SDPA` instead (the Decoder does)."""
     plain = (
-        isinstance(key.shape[2], int)
-        and dropout == 0.0
+        dropout == 0.0
         and kwargs.get("position_bias") is None
         and kwargs.get("softcap") is None
         and not kwargs.get("output_attentions", False)

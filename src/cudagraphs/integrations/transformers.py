@@ -148,9 +148,10 @@ class Decoder:
             function, registered with transformers; other calls go to its SDPA attention).
             For models whose attention is ``"sdpa"``; ``stats.attention`` says which ran.
         attention_kernel: with ``grouped_attention``, one token's attention over a cache of at
-            most ``decode_attention.MAX_POSITIONS`` positions (fixed for the compiled step)
-            runs as one Triton kernel (``integrations/decode_attention.py``) instead of SDPA's
-            kernels; ``False``: SDPA always.
+            most ``decode_attention.MAX_POSITIONS`` positions runs as one Triton kernel
+            (``integrations/decode_attention.py``) instead of SDPA's kernels, where the
+            compiled step has one batch and cache length (or without ``compile``); ``False``:
+            SDPA always.
     """
 
     @checked_keywords("Decoder")
@@ -225,26 +226,29 @@ class Decoder:
         if fuse:
             fusion = fuse_projections(model)
             self.stats.fused_groups, self.stats.unfused = len(fusion.fused), fusion.refused
+        # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
+        # run past its last token (those steps are thrown away).
+        cache_len = max_length + steps_per_graph - 1
+        self.lengths = [cache_len] if until_eos else length_rungs(cache_len, cache_lengths)
+        # One compile for all rungs: batch and cache length are dynamic dimensions, unless
+        # there is only one (batch, length) shape.
+        dynamic = len(self.rungs) * len(self.lengths) > 1
+        # The kernel's choice reads the cache's length where the step is traced: a compiled
+        # step whose length varies would be split by a guard on it, so that one keeps SDPA.
+        kernel = attention_kernel and not (self.compiles and dynamic)
         why = (
-            use_grouped_attention(model, kernel=attention_kernel)
+            use_grouped_attention(model, kernel=kernel)
             if grouped_attention
             else "grouped_attention=False"
         )
         self.stats.attention = (
             f"the model's own: {why}" if why is not None
-            else f"grouped, one kernel up to {MAX_POSITIONS} cache positions" if attention_kernel
+            else f"grouped, one kernel up to {MAX_POSITIONS} cache positions" if kernel
             else "grouped"
         )  # fmt: skip
-        # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
-        # run past its last token (those steps are thrown away).
-        cache_len = max_length + steps_per_graph - 1
-        self.lengths = [cache_len] if until_eos else length_rungs(cache_len, cache_lengths)
         # Eager: one function for both (a left-padded batch's mask and position ids as rows).
         self.forward = self.forward_padded = functools.partial(step_logits, model, self.cache_arg)
         self.compiled: set[bool] = set()  # the forwards compiled so far: padded or not
-        # One compile for all rungs: batch and cache length are dynamic dimensions, unless
-        # there is only one (batch, length) shape.
-        dynamic = len(self.rungs) * len(self.lengths) > 1
         self.greedy_tail = None
         self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
         self.saved_compiles: list[SavedCompile] = []
