@@ -9,7 +9,7 @@ from __future__ import annotations
 import textwrap
 
 import torch
-from triton_interpreter import needs_triton, run_under_interpreter
+from triton_interpreter import LOOPS_OVER_ARGUMENTS, needs_triton, run_under_interpreter
 
 from cudagraphs.integrations.decode_attention import applies, decode_attention
 
@@ -70,7 +70,7 @@ CHECK = textwrap.dedent(
 
 @needs_triton
 def test_kernel_equals_masked_sdpa_under_the_interpreter() -> None:
-    run_under_interpreter("import sys; sys.path.insert(0, 'src')\n" + CHECK)
+    run_under_interpreter(LOOPS_OVER_ARGUMENTS + "\nsys.path.insert(0, 'src')\n" + CHECK)
 
 
 def test_on_the_cpu_it_does_not_apply_and_says_to_use_sdpa() -> None:
