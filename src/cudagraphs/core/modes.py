@@ -26,10 +26,11 @@ kernels or their precision: TF32 in cuDNN's convolutions and recurrent layers, c
 deterministic, fp16 accumulation in cuBLAS (``compat.backend_settings``). Each is a getter without
 arguments; where a program mixed the legacy and the per-operation TF32 flags (the combined getter
 then raises), the per-operation precisions are read instead, at a few hundred ns more per call.
-Without the extension the same getters are called from Python. Gradients are separate: a replay records no
-autograd history, so a capture whose outputs would carry a gradient path, and a call that could
-give eager's outputs one (grad mode switched on, a tensor that now requires grad), is refused
-with :class:`~cudagraphs.errors.GradientsNotRecordedError`.
+Without the extension the same getters are called from Python.
+
+Gradients are separate: a replay records no autograd history, so a capture whose outputs would
+carry a gradient path, and a call that could give eager's outputs one (grad mode switched on, a
+tensor that now requires grad), is refused with :class:`~cudagraphs.errors.GradientsNotRecordedError`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import torch
 from ..errors import GradientsNotRecordedError, ModeMismatchError, explain
 from . import compat
 from .guards import compiled_module
+from .signature import same_value
 
 __all__ = [
     "Modes",
@@ -62,7 +64,7 @@ def _settings_hold(calls: tuple[tuple[Callable[..., Any], tuple[Any, ...], Any],
             now = getter(*args)
         except RuntimeError:
             return False
-        if now is not value and (type(now) is not type(value) or now != value):
+        if not same_value(now, value):
             return False
     return True
 
@@ -71,7 +73,7 @@ _AUTOCAST_DEVICES = ("cuda", "cpu")
 
 
 def describe_modes() -> dict[str, Any]:
-    """The current modes, in words a message can show (public torch APIs only)."""
+    """The current modes, in words a message can show."""
     modes: dict[str, Any] = {
         "grad mode": "on" if torch.is_grad_enabled() else "off",
         "inference mode": "on" if torch.is_inference_mode_enabled() else "off",

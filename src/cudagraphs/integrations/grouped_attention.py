@@ -53,6 +53,17 @@ GROUPED_SDPA = "cudagraphs_grouped_sdpa"
 GROUPED_KERNEL = "cudagraphs_grouped_kernel"
 
 
+def _plain_softmax(dropout: float, kwargs: dict[str, Any]) -> bool:
+    """Whether the call asks for plain softmax attention: no dropout, position bias or
+    soft-capping, and no attention weights handed back."""
+    return (
+        dropout == 0.0
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )
+
+
 def grouped_sdpa_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -77,10 +88,7 @@ def grouped_sdpa_attention(
         tokens == 1
         and kv_heads < heads
         and heads % kv_heads == 0
-        and dropout == 0.0
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
-        and not kwargs.get("output_attentions", False)
+        and _plain_softmax(dropout, kwargs)
         and key.shape[-1] == value.shape[-1]
         and (mask is None or (mask.dim() == 4 and mask.shape[1] in (1, heads)))
     )
@@ -116,13 +124,7 @@ def grouped_kernel_attention(
     one kernel (``decode_attention.applies``). The choice reads the cache's length: under a
     compile whose shapes vary it would become a guard that splits the compiled step, so such
     a compile registers :data:`GROUPED_SDPA` instead (the Decoder does)."""
-    plain = (
-        dropout == 0.0
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
-        and not kwargs.get("output_attentions", False)
-    )
-    if plain and applies(query, key, value, attention_mask):
+    if _plain_softmax(dropout, kwargs) and applies(query, key, value, attention_mask):
         return decode_attention(query, key, value, attention_mask, scaling).transpose(1, 2), None
     return grouped_sdpa_attention(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
