@@ -519,6 +519,57 @@ def test_a_decoder_of_one_shape_compiles_it_statically(llama, fresh_compile_cach
     assert traces(before, decoder) == 1 + 1  # forward, greedy tail
 
 
+@torch.library.custom_op("cudagraphs_test::opaque_attention", mutates_args=())
+def opaque_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """A stand-in for the decode-attention kernel (an operator Inductor cannot see into)."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+
+
+@opaque_attention.register_fake
+def _(query, key, value, mask, scale):  # noqa: ANN001, ANN202
+    return torch.empty_like(query)
+
+
+@pytest.mark.slow
+def test_a_static_step_attends_to_the_cache_itself_not_a_copy_of_it(
+    llama, monkeypatch: pytest.MonkeyPatch, fresh_compile_cache: object
+) -> None:
+    """One (batch, length) shape: the compiled step writes the new keys into the cache and an
+    opaque attention operator reads the cache in place. Through cache views made outside the
+    step, Inductor gave it a fresh copy of each layer's whole cache, per token."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    from cudagraphs.integrations import grouped_attention
+
+    model, _ = llama
+    monkeypatch.setattr(grouped_attention, "applies", lambda q, k, v, mask: q.shape[2] == 1)
+    monkeypatch.setattr(grouped_attention, "decode_attention", opaque_attention)
+    torch._dynamo.reset()
+    torch.manual_seed(8)
+    prompt = torch.randint(0, 512, (1, 5))
+
+    def decode() -> tuple[Decoder, torch.Tensor]:
+        decoder = Decoder(model, max_batch=1, max_length=40, batch_sizes=[1], compile=True)
+        return decoder, decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)
+
+    (decoder, got), codes = run_and_get_code(decode)
+    assert torch.equal(got, generate(model, prompt, 12, min_new_tokens=12))
+    (step,) = [code for code in codes if "opaque_attention" in code]
+    cache_view = decoder.caches[1].layers[0].keys.numel()
+    sizes = [
+        math.prod(int(n) for n in re.findall(r"\d+", shape))
+        for shape in re.findall(r"empty_strided_\w+\(\(([^)]*)\)", step)
+    ]
+    assert sizes and max(sizes) < cache_view, (cache_view, sorted(sizes))
+
+
 def test_a_decoder_without_cuda_warns_once_for_all_its_graphs(llama) -> None:
     """Every rung's graph, prefills too, runs eagerly without CUDA: one warning for them all
     (the graphs of one pool share their notices), each graph counted in the stats."""

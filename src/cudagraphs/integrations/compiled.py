@@ -99,7 +99,9 @@ def compiled_forward(
     a 4-D mask also ``[..., length]``) is marked before each trace: they are made per graph at
     capture (the token is the graph's own input buffer), so they cannot be marked ahead. With
     ``caches`` (a ``RungCaches`` after ``write_through()``) the step cuts the rung's cache
-    itself; without, the caller marks the cache views, and the step is not saved.
+    itself, static shapes too (a write through a cache view made outside the step compiles
+    as a copy of the layer's whole cache); without, a dynamic step's caller marks the cache
+    views, and the step is not saved.
     ``dynamic_length``: the cache length varies too (length rungs); with one length rung it
     stays a constant, whose kernels are specialised (a marked length made batch-16 decoding at
     a short cache slower than the reduce-overhead loop, ``reports/gpu.md``). Not ``dynamic``: every size is a
@@ -107,7 +109,7 @@ def compiled_forward(
     whose kernels are specialised."""
     settings = compile_settings(compile)
     unsaved = "" if save else "save_compile=False"
-    if not dynamic:
+    if not dynamic and caches is None:
         key = compile_key(model, step_logits, settings, cache_arg, padded)
         saved = SavedCompile(step_logits, settings, dynamic=False, key=key, unsaved=unsaved)
         return functools.partial(saved, model, cache_arg), saved
@@ -129,9 +131,12 @@ def compiled_forward(
 
     key = compile_key(
         model, cut_step, settings, cache_arg, padded, caches.largest, caches.max_length,
-        dynamic_length,
+        dynamic_length, dynamic,
     )  # fmt: skip
-    saved = SavedCompile(cut_step, settings, dynamic=None, key=key, mark=mark, unsaved=unsaved)
+    saved = SavedCompile(
+        cut_step, settings, dynamic=None if dynamic else False, key=key,
+        mark=mark if dynamic else None, unsaved=unsaved,
+    )  # fmt: skip
 
     def cut_forward(token: torch.Tensor, position: torch.Tensor, cache: Any, *rows: Any) -> Any:
         return saved(model, cache_arg, caches, token, position, cache, caches.span(cache), *rows)

@@ -253,9 +253,12 @@ class Decoder:
         self.caches = RungCaches(model, self.rungs, cache_len, self.lengths)
         self.saved_compiles: list[SavedCompile] = []
         if self.compiles:
-            cut = dynamic and self.caches.cuttable()
+            # The compiled step cuts each rung out of the one cache (compiled.py) and writes
+            # new keys into it: a write through a view made outside the step would be compiled
+            # as a copy of the layer's whole cache, per layer and token, static shapes too.
+            cut = self.caches.cuttable()
             dynamic_length = len(self.lengths) > 1
-            if cut:  # the compiled step cuts each rung out of the one cache (compiled.py)
+            if cut:
                 self.caches.write_through()
             elif dynamic:
                 mark_rung_dims(self.caches.tensors(), batch=0, length=2 if dynamic_length else None)
