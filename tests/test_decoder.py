@@ -531,7 +531,7 @@ def opaque_attention(
 
 
 @opaque_attention.register_fake
-def _(query, key, value, mask, scale):  # noqa: ANN001, ANN202
+def _(query, key, value, mask, scale):
     return torch.empty_like(query)
 
 
