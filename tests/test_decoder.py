@@ -390,7 +390,8 @@ def test_length_rung_views_share_the_one_cache(llama) -> None:
 def test_a_cut_rung_writes_what_the_layers_own_update_writes(llama) -> None:
     """The compiled step cuts each rung out of the one cache and writes new keys through the
     full-size tensors (``RungCaches.cut``); that write must be transformers' own: the same
-    positions (the layer's count, which it advances), rows and values."""
+    positions (the layer's count), rows and values. The counters move once, all together, at
+    the step's end (``RungCaches.advance``); a layer written twice in a step writes on."""
     from cudagraphs.integrations.kv_cache import RungCaches
 
     model, _ = llama
@@ -402,15 +403,58 @@ def test_a_cut_rung_writes_what_the_layers_own_update_writes(llama) -> None:
         mine, theirs = own[rows, length], cut[rows, length]
         cut.cut(theirs, rows, length)
         assert cut.span(theirs).shape == (rows, length)
-        for layer in range(len(mine.layers)):
+        before = [layer.cumulative_length.clone() for layer in theirs.layers]
+        for layer in [*range(len(mine.layers)), 0]:  # the first layer twice
             keys, values = torch.randn(2, rows, 2, positions, 16)  # heads 2, head_dim 16
             expected = mine.layers[layer].update(keys, values)
             got = theirs.layers[layer].update(keys, values)
             for a, b in zip(expected, got):
                 assert a.shape == b.shape == (rows, 2, length, 16) and torch.equal(a, b)
+        assert all(torch.equal(a, b.cumulative_length) for a, b in zip(before, theirs.layers))
+        cut.advance(theirs)
+        for a, b in zip(mine.layers, theirs.layers):
+            assert torch.equal(a.cumulative_length, b.cumulative_length)
     for a, b in zip(own.base.layers, cut.base.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         assert torch.equal(a.cumulative_length, b.cumulative_length)
+
+
+def test_a_cut_step_that_raises_still_counts_what_its_layers_wrote(llama) -> None:
+    """A step that fails after some layers wrote (here: the model's last norm) leaves every
+    counter where transformers' own layers would have: a counter left behind would make the
+    next request overwrite positions it then attends to."""
+    from cudagraphs.integrations.compiled import cut_step
+    from cudagraphs.integrations.kv_cache import RungCaches, cache_keyword
+
+    model, _ = llama
+    caches = RungCaches(model, [1], 24)
+    caches.write_through()
+    cache = caches[1]
+    written = [layer.cumulative_length.clone() for layer in cache.layers]
+    token, position = torch.randint(0, 512, (1, 1)), written[0].reshape(1).clone()
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("norm failed")
+
+    handle = model.model.norm.register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="norm failed"), torch.no_grad():
+            cut_step(
+                model, cache_keyword(model), caches, token, position, cache, caches.span(cache)
+            )
+    finally:
+        handle.remove()
+    assert all(layer.written is None for layer in cache.layers)
+    for layer, before in zip(cache.layers, written):
+        assert int(layer.cumulative_length) == int(before) + 1
+    with torch.no_grad():  # a later eager call advances as it writes again
+        model(
+            input_ids=token,
+            cache_position=position + 1,
+            use_cache=True,
+            **{cache_keyword(model): cache},
+        )
+    assert all(int(layer.cumulative_length) == int(written[0]) + 2 for layer in cache.layers)
 
 
 def traces(before: int, decoder: Decoder) -> int:
@@ -541,7 +585,8 @@ def test_a_static_step_attends_to_the_cache_itself_not_a_copy_of_it(
 ) -> None:
     """One (batch, length) shape: the compiled step writes the new keys into the cache and an
     opaque attention operator reads the cache in place. Through cache views made outside the
-    step, Inductor gave it a fresh copy of each layer's whole cache, per token."""
+    step, Inductor gave it a fresh copy of each layer's whole cache, per token. What every
+    layer shares is computed once per step."""
     import re
 
     from torch._inductor.utils import run_and_get_code
@@ -568,6 +613,10 @@ def test_a_static_step_attends_to_the_cache_itself_not_a_copy_of_it(
         for shape in re.findall(r"empty_strided_\w+\(\(([^)]*)\)", step)
     ]
     assert sizes and max(sizes) < cache_view, (cache_view, sorted(sizes))
+    # The mask every layer reads is computed once, not inside each layer's kernels, and the
+    # layers' position counters move in one multi-tensor operation.
+    assert step.count("computed_once.default(") == 1
+    assert "foreach_add" in step
 
 
 def test_a_decoder_without_cuda_warns_once_for_all_its_graphs(llama) -> None:

@@ -31,6 +31,7 @@ __all__ = [
     "current_stream_reader",
     "declare_amp_scaling",
     "end_allocate_to_pool",
+    "foreach_add",
     "foreach_copy",
     "global_state_guard",
     "graph_exec",
@@ -189,6 +190,17 @@ def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
         return
     for d, s in zip(dst, src):
         d.copy_(s)
+
+
+def foreach_add(tensors: Sequence[torch.Tensor], amount: int) -> None:
+    """``tensor.add_(amount)`` for each of ``tensors``, as one multi-tensor operation where
+    PyTorch has it (Inductor compiles it to one kernel)."""
+    add = getattr(torch, "_foreach_add_", None)
+    if add is not None:
+        add(list(tensors), amount)
+        return
+    for tensor in tensors:
+        tensor.add_(amount)
 
 
 def new_graph(*, keep: bool = False) -> torch.cuda.CUDAGraph:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_POSITIONS", "applies", "decode_attention"]
+__all__ = ["MAX_POSITIONS", "applies", "computed_once", "decode_attention"]
 
 #: The longest cache the kernel takes: one program per key/value head walks every position, so
 #: a long cache with few heads is better served by SDPA's split kernels
@@ -157,6 +157,20 @@ def _(
     scale: float,
 ) -> torch.Tensor:
     return query.new_empty(query.shape)
+
+
+@torch.library.custom_op("cudagraphs::computed_once", mutates_args=())
+def computed_once(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` that Inductor cannot see into, so it computes ``tensor`` once for
+    all its readers. Inductor recomputes a cheap pointwise result inside each kernel that reads
+    it, and for each opaque operator (such as :func:`decode_attention`) in a kernel of its
+    own: a mask that every layer reads then costs a kernel per layer."""
+    return tensor.clone()
+
+
+@computed_once.register_fake
+def _(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(tensor)
 
 
 @functools.cache

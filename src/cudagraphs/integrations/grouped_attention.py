@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from .decode_attention import applies, decode_attention
+from .decode_attention import applies, computed_once, decode_attention
 
 __all__ = [
     "GROUPED_KERNEL",
@@ -132,6 +132,19 @@ def grouped_kernel_attention(
     )  # fmt: skip
 
 
+def _mask_computed_once(*args: Any, **kwargs: Any) -> Any:
+    """transformers' SDPA mask, handed to every layer as one computed tensor under
+    ``torch.compile``. Inductor otherwise recomputes the mask (a cheap pointwise) for each
+    opaque operator that reads it: one more kernel per layer and token for the decode
+    kernel."""
+    from transformers.masking_utils import sdpa_mask
+
+    mask = sdpa_mask(*args, **kwargs)
+    if isinstance(mask, torch.Tensor) and torch.compiler.is_compiling():
+        return computed_once(mask)
+    return mask
+
+
 def takes_sdpa_mask(model: Any) -> bool:
     """Whether ``model``'s attention takes SDPA's boolean mask as given: ``"sdpa"`` itself,
     :data:`GROUPED_SDPA` or :data:`GROUPED_KERNEL`, which hand it on unchanged."""
@@ -163,7 +176,7 @@ def use_grouped_attention(model: Any, kernel: bool = True) -> str | None:
 
     # Registering a new name changes nothing for models that do not ask for it.
     AttentionInterface.register(name, function)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, _mask_computed_once if kernel else sdpa_mask)
     try:
         model.set_attn_implementation(name)
     except (ValueError, KeyError, TypeError) as error:

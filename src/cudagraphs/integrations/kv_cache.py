@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..core import compat
 from ..errors import ConfigError, explain
 
 __all__ = ["RungCaches", "cache_keyword", "checked_rungs", "full_length_layers", "length_rungs"]
@@ -115,6 +116,20 @@ class RungCaches:
         for layer, full in zip(cache.layers, self.base.layers):
             layer.keys = full.keys[:rows, :, :length]
             layer.values = full.values[:rows, :, :length]
+            layer.written = 0  # positions written in this step, counted by advance()
+
+    def advance(self, cache: Any) -> None:
+        """End a step begun by :meth:`cut`: add the positions each layer wrote to its position
+        counter, all counters in one operation. A compiled step writes each counter back to
+        memory after its last change: one kernel per layer and token where each layer
+        advanced its own."""
+        by_count: dict[int, list[torch.Tensor]] = {}
+        for layer in cache.layers:
+            if layer.written:
+                by_count.setdefault(layer.written, []).append(layer.cumulative_length)
+            layer.written = None  # from now on a layer advances its counter as it writes
+        for count, counters in by_count.items():  # one group in a decode step
+            compat.foreach_add(counters, count)
 
 
 def length_rungs(cache_len: int, given: Sequence[int] | None, floor: int = 256) -> list[int]:
@@ -289,11 +304,17 @@ def _prefix_class(layer_class: type) -> type:
 
 def _write_through_full(layer: Any, keys: torch.Tensor, values: torch.Tensor) -> Any:
     """``StaticLayer.update`` for a layer cut by :meth:`RungCaches.cut`: the new positions
-    are the layer's count so far (which it advances), written into the full-size tensors at
+    are the layer's count so far (which it advances, or within a cut step
+    :meth:`RungCaches.advance` does at the step's end), written into the full-size tensors at
     the call's rows and every head; returns the layer's (cut) keys and values, as it does."""
     length = keys.shape[-2]
+    written = getattr(layer, "written", None)  # None: not within a cut step
     positions = torch.arange(length, device=keys.device) + layer.cumulative_length
-    layer.cumulative_length.add_(length)
+    if written is None:
+        layer.cumulative_length.add_(length)
+    else:  # the step adds it to the counter at its end (RungCaches.advance)
+        positions = positions + written
+        layer.written = written + length
     where = (
         torch.arange(keys.shape[0], device=keys.device)[:, None, None],
         torch.arange(keys.shape[1], device=keys.device)[None, :, None],
