@@ -193,14 +193,9 @@ def foreach_copy(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> No
 
 
 def foreach_add(tensors: Sequence[torch.Tensor], amount: int) -> None:
-    """``tensor.add_(amount)`` for each of ``tensors``, as one multi-tensor operation where
-    PyTorch has it (Inductor compiles it to one kernel)."""
-    add = getattr(torch, "_foreach_add_", None)
-    if add is not None:
-        add(list(tensors), amount)
-        return
-    for tensor in tensors:
-        tensor.add_(amount)
+    """``tensor.add_(amount)`` for each of ``tensors`` in one multi-tensor operation (one
+    kernel where compiled)."""
+    torch._foreach_add_(list(tensors), amount)
 
 
 def new_graph(*, keep: bool = False) -> torch.cuda.CUDAGraph:
