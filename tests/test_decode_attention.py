@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
 import torch
 from triton_interpreter import LOOPS_OVER_ARGUMENTS, needs_triton, run_under_interpreter
 
@@ -71,6 +72,60 @@ CHECK = textwrap.dedent(
 @needs_triton
 def test_kernel_equals_masked_sdpa_under_the_interpreter() -> None:
     run_under_interpreter(LOOPS_OVER_ARGUMENTS + "\nsys.path.insert(0, 'src')\n" + CHECK)
+
+
+DECODER = textwrap.dedent(
+    """
+    import warnings
+    import torch
+    sys.path.insert(0, "tests")
+    from llama_decode import tiny_llama, transformers_attention
+    from cudagraphs.integrations import decode_attention as da, grouped_attention as ga
+    from cudagraphs.integrations.transformers import Decoder
+
+    def on_the_cpu(q, k, v, mask):  # the kernel's conditions, the device aside
+        return (
+            q.shape[2] == 1 and k.shape[2] <= da.MAX_POSITIONS
+            and (mask is None or mask.dtype == torch.bool)
+        )
+
+    class Counted:  # counts the kernel's launches (the operator runs outside the trace)
+        def __init__(self, kernel):
+            self.kernel, self.launches = kernel, 0
+        def __getitem__(self, grid):
+            self.launches += 1
+            return self.kernel[grid]
+
+    counted = Counted(da._kernel())
+    da._kernel = lambda: counted
+    da.applies = ga.applies = on_the_cpu
+    warnings.simplefilter("ignore")
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    decoder = Decoder(model, max_batch=1, max_length=40, batch_sizes=[1], compile=True)
+    assert decoder.stats.attention.startswith("grouped, one kernel"), decoder.stats.attention
+    torch.manual_seed(9)
+    for _ in range(2):  # a second request: the counters and the cache start over
+        prompt = torch.randint(0, 512, (1, 6))
+        got = decoder.generate(prompt, max_new_tokens=14, eos_token_id=None)
+        with torch.no_grad(), transformers_attention(model):
+            expected = model.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=14,
+                min_new_tokens=14, do_sample=False,
+            )
+        assert torch.equal(got, expected), (got, expected)
+    assert counted.launches >= 2 * 13 * 2, counted.launches  # layers x steps x requests
+    print("ok")
+    """
+)
+
+
+@needs_triton
+@pytest.mark.slow
+def test_a_compiled_decoder_with_the_kernel_gives_generates_tokens_under_the_interpreter() -> None:
+    """The Decoder's compiled step of one shape, the kernel reading the cache in place (a
+    prefix view of the full-size cache), the mask computed once and the position counters
+    advanced at the step's end: float32 tokens equal ``generate``, two requests in a row."""
+    run_under_interpreter(LOOPS_OVER_ARGUMENTS + "\nsys.path.insert(0, 'src')\n" + DECODER)
 
 
 def test_on_the_cpu_it_does_not_apply_and_says_to_use_sdpa() -> None:

@@ -606,17 +606,20 @@ def test_a_static_step_attends_to_the_cache_itself_not_a_copy_of_it(
 
     (decoder, got), codes = run_and_get_code(decode)
     assert torch.equal(got, generate(model, prompt, 12, min_new_tokens=12))
-    (step,) = [code for code in codes if "opaque_attention" in code]
+    # Every compiled copy of the step (torch 2.13 hands over two, torch 2.11 one)
+    steps = [code for code in codes if "opaque_attention" in code]
+    assert steps
     cache_view = decoder.caches[1].layers[0].keys.numel()
-    sizes = [
-        math.prod(int(n) for n in re.findall(r"\d+", shape))
-        for shape in re.findall(r"empty_strided_\w+\(\(([^)]*)\)", step)
-    ]
-    assert sizes and max(sizes) < cache_view, (cache_view, sorted(sizes))
-    # The mask every layer reads is computed once, not inside each layer's kernels, and the
-    # layers' position counters move in one multi-tensor operation.
-    assert step.count("computed_once.default(") == 1
-    assert "foreach_add" in step
+    for step in steps:
+        sizes = [
+            math.prod(int(n) for n in re.findall(r"\d+", shape))
+            for shape in re.findall(r"empty_strided_\w+\(\(([^)]*)\)", step)
+        ]
+        assert sizes and max(sizes) < cache_view, (cache_view, sorted(sizes))
+        # The mask every layer reads is computed once, not inside each layer's kernels, and
+        # the layers' position counters move in one multi-tensor operation.
+        assert step.count("computed_once.default(") == 1
+        assert "foreach_add" in step
 
 
 def test_a_decoder_without_cuda_warns_once_for_all_its_graphs(llama) -> None:
