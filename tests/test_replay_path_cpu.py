@@ -213,7 +213,7 @@ def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
 
         return step
 
-    graphed = cg.train_step(make(model, opt, True), optimizer=opt, outputs="clone", warmup=1)
+    graphed = cg.train_step(make(model, opt, True), optimizer=opt, outputs="clone", warmup=2)
     eager = make(twin, twin_opt, False)
 
     def call_both() -> None:
@@ -222,7 +222,8 @@ def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
         for mine, theirs in zip(model.parameters(), twin.parameters()):
             torch.testing.assert_close(mine, theirs)
 
-    call_both()  # the warm-up step: eager, and it creates the optimizer's momentum state
+    call_both()  # the warm-up steps: eager; the first creates the optimizer's momentum state
+    call_both()
     assert graphed.state is cg.State.LAZY and not prepared
     # A stale gradient the capture must not accumulate into: a capture starts from gradients
     # set to None (what the twin's step leaves too).
@@ -325,17 +326,19 @@ def _sgd_step(net: nn.Module, zeroing: str) -> tuple[Callable[[torch.Tensor], to
     return step, optimizer
 
 
+@pytest.mark.parametrize("warmup", [1, 2])
 @pytest.mark.parametrize(
     "zeroing", ["to None first", "in place first", "two backwards, zeroed last", "none"]
 )
 def test_a_step_that_carries_gradients_to_the_next_call_is_refused_not_replayed(
-    stand_in: None, monkeypatch: pytest.MonkeyPatch, zeroing: str
+    stand_in: None, monkeypatch: pytest.MonkeyPatch, zeroing: str, warmup: int
 ) -> None:
     """A step that never zeroes its gradients adds, in eager, to what the last call left; a
     recorded step starts from gradients set to None and writes them afresh, so every replay
     would silently drop the carried part. The last warm-up step watches for it and the capture
-    is refused, naming the parameters. Steps that zero (either way) or accumulate within one
-    call replay as eager, step for step."""
+    is refused, naming the parameters. With one warm-up step, which begins with no gradients
+    and so cannot show it, one more eager step runs first. Steps that zero (either way) or
+    accumulate within one call replay as eager, step for step."""
     import copy
 
     from cudagraphs.training import step as train_module
@@ -345,7 +348,7 @@ def test_a_step_that_carries_gradients_to_the_next_call_is_refused_not_replayed(
     model = nn.Linear(4, 2)
     twin = copy.deepcopy(model)
     step, opt = _sgd_step(model, zeroing)
-    graphed = cg.train_step(step, optimizer=opt, outputs="clone", warmup=2)
+    graphed = cg.train_step(step, optimizer=opt, outputs="clone", warmup=warmup)
     eager, _ = _sgd_step(twin, zeroing)
 
     def call_both() -> None:

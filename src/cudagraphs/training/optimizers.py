@@ -20,6 +20,7 @@ replacing the tensor, or ``load_state_dict`` replacing the state tensors.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from .schedules import GRAPH_SAFE, DeviceHyperparameters, device_keys
 __all__ = [
     "OptimizerWatch",
     "RequiresGradWatch",
+    "GradientWatch",
     "carried_gradients",
     "make_graph_safe",
     "optimizer_tensors",
@@ -277,11 +279,22 @@ class RequiresGradWatch:
         return None
 
 
+@dataclasses.dataclass
+class GradientWatch:
+    """What :func:`carried_gradients` saw in one eager step: ``carried``, the parameters whose
+    backward added to a gradient the step before left in place; ``unseen``, those that had no
+    gradient when the step began, for which the step could not show whether it would add to
+    one (before any step ran, every parameter)."""
+
+    carried: list[str] = dataclasses.field(default_factory=list)
+    unseen: list[str] = dataclasses.field(default_factory=list)
+
+
 @contextlib.contextmanager
 def carried_gradients(
     optimizers: Sequence[torch.optim.Optimizer], names: Mapping[int, str]
-) -> Iterator[list[str]]:
-    """While active (one eager step): the names of the optimizers' parameters whose backward
+) -> Iterator[GradientWatch]:
+    """While active (one eager step): which of the optimizers' parameters have a backward that
     adds to a gradient the step before left in place (not set to ``None``, not zeroed).
 
     A recorded step starts from the gradients set to ``None`` at capture, so its backward
@@ -295,23 +308,26 @@ def carried_gradients(
         if p.requires_grad
     ]  # fmt: skip
     at_start = {id(p): p.grad for p in params}
-    found: list[str] = []
+    watch = GradientWatch()
     looked: set[int] = set()
 
-    def watch(p: torch.Tensor) -> Any:
+    def watch_param(p: torch.Tensor) -> Any:
         def hook(grad: torch.Tensor) -> None:
             if id(p) in looked:
                 return
             looked.add(id(p))
+            name = names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
             now = p.grad
-            if now is not None and now is at_start[id(p)] and bool(now.ne(0).any()):
-                found.append(names.get(id(p), f"a parameter of shape {tuple(p.shape)}"))
+            if at_start[id(p)] is None:
+                watch.unseen.append(name)
+            elif now is not None and now is at_start[id(p)] and bool(now.ne(0).any()):
+                watch.carried.append(name)
 
         return hook
 
-    handles = [p.register_hook(watch(p)) for p in params]
+    handles = [p.register_hook(watch_param(p)) for p in params]
     try:
-        yield found
+        yield watch
     finally:
         for handle in handles:
             handle.remove()

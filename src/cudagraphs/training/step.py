@@ -84,6 +84,7 @@ class TrainStep(Graphed[R]):
         self._prepared = False
         self._hyperparameters: list[DeviceHyperparameters] = []
         self._carried: list[str] = []  # parameters whose gradients one step leaves to the next
+        self._stepped = False  # whether a warm-up step has run (and left gradients to watch)
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         if not self._prepared:
@@ -122,15 +123,21 @@ class TrainStep(Graphed[R]):
 
     def eager_warmup_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
         if self.warmups_left > 0:  # not the last warm-up step: nothing to compare with yet
+            self._stepped = True
             return super().eager_warmup_call(args, kwargs)
         names = {
             id(p): f"{type(m).__name__}.{name}"
             for m in modules_of(self.fn, self.options.modules)
             for name, p in m.named_parameters()
         }  # fmt: skip
-        with carried_gradients(self.optimizers, names) as carried:
+        with carried_gradients(self.optimizers, names) as watch:
             output = super().eager_warmup_call(args, kwargs)
-        self._carried = carried
+        self._carried = watch.carried
+        if watch.unseen and not self._stepped:
+            # The only warm-up step began with no gradients (no step had run yet), so it could
+            # not show whether the step adds to the last one's: one more eager step shows it.
+            self.warmups_left = 1
+        self._stepped = True
         return output
 
     def before_capture(self) -> None:
@@ -243,7 +250,8 @@ def train_step(
 
     Wrong: ``opt.param_groups[0]["lr"] = 0.1`` (replaces the tensor the graph reads: caught,
     and the step is captured again), a step without ``opt.zero_grad()`` whose gradients carry
-    over to the next call (refused at capture: a replay writes them afresh), ``GradScaler``
+    over to the next call (refused at capture: a replay writes them afresh; with ``warmup=1``
+    and no gradients yet, one more eager step runs to see it), ``GradScaler``
     with a non-fused optimizer (its ``step`` syncs
     on ``found_inf``: a CaptureError; use ``fused=True``), or a data-dependent ``if loss > x:``
     inside the step (frozen at capture; ``cg.doctor`` finds it).
