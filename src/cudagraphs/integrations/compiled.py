@@ -74,10 +74,10 @@ def cut_step(
 ) -> torch.Tensor:
     """:func:`step_logits` on the rung of ``span``'s shape, cut out of the one full-size
     cache (``RungCaches.cut``)."""
-    caches.cut(cache, span.shape[0], span.shape[1])
     try:
+        caches.cut(cache, span.shape[0], span.shape[1])
         return step_logits(model, cache_arg, token, position, cache, *rows)
-    finally:  # the layers' position counters, all in one operation
+    finally:  # the layers' position counters, all in one operation, whatever happened
         caches.advance(cache)
 
 

@@ -125,8 +125,9 @@ class RungCaches:
         advanced its own."""
         by_count: dict[int, list[torch.Tensor]] = {}
         for layer in cache.layers:
-            if layer.written:
-                by_count.setdefault(layer.written, []).append(layer.cumulative_length)
+            written = getattr(layer, "written", None)
+            if written:
+                by_count.setdefault(written, []).append(layer.cumulative_length)
             layer.written = None  # from now on a layer advances its counter as it writes
         for count, counters in by_count.items():  # one group in a decode step
             compat.foreach_add(counters, count)
