@@ -622,6 +622,36 @@ def test_a_static_step_attends_to_the_cache_itself_not_a_copy_of_it(
         assert "foreach_add" in step
 
 
+@pytest.mark.slow
+def test_a_compiled_step_of_one_shape_reads_weights_loaded_in_place_between_requests(
+    fresh_compile_cache: object,
+) -> None:
+    """The compiled step (one shape: it cuts its cache itself) reads the fused weights as
+    inputs, never baked in: ``load_state_dict`` with other weights between two requests gives
+    those weights' tokens."""
+    import copy
+
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    decoder = Decoder(model, max_batch=1, max_length=40, batch_sizes=[1], compile=True)
+    assert decoder.stats.fused_groups == 4
+    torch.manual_seed(11)
+    prompt = torch.randint(0, 512, (1, 6))
+    before = decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(before, generate(reference, prompt, 12, min_new_tokens=12))
+    generator = torch.Generator().manual_seed(12)
+    weights = {
+        name: torch.randn(t.shape, generator=generator, dtype=t.dtype) * 0.3
+        for name, t in reference.state_dict().items()
+    }
+    model.load_state_dict(weights)  # in place, into the fused buffers
+    reference.load_state_dict(weights)
+    after = decoder.generate(prompt, max_new_tokens=12, eos_token_id=None)
+    assert torch.equal(after, generate(reference, prompt, 12, min_new_tokens=12))
+    assert not torch.equal(after, before)
+
+
 def test_a_decoder_without_cuda_warns_once_for_all_its_graphs(llama) -> None:
     """Every rung's graph, prefills too, runs eagerly without CUDA: one warning for them all
     (the graphs of one pool share their notices), each graph counted in the stats."""
