@@ -27,6 +27,7 @@ from ..core import compat
 from .saved_compile import SavedCompile, compile_key
 
 __all__ = [
+    "STEP_OPTIONS",
     "compile_settings",
     "compiled_forward",
     "compiled_tail",
@@ -34,6 +35,7 @@ __all__ = [
     "mark_cut_sizes",
     "mark_rung_dims",
     "step_logits",
+    "step_settings",
 ]
 
 
@@ -46,6 +48,25 @@ def compile_settings(compile: bool | str | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(compile, Mapping):
         return {"mode": None, "options": dict(compile)}
     return {"mode": None if compile is True else compile, "options": None}
+
+
+#: Inductor options a decode step is compiled with, under the default mode, unless ``compile=``
+#: names them. ``combo_kernels``: independent small kernels run side by side in one launch. In
+#: a decode step each layer writes its new keys (with their rotary) and values into the cache
+#: and rotates its query, three kernels that read the same product and do not depend on each
+#: other; as one combo kernel, two launches fewer per layer and token, in the code Inductor
+#: writes for a GPU (``reports/step-kernels.md``).
+STEP_OPTIONS: Mapping[str, Any] = {"combo_kernels": True}
+
+
+def step_settings(compile: bool | str | Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`compile_settings` for a decode step: :data:`STEP_OPTIONS` under ``True`` or a
+    mapping (whose own entries win, ``{"combo_kernels": False}`` turns it off); a mode name
+    is passed as it is (``torch.compile`` takes a mode or options, never both)."""
+    settings = compile_settings(compile)
+    if settings["mode"] is None:
+        settings["options"] = {**STEP_OPTIONS, **(settings["options"] or {})}
+    return settings
 
 
 def step_logits(
@@ -93,7 +114,7 @@ def compiled_forward(
     dynamic_length: bool = True,
 ) -> tuple[Callable[..., Any], SavedCompile]:
     """``forward(token, position, cache, *rows)``: :func:`step_logits` compiled (``compile``
-    as :func:`compile_settings` takes it) and saved for a second process (``SavedCompile``);
+    as :func:`step_settings` takes it) and saved for a second process (``SavedCompile``);
     ``padded``: the forward of left-padded batches (``rows`` given); ``save=False``: plain
     ``torch.compile``, as a first process of a configuration that never starts again would
     want (the saving costs part of a cold compile).
@@ -110,7 +131,7 @@ def compiled_forward(
     a short cache slower than the reduce-overhead loop, ``reports/gpu.md``). Not ``dynamic``: every size is a
     constant, for a decoder of one (batch, length) shape, whose static trace is faster and
     whose kernels are specialised."""
-    settings = compile_settings(compile)
+    settings = step_settings(compile)
     unsaved = "" if save else "save_compile=False"
     if not dynamic and caches is None:
         key = compile_key(model, step_logits, settings, cache_arg, padded)

@@ -114,6 +114,8 @@ class Decoder:
         compile: ``True`` (or a ``torch.compile`` mode such as
             ``"max-autotune-no-cudagraphs"``, or a mapping of Inductor options such as
             ``{"coordinate_descent_tuning": True}``) to graph over ``torch.compile``'d kernels.
+            ``True`` and a mapping compile the step with Inductor's ``combo_kernels`` unless
+            the mapping says ``{"combo_kernels": False}`` (``compiled.STEP_OPTIONS``).
         check_every: look at the device for finished sequences every this many tokens (one
             sync each); ``generate`` stops at the first check after every sequence ended.
         do_sample: also capture the sampling graphs now (else on the first sampled request).

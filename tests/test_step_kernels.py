@@ -1,0 +1,59 @@
+"""What a compiled decode step launches on a GPU, read from the code Inductor writes for a CUDA
+device on a machine without one (``benchmarks/step_kernels.py``), and the Inductor options a
+step is compiled with."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from cudagraphs.integrations.compiled import STEP_OPTIONS, step_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_step_compiles_with_combo_kernels_unless_the_caller_says_otherwise() -> None:
+    assert step_settings(True) == {"mode": None, "options": dict(STEP_OPTIONS)}
+    assert STEP_OPTIONS["combo_kernels"] is True
+    mine = step_settings({"combo_kernels": False, "coordinate_descent_tuning": True})
+    assert mine["options"] == {"combo_kernels": False, "coordinate_descent_tuning": True}
+    # torch.compile takes a mode or options, never both: a mode goes as it is.
+    assert step_settings("max-autotune-no-cudagraphs") == {
+        "mode": "max-autotune-no-cudagraphs",
+        "options": None,
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    torch.version.cuda is None or importlib.util.find_spec("triton") is None,
+    reason="writing CUDA code takes a CUDA build of torch with Triton (no GPU needed)",
+)
+def test_a_layer_writes_its_cache_and_rotates_its_query_in_one_kernel(tmp_path: Path) -> None:
+    """Per layer, the keys' rotary and cache write, the values' cache write and the query's
+    rotary read the fused q/k/v product and nothing of each other: with combo kernels they are
+    one launch between the product and the attention, three without."""
+    out = tmp_path / "kernels.json"
+    subprocess.run(
+        [sys.executable, "benchmarks/step_kernels.py", "--model", "llama-tiny", "--variants",
+         "default,no-combo", "--json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    default, plain = json.loads(out.read_text())
+    for run in (default, plain):
+        layer = run["one_layer"]
+        assert layer[-1].endswith("one_token_attention") and "cudagraphs.rows_linear" in layer
+        assert run["launches_per_layer"] == len(layer)
+    between = [
+        run["one_layer"][run["one_layer"].index("cudagraphs.rows_linear", 3) + 1 : -1]
+        for run in (default, plain)
+    ]
+    assert between == [["pointwise"], ["pointwise"] * 3], between
+    assert default["launches_per_layer"] == plain["launches_per_layer"] - 2
+    assert default["launches_per_step"] < plain["launches_per_step"]
