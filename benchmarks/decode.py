@@ -15,6 +15,8 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
                         written to or read from disk
   cg compile expanded   Decoder(compile=True, grouped_attention=False): the model's own SDPA
                         attention, which copies each key/value head over its query heads
+  cg compile unfused    Decoder(compile=True, fuse=False): q, k, v and gate, up as the model
+                        holds them, each its own product and nothing copied into a new buffer
   cg compile autotune   Decoder(compile="max-autotune-no-cudagraphs"): kernels chosen by timing
                         candidates while compiling (fewer, fused kernels per token)
   cg compile coordinate-descent
@@ -77,7 +79,7 @@ ALL_MODES = (
     "cg", "cg K=16", "cg compile", "cg compile K=4", "cg compile K=16", "cg compile autotune",
     "cg compile coordinate-descent", "cg from 2", "cg compile from 2",
     "cg until-eos", "cg compile until-eos", "cg eos-check", "cg compile eos-check",
-    "cg compile unsaved", "cg compile expanded",
+    "cg compile unsaved", "cg compile expanded", "cg compile unfused",
 )  # fmt: skip
 
 
@@ -228,7 +230,7 @@ def make_mode(
         steps_per_graph=steps,
         compile=_compile_of(name), check_every=1 if eos_check else 1 << 30,
         until_eos="until-eos" in name, save_compile="unsaved" not in name,
-        grouped_attention="expanded" not in name,
+        grouped_attention="expanded" not in name, fuse="unfused" not in name,
     )  # fmt: skip
     for key, graphed in list(decoder.graphs.items()):
         decoder.graphs[key] = Ticking(graphed, clock, steps)
