@@ -308,7 +308,8 @@ def main() -> None:
     p.add_argument(
         "--matvec",
         action="store_true",
-        help="the fused products of one row by the Triton kernel of integrations/matvec.py",
+        help="the products of one row (fused q/k/v and gate/up, output, down) by the Triton "
+        "kernel of integrations/matvec.py",
     )
     p.add_argument(
         "--attention",

@@ -34,3 +34,39 @@ def test_fuse_projections_refuses_a_matvec_that_is_not_a_bool() -> None:
 
     with pytest.raises(ConfigError, match="matvec"):
         fuse_projections(torch.nn.Linear(4, 4), matvec="yes")  # type: ignore[arg-type]
+
+
+def test_matvec_also_routes_the_output_and_down_projections_without_copying_them() -> None:
+    """``fuse_projections(matvec=True)``: the output and down projections, one product each,
+    go through the same operator (the one-row kernel on a GPU), their weights left where they
+    are; the model answers as before, and unfusing gives the modules back."""
+    import copy
+
+    from cudagraphs.integrations.fused_projections import FusedLinear, unfuse_projections
+    from cudagraphs.tools.workloads import random_llama
+
+    model = random_llama("llama-tiny")
+    plain = copy.deepcopy(model)
+    layer = model.model.layers[0]
+    where = layer.self_attn.o_proj.weight.data_ptr(), layer.mlp.down_proj.weight.data_ptr()
+    report = fuse_projections(model, matvec=True)
+    layers = len(model.model.layers)
+    assert len(report.fused) == 2 * layers and not report.refused
+    assert sorted(report.one_row) == sorted(
+        [f"model.layers.{i}.self_attn: o_proj" for i in range(layers)]
+        + [f"model.layers.{i}.mlp: down_proj" for i in range(layers)]
+    )
+    assert "single projections on the one-row kernel" in str(report)
+    assert type(layer.self_attn.o_proj) is FusedLinear and type(layer.mlp.down_proj) is FusedLinear
+    assert (
+        layer.self_attn.o_proj.weight.data_ptr(),
+        layer.mlp.down_proj.weight.data_ptr(),
+    ) == where
+    ids = torch.randint(0, 512, (1, 7))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+    again = fuse_projections(model, matvec=True)  # an earlier call's, reported as such
+    assert len(again.one_row) == 2 * layers and len(again.fused) == 2 * layers
+    assert not fuse_projections(model).one_row  # without matvec the singles are not looked at
+    assert unfuse_projections(model) == 7 * layers
+    assert type(layer.mlp.down_proj) is torch.nn.Linear

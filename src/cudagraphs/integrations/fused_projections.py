@@ -45,6 +45,10 @@ state, as transformers' attention and MLP layers do; a projection called on anot
 computes its own rows afresh. Models whose layers already hold one projection per group (Phi-3's
 ``qkv_proj`` and ``gate_up_proj``) have nothing to fuse.
 
+With ``matvec=True`` a product of one row runs the Triton kernel of ``integrations/matvec.py``,
+and the output and down projections, which stay one product each, are routed through the same
+operator (their weights not copied): one launch each where cuBLAS may launch two.
+
 Where a layer does not match (a projection that is not a plain ``nn.Linear``, differing input
 sizes, dtypes or devices, a bias on some but not all), that layer is left as it was, and the
 report says why.
@@ -67,6 +71,10 @@ __all__ = ["FusedLinear", "FusionReport", "fuse_projections", "rows_linear", "un
 
 #: The groups fused, by the names of the projections as transformers' decoder layers call them.
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+#: The projections that stay one product each, which ``matvec=True`` also sends to the one-row
+#: kernel: one launch where cuBLAS may split a one-row product into a partial product and a
+#: reduction (``benchmarks/decode_profile.py`` lists both for the down projection).
+SINGLES: tuple[tuple[str, ...], ...] = (("o_proj",), ("down_proj",))
 
 
 def _back_to_back(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -167,9 +175,12 @@ class FusionReport:
 
     fused: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    one_row: list[str] = field(default_factory=list)  # single projections on the matvec kernel
 
     def __str__(self) -> str:
         lines = [f"{len(self.fused)} projection groups fused, {len(self.refused)} left unfused"]
+        if self.one_row:
+            lines.append(f"{len(self.one_row)} single projections on the one-row kernel")
         lines += [f"  unfused: {why}" for why in self.refused]
         return "\n".join(lines)
 
@@ -201,30 +212,32 @@ def fuse_projections(model: nn.Module, matvec: bool = False) -> FusionReport:
     """Fuse every q/k/v and gate/up group of ``model``'s layers in place (see the module doc);
     the report lists what was fused and what was not, and why. ``matvec``: a product of one
     row (batch-1 decoding) runs the Triton kernel of ``integrations/matvec.py`` where it
-    applies (groups fused by an earlier call keep their own setting)."""
+    applies, the output and down projections' too (:data:`SINGLES`, ``report.one_row``);
+    groups fused by an earlier call keep their own setting."""
     check_bool("matvec", matvec, "it says whether a one-row product runs the Triton kernel")
     report = FusionReport()
     for name, module in model.named_modules():
-        for group in GROUPS:
+        for group in GROUPS + (SINGLES if matvec else ()):
             members = [getattr(module, n, None) for n in group]
             if not all(isinstance(m, nn.Module) for m in members):
                 continue
             label = f"{name or type(model).__name__}: {'+'.join(group)}"
+            done = report.fused if len(group) > 1 else report.one_row
             if all(type(m) is FusedLinear for m in members):
-                report.fused.append(label)  # by an earlier call (another Decoder of the model)
+                done.append(label)  # by an earlier call (another Decoder of the model)
                 continue
             why = _why_not(members)
             if why:
                 report.refused.append(f"{label}: {why}")
                 continue
             _fuse(members, matvec)
-            report.fused.append(label)
+            done.append(label)
     return report
 
 
 def _fuse(members: Sequence[nn.Linear], matvec: bool = False) -> None:
     with torch.no_grad():
-        for attribute in ("weight", "bias"):
+        for attribute in ("weight", "bias") if len(members) > 1 else ():  # one: as it is
             params = [getattr(m, attribute) for m in members]
             if params[0] is None:
                 continue
