@@ -34,11 +34,13 @@ import torch
 from common import RESULTS, write
 from rich.console import Console
 
-#: ``--variants``: the Decoder's ``compile=`` argument of each.
+#: ``--variants``: the Decoder's ``compile=`` argument of each ("matvec": the default, on a
+#: model whose one-row products go to the Triton kernel, ``fuse_projections(matvec=True)``).
 VARIANTS: dict[str, Any] = {
     "default": True,
     "no-combo": {"combo_kernels": False},
     "coordinate-descent": {"coordinate_descent_tuning": True},
+    "matvec": True,
 }
 
 #: What Inductor reads of the device it writes code for (an H100/H200-class GPU).
@@ -221,6 +223,10 @@ def step_launches(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     from cudagraphs.tools.workloads import random_llama
 
     model = random_llama(args.model, "cpu", getattr(torch, args.dtype))
+    if variant == "matvec":
+        from cudagraphs.integrations.fused_projections import fuse_projections
+
+        fuse_projections(model, matvec=True)
     layers = model.config.num_hidden_layers
     codes: list[str] = []
     torch._dynamo.reset()
