@@ -70,3 +70,28 @@ def test_matvec_also_routes_the_output_and_down_projections_without_copying_them
     assert not fuse_projections(model).one_row  # without matvec the singles are not looked at
     assert unfuse_projections(model) == 7 * layers
     assert type(layer.mlp.down_proj) is torch.nn.Linear
+
+
+@pytest.mark.slow
+def test_a_compiled_decoder_of_a_model_on_the_one_row_kernel_gives_generate_s_tokens(
+    fresh_compile_cache: object,
+) -> None:
+    """Every projection of the model routed through the operator (the fused groups and the
+    single ones): the compiled one-shape step traces the single groups too and decodes as
+    ``generate`` does (on the CPU the operator's product is ``F.linear``'s)."""
+    import copy
+
+    pytest.importorskip("transformers")
+    from llama_decode import reference_tokens, tiny_llama
+
+    from cudagraphs.integrations.transformers import Decoder
+
+    model, _ = tiny_llama("cpu")
+    reference = copy.deepcopy(model)
+    assert fuse_projections(model, matvec=True).one_row
+    torch._dynamo.reset()
+    decoder = Decoder(model, max_batch=1, max_length=40, batch_sizes=[1], compile=True)
+    torch.manual_seed(12)
+    prompt = torch.randint(0, 512, (1, 6))
+    got = decoder.generate(prompt, max_new_tokens=10, eos_token_id=None)
+    assert torch.equal(got[:, prompt.shape[1] :], reference_tokens(reference, prompt, 10))
