@@ -10,7 +10,10 @@ fused-projection product), and lists one layer's launches in order.
 
 Needs a CUDA build of torch with Triton (what pip installs on Linux), no GPU; the CPU build of
 torch cannot write CUDA code. What it cannot see: how many kernels a library call launches
-(cuBLAS may split a one-row product into a partial product and a reduction), and any time.
+(cuBLAS may split a one-row product into a partial product and a reduction), any time, and
+rewrites made before Inductor's code generation that depend on the device (the graph is traced
+on the CPU: under ``coordinate_descent_tuning`` a GPU's one-row products become reductions,
+the CPU's stay products).
 ``benchmarks/decode_profile.py`` counts the kernels a GPU runs.
 
 The attention of one token is the library's one-kernel operator on a GPU; on the CPU a stand-in
@@ -39,7 +42,6 @@ from rich.console import Console
 VARIANTS: dict[str, Any] = {
     "default": True,
     "no-combo": {"combo_kernels": False},
-    "coordinate-descent": {"coordinate_descent_tuning": True},
     "matvec": True,
 }
 
