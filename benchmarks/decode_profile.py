@@ -308,8 +308,8 @@ def main() -> None:
     p.add_argument(
         "--matvec",
         action="store_true",
-        help="the products of one row (fused q/k/v and gate/up, output, down) by the Triton "
-        "kernel of integrations/matvec.py",
+        help="the products of one row (fused q/k/v and gate/up, output, down with the SiLU "
+        "gate inside) by the Triton kernels of integrations/matvec.py",
     )
     p.add_argument(
         "--attention",

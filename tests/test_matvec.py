@@ -1,12 +1,16 @@
-"""The one-row Triton product (``integrations/matvec.py``) on the CPU: where it does not apply
-the product is ``F.linear``'s, a direct call says why and what to use, and a fused model asked
-for it answers as before."""
+"""The one-row Triton products (``integrations/matvec.py``) on the CPU: where they do not apply
+the product is the model's own operations', a direct call says why and what to use, a fused
+model asked for them answers as before, and the kernels themselves under Triton's interpreter
+give what the model's operations give."""
 
 from __future__ import annotations
+
+import textwrap
 
 import pytest
 import torch
 from torch.nn import functional as F
+from triton_interpreter import LOOPS_OVER_ARGUMENTS, needs_triton, run_under_interpreter
 
 from cudagraphs.integrations.fused_projections import fuse_projections, rows_linear
 from cudagraphs.integrations.matvec import applies, linear, matvec
@@ -52,6 +56,10 @@ def test_matvec_also_routes_the_output_and_down_projections_without_copying_them
     report = fuse_projections(model, matvec=True)
     layers = len(model.model.layers)
     assert len(report.fused) == 2 * layers and not report.refused
+    assert report.gated == [
+        f"model.layers.{i}.mlp: SiLU(gate) * up into down_proj" for i in range(layers)
+    ]
+    assert "MLPs with SiLU(gate) * up in the down product" in str(report)
     assert sorted(report.one_row) == sorted(
         [f"model.layers.{i}.self_attn: o_proj" for i in range(layers)]
         + [f"model.layers.{i}.mlp: down_proj" for i in range(layers)]
@@ -67,9 +75,37 @@ def test_matvec_also_routes_the_output_and_down_projections_without_copying_them
         torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
     again = fuse_projections(model, matvec=True)  # an earlier call's, reported as such
     assert len(again.one_row) == 2 * layers and len(again.fused) == 2 * layers
+    assert len(again.gated) == layers
     assert not fuse_projections(model).one_row  # without matvec the singles are not looked at
+    mlp_class = type(layer.mlp)
     assert unfuse_projections(model) == 7 * layers
     assert type(layer.mlp.down_proj) is torch.nn.Linear
+    assert type(layer.mlp) is mlp_class.__mro__[1] and "_ungated_class" not in vars(layer.mlp)
+
+
+def test_the_gated_down_product_is_the_mlp_s_own_where_the_kernel_does_not_apply() -> None:
+    """``gated_linear`` off the GPU: the MLP's three operations, bias included; a gated MLP
+    whose activation or projections were changed since runs its class's own forward."""
+    from cudagraphs.integrations.fused_projections import gated_linear
+    from cudagraphs.tools.workloads import random_llama
+
+    torch.manual_seed(2)
+    gate_up, w, b = torch.randn(1, 1, 96), torch.randn(40, 48), torch.randn(40)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(gated_linear(gate_up, w, b), F.linear(F.silu(gate) * up, w, b))
+    model = random_llama("llama-tiny")
+    fuse_projections(model, matvec=True)
+    mlp, x = model.model.layers[0].mlp, torch.randn(1, 1, 64)
+    with torch.no_grad():
+        before = mlp(x)
+        mlp.act_fn = torch.nn.GELU()  # no longer SiLU: the model's own forward, with GELU
+        changed = mlp(x)
+    expected = F.linear(
+        F.gelu(F.linear(x, mlp.gate_proj.weight)) * F.linear(x, mlp.up_proj.weight),
+        mlp.down_proj.weight,
+    )
+    torch.testing.assert_close(changed, expected)
+    assert not torch.allclose(before, changed)
 
 
 @pytest.mark.slow
@@ -95,3 +131,33 @@ def test_a_compiled_decoder_of_a_model_on_the_one_row_kernel_gives_generate_s_to
     prompt = torch.randint(0, 512, (1, 6))
     got = decoder.generate(prompt, max_new_tokens=10, eos_token_id=None)
     assert torch.equal(got[:, prompt.shape[1] :], reference_tokens(reference, prompt, 10))
+
+
+INTERPRETED = textwrap.dedent(
+    """
+    import torch
+    from torch.nn import functional as F
+    from cudagraphs.integrations import matvec as mv
+
+    torch.manual_seed(0)
+    dtype = torch.float16  # the interpreter multiplies bfloat16 blocks wrongly
+    for n, k in ((40, 96), (64, 600)):  # a last block of rows and of inputs half full
+        w = (torch.randn(n, k) / k**0.5).to(dtype)
+        x = torch.randn(1, 1, k).to(dtype)
+        assert mv.applies(x, w)
+        error = (mv.matvec(x, w).float() - F.linear(x.float(), w.float())).abs().max().item()
+        assert error <= 4e-3, ("matvec", n, k, error)
+        gate_up = torch.randn(1, 1, 2 * k).to(dtype)
+        assert mv.applies_gated(gate_up, w) and not mv.applies(gate_up, w)
+        gate, up = gate_up.chunk(2, dim=-1)
+        expected = F.linear(F.silu(gate) * up, w)  # the model's roundings, in float16
+        error = (mv.gated_matvec(gate_up, w).float() - expected.float()).abs().max().item()
+        assert error <= 4e-3 * expected.abs().max().item(), ("gated", n, k, error)
+    print("ok")
+    """
+)
+
+
+@needs_triton
+def test_the_one_row_kernels_equal_the_model_s_operations_under_the_interpreter() -> None:
+    run_under_interpreter(LOOPS_OVER_ARGUMENTS + "\nsys.path.insert(0, 'src')\n" + INTERPRETED)

@@ -47,7 +47,11 @@ computes its own rows afresh. Models whose layers already hold one projection pe
 
 With ``matvec=True`` a product of one row runs the Triton kernel of ``integrations/matvec.py``,
 and the output and down projections, which stay one product each, are routed through the same
-operator (their weights not copied): one launch each where cuBLAS may launch two.
+operator (their weights not copied): one launch each where cuBLAS may launch two. An MLP of
+SiLU(gate) times up (Llama, Qwen, Mistral) gets a class of its own whose forward is the fused
+gate/up product and :func:`gated_linear`, the activation computed inside the down product
+(``report.gated``); while its projections or activation are changed, it runs its class's own
+forward.
 
 Where a layer does not match (a projection that is not a plain ``nn.Linear``, differing input
 sizes, dtypes or devices, a bias on some but not all), that layer is left as it was, and the
@@ -56,6 +60,7 @@ report says why.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,9 +70,17 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..options import check_bool
+from .matvec import applies_gated, gated_matvec
 from .matvec import linear as matvec_linear
 
-__all__ = ["FusedLinear", "FusionReport", "fuse_projections", "rows_linear", "unfuse_projections"]
+__all__ = [
+    "FusedLinear",
+    "FusionReport",
+    "fuse_projections",
+    "gated_linear",
+    "rows_linear",
+    "unfuse_projections",
+]
 
 #: The groups fused, by the names of the projections as transformers' decoder layers call them.
 GROUPS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -124,6 +137,22 @@ def _(
     return x.new_empty(*x.shape[:-1], sum(w.shape[0] for w in weights))
 
 
+@torch.library.custom_op("cudagraphs::gated_linear", mutates_args=())
+def gated_linear(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """``F.linear(F.silu(gate) * up, weight, bias)`` of the fused gate/up product ``[gate,
+    up]``: one kernel for a row of half or bfloat16 on a GPU (``matvec.gated_matvec``), the
+    model's own three operations elsewhere."""
+    if applies_gated(gate_up, weight):
+        return gated_matvec(gate_up, weight, bias)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, weight, bias)
+
+
+@gated_linear.register_fake
+def _(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return gate_up.new_empty(*gate_up.shape[:-1], weight.shape[0])
+
+
 class _Group:
     """The projections of one group and the outputs the first call computed for the others."""
 
@@ -176,11 +205,14 @@ class FusionReport:
     fused: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
     one_row: list[str] = field(default_factory=list)  # single projections on the matvec kernel
+    gated: list[str] = field(default_factory=list)  # MLPs whose SiLU is in the down product
 
     def __str__(self) -> str:
         lines = [f"{len(self.fused)} projection groups fused, {len(self.refused)} left unfused"]
         if self.one_row:
             lines.append(f"{len(self.one_row)} single projections on the one-row kernel")
+        if self.gated:
+            lines.append(f"{len(self.gated)} MLPs with SiLU(gate) * up in the down product")
         lines += [f"  unfused: {why}" for why in self.refused]
         return "\n".join(lines)
 
@@ -232,7 +264,55 @@ def fuse_projections(model: nn.Module, matvec: bool = False) -> FusionReport:
                 continue
             _fuse(members, matvec)
             done.append(label)
+        if matvec and _gates(module):
+            if not getattr(module, "_ungated_class", None):
+                _gate(module)
+            report.gated.append(f"{name or type(model).__name__}: SiLU(gate) * up into down_proj")
     return report
+
+
+def _silu(act: Any) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def _gates(module: nn.Module) -> bool:
+    """Whether ``module`` is a gated MLP whose projections are fused for the one-row kernel:
+    gate and up one group, down on its own, SiLU between (transformers' Llama, Qwen, Mistral
+    MLPs)."""
+    gate, up, down = (getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj"))
+    return (
+        all(type(m) is FusedLinear for m in (gate, up, down))
+        and gate._fused_group is up._fused_group  # type: ignore[union-attr]
+        and _silu(getattr(module, "act_fn", None))
+    )
+
+
+def _gate(module: nn.Module) -> None:
+    object.__setattr__(module, "_ungated_class", type(module))
+    module.__class__ = _gated_class(type(module))
+
+
+@functools.cache
+def _gated_class(mlp_class: type) -> type:
+    """``mlp_class`` whose forward, while its projections stay as :func:`_gates` found them,
+    is the fused gate/up product and :func:`gated_linear` (SiLU inside the down product); any
+    other call is the class's own forward."""
+
+    def forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        weights = (gate.weight, up.weight, down.weight)
+        training = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+        if _gates(self) and not training and (gate.bias is None) == (up.bias is None):
+            biases = [b for b in (gate.bias, up.bias) if b is not None]
+            fused = rows_linear(x, [gate.weight, up.weight], biases, gate._fused_group.matvec)
+            return gated_linear(fused, down.weight, down.bias)
+        return mlp_class.forward(self, x)
+
+    name = f"GatedDown{mlp_class.__name__}_{mlp_class.__module__.replace('.', '_')}"
+    gated = type(name, (mlp_class,), {"forward": forward, "__module__": __name__})
+    # Reachable by module and name, as pickle finds a class (a saved compile's guards name it).
+    globals()[name] = gated
+    return gated
 
 
 def _fuse(members: Sequence[nn.Linear], matvec: bool = False) -> None:
@@ -260,6 +340,9 @@ def unfuse_projections(model: nn.Module) -> int:
     stay where they are: views of the shared buffer are valid parameters); how many."""
     count = 0
     for module in model.modules():
+        ungated = module.__dict__.pop("_ungated_class", None)
+        if ungated is not None:
+            module.__class__ = ungated
         if type(module) is FusedLinear:
             module.__class__ = module._unfused_class
             for attribute in ("_fused_group", "_fused_index", "_unfused_class"):

@@ -8,7 +8,13 @@ that case: one program per block of output rows, each looping over the inputs, t
 float32.
 
 It is used only where :func:`applies`: a CUDA tensor of one row, half or bfloat16, a contiguous
-weight. Everything else (a batch of rows, float32, the CPU) is ``F.linear``.
+weight. Everything else (a batch of rows, float32, the CPU) is ``F.linear``. Under Triton's
+interpreter (``TRITON_INTERPRET=1``), which runs kernels on the CPU, a CPU tensor counts too.
+
+:func:`gated_matvec` is the MLP's down projection of a gated activation in one kernel:
+``F.linear(F.silu(gate) * up, weight)`` from the fused gate/up product ``[gate, up]``, the
+activation computed as the inputs are read (no kernel of its own), rounded as the model's own
+modules round it.
 
 Right::
 
@@ -25,29 +31,41 @@ synchronizes: make that first call before a capture, as a graph's warm-up does.
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
 import torch
 from torch.nn import functional as F
 
-__all__ = ["applies", "linear", "matvec"]
+__all__ = ["applies", "applies_gated", "gated_matvec", "linear", "matvec"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
+# Decided at import, as Triton decides: its interpreter runs kernels on CPU tensors.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor, inputs_per_column: int = 1) -> bool:
     """Whether :func:`matvec` computes ``F.linear(x, weight)`` here: one row of inputs on a CUDA
-    device, half or bfloat16 like the weight, a contiguous two-dimensional weight, and Triton."""
+    device, half or bfloat16 like the weight, a contiguous two-dimensional weight, and Triton.
+    ``inputs_per_column``: 2 for :func:`gated_matvec` (gate and up for each weight column)."""
+    k = weight.shape[1] * inputs_per_column if weight.dim() == 2 else -1
     return (
-        x.is_cuda
+        (x.is_cuda or _INTERPRETED)
         and x.dtype in _DTYPES
         and weight.dtype == x.dtype
         and weight.dim() == 2
         and weight.is_contiguous()
-        and x.shape[-1] == weight.shape[1]
-        and x.numel() == weight.shape[1]
+        and x.is_contiguous()
+        and x.shape[-1] == k
+        and x.numel() == k
         and _kernel() is not None
     )
+
+
+def applies_gated(gate_up: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`gated_matvec` computes this product here (as :func:`applies`, with
+    ``gate_up`` twice the weight's inputs wide)."""
+    return applies(gate_up, weight, inputs_per_column=2)
 
 
 def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,16 +77,49 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             f"weight of the same dtype; got x {tuple(x.shape)} {x.dtype} on {x.device}, weight "
             f"{tuple(weight.shape)} {weight.dtype}: use F.linear for this product"
         )
-    launch = _kernel()
+    return _launch(x, weight, bias, gated=False)
+
+
+def gated_matvec(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``F.linear(F.silu(gate) * up, weight, bias)`` for one row ``gate_up = [gate, up]`` (the
+    fused gate/up product), in one kernel; SiLU and the product rounded to the inputs' dtype as
+    the model's modules round them, the sums kept in float32. Raises ``ValueError`` where
+    :func:`applies_gated` is false.
+
+    Right::
+
+        down = gated_matvec(gate_up, mlp.down_proj.weight)      # gate_up: [1, 1, 2 * inner]
+
+    Wrong::
+
+        down = gated_matvec(F.silu(gate) * up, weight)   # ValueError: takes [gate, up]
+    """
+    if not applies_gated(gate_up, weight):
+        raise ValueError(
+            f"gated_matvec takes one contiguous row [gate, up] twice as wide as the weight's "
+            f"inputs, half or bfloat16 on a CUDA device, and a contiguous weight of the same "
+            f"dtype; got gate_up {tuple(gate_up.shape)} {gate_up.dtype} on {gate_up.device}, "
+            f"weight {tuple(weight.shape)} {weight.dtype}: use "
+            f"F.linear(F.silu(gate) * up, weight) for this product"
+        )
+    return _launch(gate_up, weight, bias, gated=True)
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool
+) -> torch.Tensor:
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    launch(x.reshape(k), weight, out.reshape(n), n, k)
+    _kernel()(x.reshape(-1), weight, out.reshape(n), n, k, gated)
     return out if bias is None else out + bias
 
 
 @functools.cache
 def _kernel() -> Any:
-    """The launcher ``(x, weight, out, N, K)``, built on first use; ``None`` without Triton."""
+    """The launcher ``(x, weight, out, N, K, gated)``, built on first use; ``None`` without
+    Triton."""
     try:
         import triton
         import triton.language as tl
@@ -82,9 +133,11 @@ def _kernel() -> Any:
         for w in (4, 8)
     ]
 
-    @triton.autotune(configs=configs, key=["N", "K"])
     @triton.jit
-    def kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]
+    def kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, out_ptr, N, K,
+        GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -96,11 +149,30 @@ def _kernel() -> Any:
                 other=0.0,
             )
             x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+            if GATED:  # x is the gate; SiLU(gate) * up, each rounded as the model rounds it
+                up = tl.load(x_ptr + K + k, mask=k < K, other=0.0)
+                gate = x.to(tl.float32)
+                act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+                x = (act * up.to(tl.float32)).to(up.dtype)
             acc += tl.sum(w.to(tl.float32) * x[None, :].to(tl.float32), axis=1)
         tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
 
-    def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, n: int, k: int) -> None:
-        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, weight, out, n, k)
+    if _INTERPRETED:  # the interpreter has no timer to tune with: one configuration
+        one = {"BLOCK_N": 16, "BLOCK_K": 256}
+
+        def launch(
+            x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, n: int, k: int, gated: bool
+        ) -> None:
+            kernel[(triton.cdiv(n, one["BLOCK_N"]),)](x, weight, out, n, k, gated, **one)
+
+        return launch
+
+    tuned = triton.autotune(configs=configs, key=["N", "K", "GATED"])(kernel)
+
+    def launch(
+        x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, n: int, k: int, gated: bool
+    ) -> None:
+        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, weight, out, n, k, gated)
 
     return launch
 
