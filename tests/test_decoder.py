@@ -623,6 +623,38 @@ def test_a_static_step_attends_to_the_cache_itself_not_a_copy_of_it(
 
 
 @pytest.mark.slow
+def test_a_step_whose_batch_alone_varies_attends_with_the_one_token_kernel(
+    llama, monkeypatch: pytest.MonkeyPatch, fresh_compile_cache: object
+) -> None:
+    """Batch rungs 2 and 4 at one cache length: one compile with a dynamic batch, whose
+    length is a constant, so the one-token attention (an opaque operator here) is chosen for
+    it as for a step of one shape, and every rung decodes as ``generate`` does. A trace of the
+    step does not split on the batch."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    from cudagraphs.integrations import decode_attention, grouped_attention
+
+    model, _ = llama
+    # The kernel's own checks on the inputs, on the CPU (its device check left out)
+    monkeypatch.setattr(grouped_attention, "applies", decode_attention.fits)
+    monkeypatch.setattr(grouped_attention, "decode_attention", opaque_attention)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    decoder, codes = run_and_get_code(
+        Decoder, model, max_batch=4, max_length=40, batch_sizes=[2, 4], compile=True
+    )
+    assert decoder.lengths == [40] and decoder.stats.attention.startswith("grouped, one kernel")
+    assert any("opaque_attention" in code for code in codes)  # the step calls the operator
+    torch.manual_seed(9)
+    for rows in (4, 2, 3):
+        prompt = torch.randint(0, 512, (rows, 5))
+        expected = generate(model, prompt, 8, min_new_tokens=8)
+        assert torch.equal(decoder.generate(prompt, max_new_tokens=8, eos_token_id=None), expected)
+    assert traces(before, decoder) == 1 + 1  # the forward (batch dynamic), the greedy tail
+
+
+@pytest.mark.slow
 def test_a_compiled_step_of_one_shape_reads_weights_loaded_in_place_between_requests(
     fresh_compile_cache: object,
 ) -> None:

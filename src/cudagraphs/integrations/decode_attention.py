@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_POSITIONS", "applies", "computed_once", "decode_attention"]
+__all__ = ["MAX_POSITIONS", "applies", "computed_once", "decode_attention", "fits"]
 
 #: The longest cache the kernel takes: one program per key/value head walks every position, so
 #: a long cache with few heads is better served by SDPA's split kernels
@@ -51,15 +51,23 @@ _TRITON = importlib.util.find_spec("triton") is not None
 def applies(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
 ) -> bool:
-    """Whether :func:`decode_attention` computes this call: one query token, grouped heads,
-    head sizes of a power of two from 16 to 256, a cache of at most :data:`MAX_POSITIONS`
-    positions, one CUDA device and dtype, a boolean mask shared by the heads (or none), and
-    Triton."""
+    """Whether :func:`decode_attention` computes this call: the inputs it takes
+    (:func:`fits`), on a CUDA device, and Triton."""
+    return query.is_cuda and _TRITON and fits(query, key, value, mask)
+
+
+def fits(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None
+) -> bool:
+    """Whether these are inputs :func:`decode_attention` takes, wherever they are: one query
+    token, grouped heads, head sizes of a power of two from 16 to 256, a cache of at most
+    :data:`MAX_POSITIONS` positions, one device and dtype, a boolean mask shared by the heads
+    (or none). Under ``torch.compile`` with a dynamic batch these are checks on its size, which
+    hold for every batch of the trace."""
     batch, heads, tokens, size = query.shape
     kv_heads, positions = key.shape[1], key.shape[2]
     return (
-        query.is_cuda
-        and tokens == 1
+        tokens == 1
         and query.dtype in _DTYPES
         and key.dtype == value.dtype == query.dtype
         and key.device == value.device == query.device
@@ -71,7 +79,6 @@ def applies(
         and size & (size - 1) == 0
         and positions <= MAX_POSITIONS
         and (mask is None or _mask_fits(mask, batch, positions, query.device))
-        and _TRITON
     )
 
 

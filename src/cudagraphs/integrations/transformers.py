@@ -152,8 +152,8 @@ class Decoder:
         attention_kernel: with ``grouped_attention``, one token's attention over a cache of at
             most ``decode_attention.MAX_POSITIONS`` positions runs as one Triton kernel
             (``integrations/decode_attention.py``) instead of SDPA's kernels, where the
-            compiled step has one batch and cache length (or without ``compile``); ``False``:
-            SDPA always.
+            compiled step has one cache length (or without ``compile``); ``False``: SDPA
+            always.
     """
 
     @checked_keywords("Decoder")
@@ -236,8 +236,9 @@ class Decoder:
         # there is only one (batch, length) shape.
         dynamic = len(self.rungs) * len(self.lengths) > 1
         # The kernel's choice reads the cache's length where the step is traced: a compiled
-        # step whose length varies would be split by a guard on it, so that one keeps SDPA.
-        kernel = attention_kernel and not (self.compiles and dynamic)
+        # step whose length varies would be split by a guard on it, so that one keeps SDPA. A
+        # step whose batch alone varies (one length rung) reads a constant length.
+        kernel = attention_kernel and not (self.compiles and len(self.lengths) > 1)
         why = (
             use_grouped_attention(model, kernel=kernel)
             if grouped_attention
