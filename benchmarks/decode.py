@@ -71,7 +71,9 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).parent / "results"
-HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
+# Published peak memory bandwidth, bytes/s, by a name torch gives the GPU (the first that is
+# part of it); other GPUs: from the memory clock and bus width the driver reports.
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
 # The Decoder's compile= for the coordinate-descent modes (here and in decode_profile.py).
 COORDINATE_DESCENT = {"coordinate_descent_tuning": True}
 ALL_MODES = (
@@ -276,6 +278,20 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
 
 
+def memory_bandwidth() -> float:
+    """The GPU's peak memory bandwidth in bytes/s (the roofline's rate): the published figure
+    for the GPUs in ``PEAK_BANDWIDTH``, else twice the memory clock times the bus width (double
+    data rate); NaN on the CPU, where no roofline share is given."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    name = torch.cuda.get_device_name()
+    for part, peak in PEAK_BANDWIDTH.items():
+        if part in name:
+            return peak
+    props = torch.cuda.get_device_properties()
+    return 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8
+
+
 def weight_bytes(model: Any) -> int:
     """Bytes a decode step streams: every weight but the input embedding (only rows gathered)."""
     embed = model.get_input_embeddings().weight
@@ -334,7 +350,7 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
         clock.on = False
         rows[name]["per_token_ms"] = clock.per_token_ms()
     reference = rows[modes[0]]["tokens"]
-    roofline = batch * HBM_BYTES_PER_S / weight_bytes(model)
+    roofline = batch * memory_bandwidth() / weight_bytes(model)
     out = {}
     for name, row in rows.items():
         median = statistics.median(row["seconds"])
@@ -453,7 +469,12 @@ def markdown(results: dict[str, Any]) -> list[str]:
         f"{results['transformers']}; {results['model']} ({results['parameters'] / 1e9:.2f} B "
         f"parameters, {results['dtype']}), prompt {results['prompt']}, {results['new']} new "
         f"tokens, cache length {results.get('max_length', results['prompt'] + results['new'])}, "
-        f"greedy; medians of {results['reps']} interleaved runs.",
+        f"greedy; medians of {results['reps']} interleaved runs"
+        + (
+            f"; roofline at {results['memory_bandwidth'] / 1e12:.2f} TB/s."
+            if results.get("memory_bandwidth", 0) > 0  # NaN on the CPU
+            else "."
+        ),
         "",
     ]
     for batch, modes in results["batches"].items():
@@ -576,7 +597,8 @@ def main() -> None:
     from cudagraphs.tools.workloads import random_llama
 
     head = {"hardware": torch.cuda.get_device_name() if CUDA else "CPU", "torch": torch.__version__,
-            "transformers": transformers.__version__, "model": args.model, "dtype": args.dtype}  # fmt: skip
+            "transformers": transformers.__version__, "model": args.model, "dtype": args.dtype,
+            "memory_bandwidth": memory_bandwidth()}  # fmt: skip
     if args.rung_memory:
         results = {**head, "max_batch": args.max_batch, **rung_memory(args)}
         print(json.dumps(results, indent=1))

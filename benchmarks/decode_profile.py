@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from common import RESULTS, write
-from decode import COORDINATE_DESCENT, HBM_BYTES_PER_S, weight_bytes
+from decode import COORDINATE_DESCENT, memory_bandwidth, weight_bytes
 from rich.console import Console
 
 #: Kernel classes by name, the first match wins (CUPTI's kernel names; on a CPU smoke run the
@@ -146,7 +146,8 @@ def profile(
         "wall_us_per_token": 1e6 * wall / tokens,
         "kernels_per_token": kernels / tokens,
         "gpu_busy_us_per_token": busy_us / tokens,
-        "roofline_share": (tokens / wall) * weights / HBM_BYTES_PER_S,
+        "memory_bandwidth": memory_bandwidth(),
+        "roofline_share": (tokens / wall) * weights / memory_bandwidth(),
         "costliest": [
             {
                 "kernel": name,
@@ -244,6 +245,11 @@ def markdown(r: dict[str, Any]) -> list[str]:
         f"GPU kernel time {r['gpu_busy_us_per_token']:.1f} µs per token; "
         f"{r['kernels_per_token']:.1f} kernels per token; weight-streaming roofline share "
         f"{100 * r['roofline_share']:.1f}%"
+        + (
+            f" (at {r['memory_bandwidth'] / 1e12:.2f} TB/s)"
+            if r.get("memory_bandwidth", 0) > 0  # NaN on the CPU
+            else ""
+        )
         + (f"; construction {r['setup_s']:.1f} s" if "setup_s" in r else ""),
         "",
         f"batch 1, {'fused' if r.get('fuse') else 'unfused'} projections"

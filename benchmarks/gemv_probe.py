@@ -12,6 +12,10 @@ that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
   triton        the library's matrix-vector kernel (``integrations/matvec.py``: one program per
                 block of output rows, looping over the inputs), autotuned over block sizes
 
+and the down projection of a gated MLP from the fused gate/up product ``[gate, up]``: ``cublas``
+is Inductor's one kernel for SiLU(gate) * up and then ``F.linear``, as a compiled step runs it;
+``triton`` is ``gated_matvec``, the activation computed as the kernel reads its inputs.
+
 Each is captured in a CUDA graph of 20 calls and replayed, so launch gaps are as in a decode
 graph; µs per call is the median of 7 replays. GB/s counts the weight's bytes once per call.
 The calls cycle through copies of the weight that together exceed four times the GPU's L2
@@ -41,6 +45,8 @@ SHAPES = (
     ("down", 2048, 5632),
     ("vocabulary head", 32000, 2048),
 )
+#: The down projection fed by the fused gate/up product: SiLU(gate) * up, then the product.
+GATED_DOWN = ("down of SiLU(gate) * up", 2048, 5632)
 
 
 def graphed_us(fn: Callable[[], Any], calls: int = 20, repeats: int = 7) -> float:
@@ -80,11 +86,14 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gemv_probe.py needs a CUDA GPU")
-    from cudagraphs.integrations.matvec import matvec
+    from cudagraphs.integrations.matvec import gated_matvec, matvec
 
     torch.manual_seed(0)
     compiled = torch.compile(
         lambda x, w: F.linear(x, w), options={"coordinate_descent_tuning": True}, dynamic=False
+    )
+    activation = torch.compile(
+        lambda gu: F.silu(gu[..., : gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2 :]
     )
     rows = []
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
@@ -92,18 +101,24 @@ def main() -> int:
           f"weights cycled past {l2_bytes / 2**20:.0f} MiB of L2")  # fmt: skip
     print("| product | N x K | way | µs per call | GB/s | max error vs cublas |")
     print("|---|---|---|---|---|---|")
-    for name, n, k in SHAPES:
+    for name, n, k in (*SHAPES, GATED_DOWN):
+        gated = name == GATED_DOWN[0]
         copies = -(-4 * l2_bytes // (n * k * 2))  # ceiling: past the L2 cache
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5]
         weights += [torch.randn_like(weights[0]) / k**0.5 for _ in range(copies - 1)]
         w = weights[0]
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
         ways = {
             "cublas": lambda w, x=x: F.linear(x, w),
             "inductor-cd": lambda w, x=x: compiled(x, w),
             "triton": lambda w, x=x: matvec(x, w),
         }
-        expected = F.linear(x, w).float()
+        if gated:
+            ways = {
+                "cublas": lambda w, x=x: F.linear(activation(x), w),
+                "triton": lambda w, x=x: gated_matvec(x, w),
+            }
+        expected = ways["cublas"](w).float()
         for way, product in ways.items():
             error = (product(w).float() - expected).abs().max().item()
             us = graphed_us(cycling(product, weights))

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from decode import memory_bandwidth
 from gemv_probe import graphed_us
 from torch.nn import functional as F
 
@@ -281,7 +282,7 @@ def probe(dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:
         kernels = sum(e.count for e in prof.key_averages() if e.device_type == DeviceType.CUDA)
         rows.append({
             "way": way, "us_per_layer": us / LAYERS, "kernels_per_layer": kernels / LAYERS,
-            "bandwidth_share": weight_bytes / (us * 1e-6) / 4.8e12,
+            "bandwidth_share": weight_bytes / (us * 1e-6) / memory_bandwidth(),
             "max_error_against_compiled": error,
         })  # fmt: skip
     return rows
