@@ -11,6 +11,9 @@ that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
                 a one-row product into a reduction and tunes its blocks
   triton        the library's matrix-vector kernel (``integrations/matvec.py``: one program per
                 block of output rows, looping over the inputs), autotuned over block sizes
+  triton-wide   the same kernel written here, autotuned over a wider space: fewer rows per
+                program (more programs for the small products), longer input blocks and
+                software-pipelined loads (``num_stages``); the chosen configuration is printed
 
 and the down projection of a gated MLP from the fused gate/up product ``[gate, up]``: ``cublas``
 is Inductor's one kernel for SiLU(gate) * up and then ``F.linear``, as a compiled step runs it;
@@ -80,6 +83,46 @@ def cycling(
     return lambda: product(weights[next(turn) % len(weights)])
 
 
+def wide_matvec() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``F.linear(x, w)`` of one bf16 row by the library kernel's loop, tuned over a wider space
+    (see the module doc); the returned function's ``tuned`` is Triton's autotuner."""
+    import triton
+    import triton.language as tl
+
+    configs = [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n, k in ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (16, 256), (16, 512))
+        for w in (4, 8)
+        for s in (2, 4)
+    ]
+
+    @triton.autotune(configs=configs, key=["N", "K"])
+    @triton.jit
+    def kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            k = start + cols
+            w = tl.load(
+                w_ptr + rows[:, None] * K + k[None, :],
+                mask=(rows[:, None] < N) & (k[None, :] < K),
+                other=0.0,
+            )
+            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :].to(tl.float32), axis=1)
+        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+    def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        n, k = w.shape
+        out = torch.empty(1, n, device=x.device, dtype=x.dtype)
+        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, out, n, k)
+        return out
+
+    product.tuned = kernel  # type: ignore[attr-defined]
+    return product
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json")
@@ -95,6 +138,7 @@ def main() -> int:
     activation = torch.compile(
         lambda gu: F.silu(gu[..., : gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2 :]
     )
+    wide = wide_matvec()
     rows = []
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, one input row, "
@@ -112,6 +156,7 @@ def main() -> int:
             "cublas": lambda w, x=x: F.linear(x, w),
             "inductor-cd": lambda w, x=x: compiled(x, w),
             "triton": lambda w, x=x: matvec(x, w),
+            "triton-wide": lambda w, x=x: wide(x, w),
         }
         if gated:
             ways = {
@@ -126,6 +171,9 @@ def main() -> int:
             rows.append({"product": name, "n": n, "k": k, "way": way, "us": us, "gb_per_s": gbs,
                          "max_error": error})  # fmt: skip
             print(f"| {name} | {n} x {k} | {way} | {us:.2f} | {gbs:.0f} | {error:.2e} |")
+            if way == "triton-wide":
+                rows[-1]["config"] = str(wide.tuned.best_config)  # type: ignore[attr-defined]
+                print(f"  chosen: {rows[-1]['config']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
