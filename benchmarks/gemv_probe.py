@@ -12,8 +12,9 @@ that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
   triton        the library's matrix-vector kernel (``integrations/matvec.py``: one program per
                 block of output rows, looping over the inputs), autotuned over block sizes
   triton-wide   the same kernel written here, autotuned over a wider space: fewer rows per
-                program (more programs for the small products), longer input blocks and
-                software-pipelined loads (``num_stages``); the chosen configuration is printed
+                program (more programs for the small products), longer input blocks (a whole
+                row of 2048 inputs in one load) and software-pipelined loads (``num_stages``);
+                the chosen configuration is printed
 
 and the down projection of a gated MLP from the fused gate/up product ``[gate, up]``: ``cublas``
 is Inductor's one kernel for SiLU(gate) * up and then ``F.linear``, as a compiled step runs it;
@@ -48,6 +49,9 @@ SHAPES = (
     ("down", 2048, 5632),
     ("vocabulary head", 32000, 2048),
 )
+#: (rows, inputs) per program that ``triton-wide`` tunes over: fewer rows than the library's for
+#: more programs on the small products, and up to a whole row of 2048 inputs in one load.
+WIDE_BLOCKS = ((2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (16, 256), (16, 512))  # fmt: skip
 #: The down projection fed by the fused gate/up product: SiLU(gate) * up, then the product.
 GATED_DOWN = ("down of SiLU(gate) * up", 2048, 5632)
 
@@ -91,7 +95,7 @@ def wide_matvec() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
 
     configs = [
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k in ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (16, 256), (16, 512))
+        for n, k in WIDE_BLOCKS
         for w in (4, 8)
         for s in (2, 4)
     ]
