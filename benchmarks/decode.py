@@ -44,7 +44,8 @@ excluded; "one launch" where a request is one launch); ms per token of the media
 run; the host's own ms per token (until the call returned, before waiting for the GPU: far
 below the total, the GPU sets the pace);
 set-up seconds (compile, capture, first call), growth of torch.cuda.memory_reserved() beyond
-the weights, share of the weight-streaming roofline (every step reads every weight once), and
+the weights (and in brackets of memory_allocated(): live tensors, without the blocks the caching
+allocator keeps after their tensors are freed), share of the weight-streaming roofline (every step reads every weight once), and
 agreement of the tokens with ``hf eager``. ``--rung-memory`` instead measures, in fresh
 processes, the graph memory of all batch rungs against the largest alone, and runs a request
 mix of every batch size 1..max with no recapture.
@@ -258,6 +259,12 @@ def reserved() -> int:
     return torch.cuda.memory_reserved() if CUDA else 0
 
 
+def allocated() -> int:
+    """Bytes held by live tensors: with ``reserved()``, tells memory a mode holds from blocks
+    the caching allocator keeps after their tensors are gone (a weight copied and freed)."""
+    return torch.cuda.memory_allocated() if CUDA else 0
+
+
 def timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     """``fn()``, its wall seconds to the end of the GPU's work, and the host's own seconds (until
     ``fn`` returned, its launches queued): where the host's time is well below the wall time,
@@ -322,7 +329,7 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
         gc.collect()
         if CUDA:
             torch.cuda.empty_cache()
-        before = reserved()
+        before, live_before = reserved(), allocated()
         start = time.perf_counter()
         clock = TokenClock()
         call = make_mode(name, model, batch, length, clock, args.max_length is not None)
@@ -334,6 +341,7 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
             "setup_s": setup,
             "build_s": built,
             "memory_growth_mib": (reserved() - before) / 2**20,
+            "live_growth_mib": (allocated() - live_before) / 2**20,
             "tokens": tokens[:, args.prompt :],
             "seconds": [],
             "host_seconds": [],
@@ -365,6 +373,7 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
             "setup_s": row["setup_s"],
             "build_s": row["build_s"],
             "memory_growth_mib": row["memory_growth_mib"],
+            "live_growth_mib": row["live_growth_mib"],
             "roofline_share": tokens_per_s / roofline,
             "token_agreement": float((row["tokens"] == reference).float().mean()),
             "tokens_equal": bool(torch.equal(row["tokens"], reference)),
@@ -483,7 +492,7 @@ def markdown(results: dict[str, Any]) -> list[str]:
             "",
             "| mode | tokens/s | ms/token p50 / p99 | ms/token (median run / worst run) "
             "| host ms/token | set-up s (build) "
-            f"| memory growth MiB | roofline share | tokens equal {next(iter(modes))} |",
+            f"| memory growth MiB (live) | roofline share | tokens equal {next(iter(modes))} |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, r in modes.items():
@@ -493,7 +502,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
                 f"{r['ms_per_token_median']:.2f} / "
                 f"{r['ms_per_token_worst']:.2f} | {r.get('host_ms_per_token', float('nan')):.2f} | "
                 f"{r['setup_s']:.1f} ({r.get('build_s', 0.0):.1f}) | "
-                f"{r['memory_growth_mib']:.0f} | {100 * r['roofline_share']:.1f}% | "
+                f"{r['memory_growth_mib']:.0f} ({r.get('live_growth_mib', float('nan')):.0f}) | "
+                f"{100 * r['roofline_share']:.1f}% | "
                 f"{agreement} |"
             )
         lines.append("")
