@@ -1,5 +1,6 @@
 """What every benchmark script shares: its command line, the CUDA check, writing results, runs
-in fresh processes."""
+in fresh processes, and the weight-streaming roofline's two terms (the bytes a decode step reads,
+the GPU's peak memory bandwidth)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 RESULTS = Path(__file__).parent / "results"
+# Published peak memory bandwidth, bytes/s, by a name torch gives the GPU (the first that is
+# part of it); other GPUs: from the memory clock and bus width the driver reports.
+PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
 
 
 def parser(doc: str | None, name: str, *, calls: int, windows: int) -> argparse.ArgumentParser:
@@ -121,3 +125,24 @@ def parent_or_child(
     with torch.no_grad():
         print(json.dumps(child(args)))
     return None
+
+
+def memory_bandwidth() -> float:
+    """The GPU's peak memory bandwidth in bytes/s (the roofline's rate): the published figure
+    for the GPUs in ``PEAK_BANDWIDTH``, else twice the memory clock times the bus width (double
+    data rate); NaN on the CPU, where no roofline share is given."""
+    if not torch.cuda.is_available():
+        return float("nan")
+    name = torch.cuda.get_device_name()
+    for part, peak in PEAK_BANDWIDTH.items():
+        if part in name:
+            return peak
+    props = torch.cuda.get_device_properties()
+    return 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes a decode step streams: every weight but the input embedding (only rows gathered)."""
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or tied)

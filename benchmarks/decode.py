@@ -70,11 +70,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import memory_bandwidth, weight_bytes
 
 RESULTS = Path(__file__).parent / "results"
-# Published peak memory bandwidth, bytes/s, by a name torch gives the GPU (the first that is
-# part of it); other GPUs: from the memory clock and bus width the driver reports.
-PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
 # The Decoder's compile= for the coordinate-descent modes (here and in decode_profile.py).
 COORDINATE_DESCENT = {"coordinate_descent_tuning": True}
 ALL_MODES = (
@@ -283,27 +281,6 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
-
-
-def memory_bandwidth() -> float:
-    """The GPU's peak memory bandwidth in bytes/s (the roofline's rate): the published figure
-    for the GPUs in ``PEAK_BANDWIDTH``, else twice the memory clock times the bus width (double
-    data rate); NaN on the CPU, where no roofline share is given."""
-    if not torch.cuda.is_available():
-        return float("nan")
-    name = torch.cuda.get_device_name()
-    for part, peak in PEAK_BANDWIDTH.items():
-        if part in name:
-            return peak
-    props = torch.cuda.get_device_properties()
-    return 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8
-
-
-def weight_bytes(model: Any) -> int:
-    """Bytes a decode step streams: every weight but the input embedding (only rows gathered)."""
-    embed = model.get_input_embeddings().weight
-    tied = embed is model.get_output_embeddings().weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or tied)
 
 
 def cache_length(args: argparse.Namespace) -> int:

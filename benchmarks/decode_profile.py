@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, write
-from decode import COORDINATE_DESCENT, memory_bandwidth, weight_bytes
+from common import RESULTS, memory_bandwidth, weight_bytes, write
+from decode import COORDINATE_DESCENT
 from rich.console import Console
 
 #: Kernel classes by name, the first match wins (CUPTI's kernel names; on a CPU smoke run the

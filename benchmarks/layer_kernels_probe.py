@@ -43,7 +43,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
-from decode import memory_bandwidth
+from common import memory_bandwidth
 from gemv_probe import graphed_us
 from torch.nn import functional as F
 
