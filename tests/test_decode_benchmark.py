@@ -288,3 +288,30 @@ def test_the_profile_s_gqa_attention_equals_the_library_s_grouped_one() -> None:
     ours, _ = profile.gqa_attention(module, prompt, long_key, long_value, None)
     theirs, _ = grouped_sdpa_attention(module, prompt, long_key, long_value, None)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("NVIDIA H200", 4.8e12),
+        ("NVIDIA H100 80GB HBM3", 3.35e12),
+        ("NVIDIA H100 NVL", 3.9e12),
+        ("NVIDIA H100 PCIe", 2.0e12),
+        # Not in the table: twice the memory clock (kHz) times the bus width in bytes; an A100
+        # 80GB's driver figures give its published 2.039 TB/s.
+        ("NVIDIA A100-SXM4-80GB", 2 * 1_593_000e3 * 5120 / 8),
+    ],
+)
+def test_the_roofline_divides_by_the_gpu_s_own_peak_bandwidth(
+    monkeypatch: pytest.MonkeyPatch, name: str, expected: float
+) -> None:
+    """The roofline's rate is the GPU's own, not an H200's on every GPU: an H100's share at the
+    H200's figure would read 1.43 times too low."""
+    from types import SimpleNamespace
+
+    common = _benchmark("common")
+    props = SimpleNamespace(memory_clock_rate=1_593_000, memory_bus_width=5120)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
+    assert common.memory_bandwidth() == pytest.approx(expected)
