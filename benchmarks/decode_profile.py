@@ -56,7 +56,6 @@ def kernel_class(name: str) -> str:
 def profile(
     args: argparse.Namespace, fuse: bool = True, grouped: bool = True, kernel: bool = True
 ) -> dict[str, Any]:
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -90,8 +89,8 @@ def profile(
     torch.manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), device=device)
 
-    def request() -> None:
-        decoder.generate(prompt, max_new_tokens=args.new, eos_token_id=None)
+    def request(new: int = args.new) -> None:
+        decoder.generate(prompt, max_new_tokens=new, eos_token_id=None)
         if cuda:
             torch.cuda.synchronize()
 
@@ -102,14 +101,12 @@ def profile(
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch_profile(activities=activities) as prof:
         request()
-    # Kernels as CUPTI saw them (a graph replay's too), summed per name; on a CPU (a smoke run
-    # of this script) the operators' own time instead.
-    per_kernel: dict[str, tuple[int, float]] = {}
-    for entry in prof.key_averages():
-        on_gpu = entry.device_type == DeviceType.CUDA
-        if on_gpu or (not cuda and entry.self_cpu_time_total > 0):
-            us = entry.self_device_time_total if on_gpu else entry.self_cpu_time_total
-            per_kernel[entry.key] = (entry.count, float(us))
+    per_kernel = _per_kernel(prof, cuda)
+    # A request of one new token: the prompt's prefill and what a request does once, which
+    # the difference leaves out of the kernels per decode step.
+    with torch_profile(activities=activities) as once:
+        request(1)
+    request_kernels = sum(count for count, _ in _per_kernel(once, cuda).values())
     tokens = args.new
     kernels = sum(count for count, _ in per_kernel.values())
     busy_us = sum(us for _, us in per_kernel.values())
@@ -145,6 +142,7 @@ def profile(
         "tokens_per_s": tokens / wall,
         "wall_us_per_token": 1e6 * wall / tokens,
         "kernels_per_token": kernels / tokens,
+        "kernels_per_step": (kernels - request_kernels) / max(1, tokens - 1),
         "gpu_busy_us_per_token": busy_us / tokens,
         "memory_bandwidth": memory_bandwidth(),
         "roofline_share": (tokens / wall) * weights / memory_bandwidth(),
@@ -229,6 +227,20 @@ def attention_kernel(name: str) -> Any:
     return sdpa_kernel(backends[name])
 
 
+def _per_kernel(prof: Any, cuda: bool) -> dict[str, tuple[int, float]]:
+    """Kernels as CUPTI saw them (a graph replay's too): calls and µs per name; on a CPU (a
+    smoke run of this script) the operators' own time instead."""
+    from torch.autograd import DeviceType
+
+    per_kernel: dict[str, tuple[int, float]] = {}
+    for entry in prof.key_averages():
+        on_gpu = entry.device_type == DeviceType.CUDA
+        if on_gpu or (not cuda and entry.self_cpu_time_total > 0):
+            us = entry.self_device_time_total if on_gpu else entry.self_cpu_time_total
+            per_kernel[entry.key] = (entry.count, float(us))
+    return per_kernel
+
+
 def markdown(r: dict[str, Any]) -> list[str]:
     fused = f", fuse={r['fuse']}" if "fuse" in r else ""
     if "grouped_attention" in r:
@@ -265,7 +277,13 @@ def markdown(r: dict[str, Any]) -> list[str]:
         + ": roofline share "
         f"{100 * r['roofline_share']:.0f} %",
         "",
-        f"kernels per token {r['kernels_per_token']:.0f}",
+        f"kernels per token {r['kernels_per_token']:.0f}"
+        + (
+            f" ({r['kernels_per_step']:.0f} per decode step, without the prefill and what a "
+            "request does once)"
+            if "kernels_per_step" in r
+            else ""
+        ),
         "",
     ]
     if r.get("fuse"):

@@ -230,6 +230,9 @@ def test_the_decode_profile_compares_fused_and_unfused_projections_in_one_run(
     assert "batch 1, unfused projections: roofline share" in page
     assert "batch 1, fused projections: roofline share" in page
     assert page.count("kernels per token ") >= 2
+    # The prompt's prefill and a request's fixed work, taken out of the per-step count.
+    assert all(0 < r["kernels_per_step"] < r["kernels_per_token"] for r in (unfused, fused))
+    assert "per decode step" in page
 
 
 def test_the_second_process_profile_lists_the_costliest_calls_first() -> None:
