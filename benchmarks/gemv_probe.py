@@ -7,6 +7,8 @@ it on the 1.1 B Llama shape's q/k/v and o products. This probe times, for each p
 that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
 
   cublas        ``F.linear(x, w)``, as the Decoder's fused-projection operator runs it
+  cublas-mv     ``torch.mv(w, x[0])``: the same product as a matrix-vector call, which cuBLAS
+                serves with its gemv kernels instead of a matrix-matrix tile
   inductor-cd   ``torch.compile`` of the same with ``coordinate_descent_tuning``: Inductor turns
                 a one-row product into a reduction and tunes its blocks
   triton        the library's matrix-vector kernel (``integrations/matvec.py``: one program per
@@ -131,7 +133,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="write the rows here (rewritten after each row)")
     parser.add_argument(
-        "--ways", default="cublas,inductor-cd,triton,triton-wide",
+        "--ways", default="cublas,cublas-mv,inductor-cd,triton,triton-wide",
         help="comma-separated ways to time (cublas is always timed: the reference)",
     )  # fmt: skip
     args = parser.parse_args()
@@ -163,6 +165,7 @@ def main() -> int:
         x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
         ways = {
             "cublas": lambda w, x=x: F.linear(x, w),
+            "cublas-mv": lambda w, x=x: torch.mv(w, x[0]).unsqueeze(0),
             "inductor-cd": lambda w, x=x: compiled(x, w),
             "triton": lambda w, x=x: matvec(x, w),
             "triton-wide": lambda w, x=x: wide(x, w),
