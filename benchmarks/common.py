@@ -141,6 +141,12 @@ def memory_bandwidth() -> float:
     return 2 * props.memory_clock_rate * 1e3 * props.memory_bus_width / 8
 
 
+def at_bandwidth(bandwidth: float) -> str:
+    """`` at N TB/s`` naming the roofline's rate in a report, or ``""`` where there is none (NaN
+    on the CPU)."""
+    return f" at {bandwidth / 1e12:.2f} TB/s" if bandwidth > 0 else ""
+
+
 def weight_bytes(model: Any) -> int:
     """Bytes a decode step streams: every weight but the input embedding (only rows gathered)."""
     embed = model.get_input_embeddings().weight

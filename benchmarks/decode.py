@@ -45,8 +45,8 @@ run; the host's own ms per token (until the call returned, before waiting for th
 below the total, the GPU sets the pace);
 set-up seconds (compile, capture, first call), growth of torch.cuda.memory_reserved() beyond
 the weights (and in brackets of memory_allocated(): live tensors, without the blocks the caching
-allocator keeps after their tensors are freed), share of the weight-streaming roofline (every step reads every weight once), and
-agreement of the tokens with ``hf eager``. ``--rung-memory`` instead measures, in fresh
+allocator keeps after their tensors are freed), share of the weight-streaming roofline (every
+step reads every weight once), and agreement of the tokens with ``hf eager``. ``--rung-memory`` instead measures, in fresh
 processes, the graph memory of all batch rungs against the largest alone, and runs a request
 mix of every batch size 1..max with no recapture.
 
@@ -70,9 +70,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import memory_bandwidth, weight_bytes
+from common import RESULTS, at_bandwidth, memory_bandwidth, weight_bytes
 
-RESULTS = Path(__file__).parent / "results"
 # The Decoder's compile= for the coordinate-descent modes (here and in decode_profile.py).
 COORDINATE_DESCENT = {"coordinate_descent_tuning": True}
 ALL_MODES = (
@@ -457,8 +456,8 @@ def markdown(results: dict[str, Any]) -> list[str]:
         f"tokens, cache length {results.get('max_length', results['prompt'] + results['new'])}, "
         f"greedy; medians of {results['reps']} interleaved runs"
         + (
-            f"; roofline at {results['memory_bandwidth'] / 1e12:.2f} TB/s."
-            if results.get("memory_bandwidth", 0) > 0  # NaN on the CPU
+            f"; roofline{rate}."
+            if (rate := at_bandwidth(results.get("memory_bandwidth", 0)))
             else "."
         ),
         "",

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import RESULTS, memory_bandwidth, weight_bytes, write
+from common import RESULTS, at_bandwidth, memory_bandwidth, weight_bytes, write
 from decode import COORDINATE_DESCENT
 from rich.console import Console
 
@@ -110,7 +110,7 @@ def profile(
     tokens = args.new
     kernels = sum(count for count, _ in per_kernel.values())
     busy_us = sum(us for _, us in per_kernel.values())
-    weights = weight_bytes(model)
+    weights, bandwidth = weight_bytes(model), memory_bandwidth()
     ranked = sorted(per_kernel.items(), key=lambda item: -item[1][1])  # the costliest first
     costliest = ranked[:10]
     classes: dict[str, list[float]] = {}
@@ -144,8 +144,8 @@ def profile(
         "kernels_per_token": kernels / tokens,
         "kernels_per_step": (kernels - request_kernels) / max(1, tokens - 1),
         "gpu_busy_us_per_token": busy_us / tokens,
-        "memory_bandwidth": memory_bandwidth(),
-        "roofline_share": (tokens / wall) * weights / memory_bandwidth(),
+        "memory_bandwidth": bandwidth,
+        "roofline_share": (tokens / wall) * weights / bandwidth,
         "costliest": [
             {
                 "kernel": name,
@@ -257,11 +257,7 @@ def markdown(r: dict[str, Any]) -> list[str]:
         f"GPU kernel time {r['gpu_busy_us_per_token']:.1f} µs per token; "
         f"{r['kernels_per_token']:.1f} kernels per token; weight-streaming roofline share "
         f"{100 * r['roofline_share']:.1f}%"
-        + (
-            f" (at {r['memory_bandwidth'] / 1e12:.2f} TB/s)"
-            if r.get("memory_bandwidth", 0) > 0  # NaN on the CPU
-            else ""
-        )
+        + (f" ({rate.strip()})" if (rate := at_bandwidth(r.get("memory_bandwidth", 0))) else "")
         + (f"; construction {r['setup_s']:.1f} s" if "setup_s" in r else ""),
         "",
         f"batch 1, {'fused' if r.get('fuse') else 'unfused'} projections"
