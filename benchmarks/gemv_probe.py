@@ -20,7 +20,8 @@ that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
 
 and the down projection of a gated MLP from the fused gate/up product ``[gate, up]``: ``cublas``
 is Inductor's one kernel for SiLU(gate) * up and then ``F.linear``, as a compiled step runs it;
-``triton`` is ``gated_matvec``, the activation computed as the kernel reads its inputs.
+``triton`` is ``gated_matvec``, the activation computed as the kernel reads its inputs, and
+``triton-wide`` the same over the wider space.
 
 Each is captured in a CUDA graph of 20 calls and replayed, so launch gaps are as in a decode
 graph; µs per call is the median of 7 replays. GB/s counts the weight's bytes once per call.
@@ -91,7 +92,8 @@ def cycling(
 
 def wide_matvec() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``F.linear(x, w)`` of one bf16 row by the library kernel's loop, tuned over a wider space
-    (see the module doc); the returned function's ``tuned`` is Triton's autotuner."""
+    (see the module doc), or ``gated_matvec``'s product where ``x`` is ``[gate, up]``, twice
+    the weight's inputs wide; the returned function's ``tuned`` is Triton's autotuner."""
     import triton
     import triton.language as tl
 
@@ -102,9 +104,12 @@ def wide_matvec() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         for s in (2, 4)
     ]
 
-    @triton.autotune(configs=configs, key=["N", "K"])
+    @triton.autotune(configs=configs, key=["N", "K", "GATED"])
     @triton.jit
-    def kernel(x_ptr, w_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # type: ignore[no-untyped-def]  # fmt: skip
+    def kernel(  # type: ignore[no-untyped-def]
+        x_ptr, w_ptr, out_ptr, N, K,
+        GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -116,13 +121,19 @@ def wide_matvec() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
                 other=0.0,
             )
             x = tl.load(x_ptr + k, mask=k < K, other=0.0)
+            if GATED:  # x is the gate: SiLU(gate) * up, rounded as gated_matvec rounds it
+                up = tl.load(x_ptr + K + k, mask=k < K, other=0.0)
+                gate = x.to(tl.float32)
+                act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
+                x = (act * up.to(tl.float32)).to(up.dtype)
             acc += tl.sum(w.to(tl.float32) * x[None, :].to(tl.float32), axis=1)
         tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
 
     def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n, k = w.shape
+        gated = x.shape[-1] == 2 * k  # [gate, up]: the gated down product
         out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, out, n, k)
+        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, out, n, k, gated)
         return out
 
     product.tuned = kernel  # type: ignore[attr-defined]
@@ -174,6 +185,7 @@ def main() -> int:
             ways = {
                 "cublas": lambda w, x=x: F.linear(activation(x), w),
                 "triton": lambda w, x=x: gated_matvec(x, w),
+                "triton-wide": lambda w, x=x: wide(x, w),
             }
         ways = {way: product for way, product in ways.items() if way in chosen}
         expected = ways["cublas"](w).float()
