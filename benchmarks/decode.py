@@ -44,11 +44,12 @@ excluded; "one launch" where a request is one launch); ms per token of the media
 run; the host's own ms per token (until the call returned, before waiting for the GPU: far
 below the total, the GPU sets the pace);
 set-up seconds (compile, capture, first call), growth of torch.cuda.memory_reserved() beyond
-the weights (and in brackets of memory_allocated(): live tensors, without the blocks the caching
-allocator keeps after their tensors are freed), share of the weight-streaming roofline (every
-step reads every weight once), and agreement of the tokens with ``hf eager``. ``--rung-memory`` instead measures, in fresh
-processes, the graph memory of all batch rungs against the largest alone, and runs a request
-mix of every batch size 1..max with no recapture.
+the weights (and in brackets of memory_allocated(): live tensors, without the blocks the
+caching allocator keeps after their tensors are freed), share of the weight-streaming roofline
+(every step reads every weight once), and agreement of the tokens with ``hf eager``.
+``--rung-memory`` instead measures, in fresh processes, the graph memory of all batch rungs
+against the largest alone, and runs a request mix of every batch size 1..max with no
+recapture.
 
     python benchmarks/decode.py --model llama-512 --batches 1,4,16,64 [--dtype bfloat16]
     python benchmarks/decode.py --model llama-2048 --batches 1,16 --max-length 4096

@@ -54,7 +54,9 @@ SHAPES = (
 )
 #: (rows, inputs) per program that ``triton-wide`` tunes over: fewer rows than the library's for
 #: more programs on the small products, and up to a whole row of 2048 inputs in one load.
-WIDE_BLOCKS = ((2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (16, 256), (16, 512))  # fmt: skip
+WIDE_BLOCKS = (
+    (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (16, 256), (16, 512),
+)  # fmt: skip
 #: The down projection fed by the fused gate/up product: SiLU(gate) * up, then the product.
 GATED_DOWN = ("down of SiLU(gate) * up", 2048, 5632)
 
