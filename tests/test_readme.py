@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from script_modules import load_script
 
 import cudagraphs as cg
 
@@ -40,20 +41,8 @@ def test_the_buckets_guide_example_runs_without_cuda() -> None:
     assert scope["g"].stats.hits[(64,)] == 1
 
 
-def _figures_script():  # type: ignore[no-untyped-def]
-    import importlib.machinery
-    import importlib.util
-
-    path = str(Path(__file__).resolve().parents[1] / "scripts" / "readme-figures")
-    loader = importlib.machinery.SourceFileLoader("readme_figures", path)
-    spec = importlib.util.spec_from_loader("readme_figures", loader)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    loader.exec_module(module)
-    return module
-
-
 def test_the_figure_tables_match_the_gpu_report() -> None:
-    figures = _figures_script()
+    figures = load_script("readme-figures")
     root = Path(__file__).resolve().parents[1]
     report = (root / "reports" / "gpu.md").read_text()
     for page in (root / "README.md", root / "docs" / "performance.md"):
@@ -63,7 +52,7 @@ def test_the_figure_tables_match_the_gpu_report() -> None:
 
 
 def test_a_figure_that_drifts_from_its_report_is_caught() -> None:
-    figures = _figures_script()
+    figures = load_script("readme-figures")
     report = (Path(__file__).resolve().parents[1] / "reports" / "gpu.md").read_text()
     start = README.index("<!-- figures:headline -->")
     row = README.index("| MLP 256-256-16", start)
@@ -73,7 +62,7 @@ def test_a_figure_that_drifts_from_its_report_is_caught() -> None:
 
 def test_a_decoding_row_names_the_tree_its_section_names() -> None:
     """A decoding headline from a run on another tree than the report's says which tree."""
-    figures = _figures_script()
+    figures = load_script("readme-figures")
     report = (
         "### benchmarks/decode.py at a configured cache length (src tree abc1234)\n\n"
         "Hardware: an H200; cache length 4096, greedy.\n\n**batch 16**\n\n"
