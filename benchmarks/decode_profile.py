@@ -16,7 +16,7 @@ and as it comes (``fused``) in one run, each on a fresh model of the same seed.
     python benchmarks/decode_profile.py --model llama-2048 --sdpa flash
     python benchmarks/decode_profile.py --variants unfused,expanded,fused
     python benchmarks/decode_profile.py --option triton.enable_pdl=True
-    python benchmarks/decode_profile.py --matvec
+    python benchmarks/decode_profile.py --products cublas
     python benchmarks/decode_profile.py --attention gqa
 
 ``--sdpa`` picks scaled-dot-product attention's kernel (``torch.nn.attention.sdpa_kernel``) for
@@ -42,11 +42,17 @@ from rich.console import Console
 KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
     ("products", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "aten::mm",
-                  "aten::addmm", "aten::linear", "rows_linear")),
+                  "aten::addmm", "aten::linear", "rows_linear", "one_row_product")),
     ("copies", ("copy", "memcpy", "memset", "fill")),
     ("fused (Inductor)", ("triton_",)),
 )  # fmt: skip
 
+
+#: ``--products``: who computes the one-row products, as the report's header line names it.
+PRODUCTS = {
+    "default": "every one-row product on the Triton kernel",
+    "cublas": "cuBLAS's products (the model fused by fuse_projections(model) first)",
+}
 
 def kernel_class(name: str) -> str:
     lowered = name.lower()
@@ -76,10 +82,10 @@ def profile(
         if not isinstance(compile_mode, dict) and compile_mode is not True:
             raise SystemExit("--option goes with --compile default or coordinate-descent")
         compile_mode = {**base, **dict(_option(o) for o in args.option)}
-    if args.matvec and fuse:  # the Decoder keeps groups fused by an earlier call as they are
+    if args.products == "cublas" and fuse:  # the Decoder keeps an earlier fusion's products
         from cudagraphs.integrations.fused_projections import fuse_projections
 
-        fuse_projections(model, matvec=True)
+        fuse_projections(model)
     start = time.perf_counter()
     decoder = Decoder(
         model, max_batch=1, max_length=args.max_length, batch_sizes=[1], compile=compile_mode,
@@ -134,7 +140,7 @@ def profile(
         "compile_argument": repr(compile_mode),
         "sdpa": args.sdpa,
         "attention": args.attention,
-        "matvec": args.matvec,
+        "products": args.products if fuse else "unfused",
         "setup_s": setup_s,
         "cache_length": args.max_length,
         "prompt": args.prompt,
@@ -249,7 +255,7 @@ def markdown(r: dict[str, Any]) -> list[str]:
         f"Hardware: {r['hardware']}, torch {r['torch']}; {r['model']} ({r['dtype']}), batch 1, "
         f"`Decoder(compile={r.get('compile_argument', repr(r['compile']))}{fused})`, "
         f"attention {r.get('attention', 'sdpa')} (kernel {r.get('sdpa', 'default')}), "
-        + ("fused products of one row by the Triton kernel, " if r.get("matvec") else "")
+        + (f"{PRODUCTS[r['products']]}, " if r.get("products") in PRODUCTS else "")
         + f"cache length {r['cache_length']}, a request of {r['prompt']} + {r['new']} tokens (the "
         "profiled one; the timed one before it unprofiled).",
         "",
@@ -326,10 +332,12 @@ def main() -> None:
         help="scaled-dot-product attention's kernel (default: PyTorch's choice)",
     )
     p.add_argument(
-        "--matvec",
-        action="store_true",
-        help="the products of one row (fused q/k/v and gate/up, output, down with the SiLU "
-        "gate inside) by the Triton kernels of integrations/matvec.py",
+        "--products",
+        default="default",
+        choices=sorted(PRODUCTS),
+        help="'default': the Decoder's own fusion, every one-row product on the Triton kernel "
+        "of integrations/matvec.py (the down product with SiLU(gate) * up inside); 'cublas': "
+        "fuse_projections(model) before the Decoder, which keeps cuBLAS's products",
     )
     p.add_argument(
         "--attention",

@@ -12,11 +12,11 @@ that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
   inductor-cd   ``torch.compile`` of the same with ``coordinate_descent_tuning``: Inductor turns
                 a one-row product into a reduction and tunes its blocks
   triton        the library's matrix-vector kernel (``integrations/matvec.py``: one program per
-                block of output rows, looping over the inputs), autotuned over block sizes
-  triton-wide   the same kernel written here, autotuned over a wider space: fewer rows per
-                program (more programs for the small products), longer input blocks (a whole
-                row of 2048 inputs in one load) and software-pipelined loads (``num_stages``);
-                the chosen configuration is printed
+                block of output rows, looping over the inputs), autotuned over its block sizes
+  triton-wide   the same kernel (``matvec.one_row_kernel``), autotuned over a wider space:
+                fewer rows per program (more programs for the small products) and longer input
+                blocks (a whole row of 2048 inputs in one load); the chosen configuration is
+                printed
 
 and the down projection of a gated MLP from the fused gate/up product ``[gate, up]``: ``cublas``
 is Inductor's one kernel for SiLU(gate) * up and then ``F.linear``, as a compiled step runs it;
@@ -55,7 +55,8 @@ SHAPES = (
 #: (rows, inputs) per program that ``triton-wide`` tunes over: fewer rows than the library's for
 #: more programs on the small products, and up to a whole row of 2048 inputs in one load.
 WIDE_BLOCKS = (
-    (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (16, 256), (16, 512),
+    (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (8, 1024),
+    (16, 256), (16, 512), (32, 256),
 )  # fmt: skip
 #: The down projection fed by the fused gate/up product: SiLU(gate) * up, then the product.
 GATED_DOWN = ("down of SiLU(gate) * up", 2048, 5632)
@@ -93,52 +94,23 @@ def cycling(
 
 
 def wide_matvec() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """``F.linear(x, w)`` of one bf16 row by the library kernel's loop, tuned over a wider space
-    (see the module doc), or ``gated_matvec``'s product where ``x`` is ``[gate, up]``, twice
-    the weight's inputs wide; the returned function's ``tuned`` is Triton's autotuner."""
+    """``F.linear(x, w)`` of one bf16 row by the library's kernel (``matvec.one_row_kernel``),
+    tuned over :data:`WIDE_BLOCKS`, or ``gated_matvec``'s product where ``x`` is ``[gate, up]``,
+    twice the weight's inputs wide; the returned function's ``tuned`` is Triton's autotuner."""
     import triton
-    import triton.language as tl
 
-    configs = [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k in WIDE_BLOCKS
-        for w in (4, 8)
-        for s in (2, 4)
-    ]
+    from cudagraphs.integrations.matvec import one_row_kernel, tune
 
-    @triton.autotune(configs=configs, key=["N", "K", "GATED"])
-    @triton.jit
-    def kernel(  # type: ignore[no-untyped-def]
-        x_ptr, w_ptr, out_ptr, N, K,
-        GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            k = start + cols
-            w = tl.load(
-                w_ptr + rows[:, None] * K + k[None, :],
-                mask=(rows[:, None] < N) & (k[None, :] < K),
-                other=0.0,
-            )
-            x = tl.load(x_ptr + k, mask=k < K, other=0.0)
-            if GATED:  # x is the gate: SiLU(gate) * up, rounded as gated_matvec rounds it
-                up = tl.load(x_ptr + K + k, mask=k < K, other=0.0)
-                gate = x.to(tl.float32)
-                act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
-                x = (act * up.to(tl.float32)).to(up.dtype)
-            acc += tl.sum(w.to(tl.float32) * x[None, :].to(tl.float32), axis=1)
-        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
+    tuned = tune(one_row_kernel(), WIDE_BLOCKS)
 
     def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n, k = w.shape
         gated = x.shape[-1] == 2 * k  # [gate, up]: the gated down product
         out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, out, n, k, gated)
+        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, out, n, k, gated)
         return out
 
-    product.tuned = kernel  # type: ignore[attr-defined]
+    product.tuned = tuned  # type: ignore[attr-defined]
     return product
 
 

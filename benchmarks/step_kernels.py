@@ -19,7 +19,7 @@ the CPU's stay products).
 The attention of one token is the library's one-kernel operator on a GPU; on the CPU a stand-in
 operator of the same signature takes its place, opaque to Inductor as the real one is.
 
-    python benchmarks/step_kernels.py --model llama-2048 --variants default,no-combo
+    python benchmarks/step_kernels.py --model llama-2048 --variants default,no-combo,cublas
 """
 
 from __future__ import annotations
@@ -37,12 +37,13 @@ import torch
 from common import RESULTS, write
 from rich.console import Console
 
-#: ``--variants``: the Decoder's ``compile=`` argument of each ("matvec": the default, on a
-#: model whose one-row products go to the Triton kernel, ``fuse_projections(matvec=True)``).
+#: ``--variants``: the Decoder's ``compile=`` argument of each ("cublas": the default, on a
+#: model the user fused with ``fuse_projections(model)`` first, which keeps cuBLAS's products
+#: where the Decoder's own fusion sends every one-row product to the Triton kernel).
 VARIANTS: dict[str, Any] = {
     "default": True,
     "no-combo": {"combo_kernels": False},
-    "matvec": True,
+    "cublas": True,
 }
 
 #: What Inductor reads of the device it writes code for (an H100/H200-class GPU).
@@ -225,10 +226,10 @@ def step_launches(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     from cudagraphs.tools.workloads import random_llama
 
     model = random_llama(args.model, "cpu", getattr(torch, args.dtype))
-    if variant == "matvec":
+    if variant == "cublas":
         from cudagraphs.integrations.fused_projections import fuse_projections
 
-        fuse_projections(model, matvec=True)
+        fuse_projections(model)
     layers = model.config.num_hidden_layers
     codes: list[str] = []
     torch._dynamo.reset()

@@ -6,6 +6,7 @@ give what the model's operations give."""
 from __future__ import annotations
 
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -106,6 +107,58 @@ def test_the_gated_down_product_is_the_mlp_s_own_where_the_kernel_does_not_apply
     )
     torch.testing.assert_close(changed, expected)
     assert not torch.allclose(before, changed)
+
+
+def test_a_decoder_routes_every_product_and_a_user_s_earlier_fusion_keeps_its_own() -> None:
+    """``Decoder(fuse=True)`` routes the output and down projections too and puts SiLU(gate) *
+    up inside the down product; a model the user fused with ``fuse_projections(model)`` first
+    keeps its single projections and MLPs as they were (cuBLAS's products on a GPU)."""
+    pytest.importorskip("transformers")
+    from cudagraphs.integrations.fused_projections import FusedLinear
+    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.tools.workloads import random_llama
+
+    routed = random_llama("llama-tiny")
+    with warnings.catch_warnings():  # without CUDA the Decoder says it runs eagerly
+        warnings.simplefilter("ignore")
+        Decoder(routed, max_batch=1, max_length=24)
+    layer = routed.model.layers[0]
+    assert type(layer.self_attn.o_proj) is FusedLinear
+    assert type(layer.mlp.down_proj) is FusedLinear and "_ungated_class" in vars(layer.mlp)
+
+    mine = random_llama("llama-tiny")
+    mlp_class = type(mine.model.layers[0].mlp)
+    fuse_projections(mine)
+    report = fuse_projections(mine, matvec=True)  # as the Decoder calls it
+    assert len(report.fused) == 2 * len(mine.model.layers)
+    assert not report.one_row and not report.gated
+    for layer in mine.model.layers:
+        assert type(layer.self_attn.o_proj) is torch.nn.Linear
+        assert type(layer.mlp.down_proj) is torch.nn.Linear and type(layer.mlp) is mlp_class
+        assert not layer.self_attn.q_proj._fused_group.matvec
+
+
+def test_a_routed_single_projection_keeps_nothing_a_compile_would_guard_on() -> None:
+    """A single projection's product is its output: nothing of the call is kept on the module
+    (a kept input would be a new tensor for the compiler to guard on at every step, and each
+    call would trace again). One trace serves calls on fresh inputs."""
+    from torch._dynamo.testing import CompileCounter
+
+    from cudagraphs.tools.workloads import random_llama
+
+    model = random_llama("llama-tiny")
+    fuse_projections(model, matvec=True)
+    plain = random_llama("llama-tiny")
+    plain.load_state_dict(model.state_dict())
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=counter, dynamic=False)
+    with torch.no_grad():
+        for seed in (1, 2, 3):
+            ids = torch.randint(0, 512, (1, 5), generator=torch.Generator().manual_seed(seed))
+            torch.testing.assert_close(step(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    assert counter.frame_count == 1, counter.frame_count
 
 
 @pytest.mark.slow

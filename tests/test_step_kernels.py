@@ -38,15 +38,16 @@ def test_a_step_compiles_with_combo_kernels_unless_the_caller_says_otherwise() -
 def test_a_layer_writes_its_cache_and_rotates_its_query_in_one_kernel(tmp_path: Path) -> None:
     """Per layer, the keys' rotary and cache write, the values' cache write and the query's
     rotary read the fused q/k/v product and nothing of each other: with combo kernels they are
-    one launch between the product and the attention, three without. With the one-row kernels
-    (``fuse_projections(matvec=True)``), the MLP's activation is inside the down product."""
+    one launch between the product and the attention, three without. Every product is the
+    library's operator (the one-row kernel on a GPU), the MLP's activation inside the down
+    product; a model fused by the user beforehand keeps its own products and activation."""
     out = tmp_path / "kernels.json"
     subprocess.run(
         [sys.executable, "benchmarks/step_kernels.py", "--model", "llama-tiny", "--variants",
-         "default,no-combo,matvec", "--json", str(out)],
+         "default,no-combo,cublas", "--json", str(out)],
         cwd=ROOT, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
-    default, plain, matvec = json.loads(out.read_text())
+    default, plain, cublas = json.loads(out.read_text())
     for run in (default, plain):
         layer = run["one_layer"]
         assert layer[-1].endswith("one_token_attention") and "cudagraphs.rows_linear" in layer
@@ -58,10 +59,14 @@ def test_a_layer_writes_its_cache_and_rotates_its_query_in_one_kernel(tmp_path: 
     assert between == [["pointwise"], ["pointwise"] * 3], between
     assert default["launches_per_layer"] == plain["launches_per_layer"] - 2
     assert default["launches_per_step"] < plain["launches_per_step"]
-    # fuse_projections(matvec=True): every product is the library's operator, and the MLP's
+    # The o, gate/up, down and q/k/v products are the library's operator, and the MLP's
     # SiLU(gate) * up is inside the down product, not a kernel of its own.
-    assert matvec["one_layer"] == [
+    assert default["one_layer"] == [
         "cudagraphs.rows_linear", "reduction", "cudagraphs.rows_linear",
         "cudagraphs.gated_linear", "reduction", "cudagraphs.rows_linear", "pointwise",
         "cudagraphs_bench.one_token_attention",
     ]  # fmt: skip
+    # fuse_projections(model) first: the fused groups stay, the rest is Inductor's as before.
+    assert cublas["one_layer"].count("cudagraphs.rows_linear") == 2, cublas["one_layer"]
+    assert "cudagraphs.gated_linear" not in cublas["one_layer"]
+    assert cublas["launches_per_layer"] > default["launches_per_layer"]

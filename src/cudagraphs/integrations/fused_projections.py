@@ -178,6 +178,9 @@ class _Group:
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
             return F.linear(x, weights[index], biases[index])  # the operator has no backward
         fused = rows_linear(x, weights, [b for b in biases if b is not None], self.matvec)
+        if len(self.members) == 1:
+            # Nothing to hand out: keeping ``x`` would only give a compiler a tensor to guard on.
+            return fused
         outputs = list(fused.split(self.sizes, dim=-1))
         out = outputs[index]
         outputs[index] = None
@@ -245,18 +248,34 @@ def fuse_projections(model: nn.Module, matvec: bool = False) -> FusionReport:
     the report lists what was fused and what was not, and why. ``matvec``: a product of one
     row (batch-1 decoding) runs the Triton kernel of ``integrations/matvec.py`` where it
     applies, the output and down projections' too (:data:`SINGLES`, ``report.one_row``);
-    groups fused by an earlier call keep their own setting."""
+    groups fused by an earlier call keep their own setting, and a module whose group an
+    earlier call fused without the kernel keeps its single projection and activation as they
+    are (the user's ``fuse_projections(model)`` before a ``Decoder`` keeps cuBLAS's products).
+
+    Right::
+
+        fuse_projections(model, matvec=True)   # batch-1 decoding: every one-row product on
+                                               # the kernel; other batches run F.linear
+
+    Wrong::
+
+        fuse_projections(model, matvec="yes")  # ConfigError: matvec is a bool
+    """
     check_bool("matvec", matvec, "it says whether a one-row product runs the Triton kernel")
     report = FusionReport()
     for name, module in model.named_modules():
+        kept = False  # a group of this module fused earlier without the kernel: keep it so
         for group in GROUPS + (SINGLES if matvec else ()):
             members = [getattr(module, n, None) for n in group]
             if not all(isinstance(m, nn.Module) for m in members):
+                continue
+            if len(group) == 1 and kept:
                 continue
             label = f"{name or type(model).__name__}: {'+'.join(group)}"
             done = report.fused if len(group) > 1 else report.one_row
             if all(type(m) is FusedLinear for m in members):
                 done.append(label)  # by an earlier call (another Decoder of the model)
+                kept = kept or not members[0]._fused_group.matvec
                 continue
             why = _why_not(members)
             if why:

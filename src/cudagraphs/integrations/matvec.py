@@ -5,7 +5,7 @@ the weight once and does little else, so its speed is the memory bandwidth it re
 general matrix kernels a library picks for such shapes reach a fraction of it on small weights
 (`benchmarks/gemv_probe.py` times them side by side). :func:`matvec` is a kernel for exactly
 that case: one program per block of output rows, each looping over the inputs, the sums kept in
-float32.
+float32 per row and input column and added across columns once, after the loop.
 
 It is used only where :func:`applies`: a CUDA tensor of one row, half or bfloat16, a contiguous
 weight. Everything else (a batch of rows, float32, the CPU) is ``F.linear``. Under Triton's
@@ -37,7 +37,16 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-__all__ = ["applies", "applies_gated", "gated_matvec", "linear", "matvec"]
+__all__ = [
+    "BLOCKS",
+    "applies",
+    "applies_gated",
+    "gated_matvec",
+    "linear",
+    "matvec",
+    "one_row_kernel",
+    "tune",
+]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # Decided at import, as Triton decides: its interpreter runs kernels on CPU tensors.
@@ -116,31 +125,36 @@ def _launch(
     return out if bias is None else out + bias
 
 
+#: (rows, inputs) per program that the library tunes over: 4 to 16 rows of a weight, 256 to
+#: 1024 of its inputs a load, so each program keeps a few thousand float32 sums.
+BLOCKS: tuple[tuple[int, int], ...] = ((4, 1024), (8, 512), (8, 1024), (16, 256), (16, 512))
+
+
 @functools.cache
-def _kernel() -> Any:
-    """The launcher ``(x, weight, out, N, K, gated)``, built on first use; ``None`` without
-    Triton."""
+def one_row_kernel() -> Any:
+    """The Triton kernel ``(x, weight, out, N, K, GATED, BLOCK_N, BLOCK_K)`` before any tuning
+    (``None`` without Triton): one program per ``BLOCK_N`` rows of the weight, looping over
+    ``BLOCK_K`` inputs at a time. Each program keeps a float32 sum per row and input column and
+    adds across columns once, after the loop, so a step of the loop is loads and multiply-adds
+    alone. ``GATED``: ``x`` is ``[gate, up]`` and the product's input is SiLU(gate) * up.
+
+    For tuning it over other block sizes (``benchmarks/gemv_probe.py`` does); :func:`matvec`
+    and :func:`gated_matvec` are the tuned products.
+    """
     try:
         import triton
         import triton.language as tl
     except ImportError:
         return None
 
-    configs = [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w)
-        for n in (8, 16, 32)
-        for k in (256, 512)
-        for w in (4, 8)
-    ]
-
     @triton.jit
-    def kernel(  # type: ignore[no-untyped-def]
+    def one_row_product(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, out_ptr, N, K,
         GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             k = start + cols
             w = tl.load(
@@ -154,8 +168,40 @@ def _kernel() -> Any:
                 gate = x.to(tl.float32)
                 act = (gate * tl.sigmoid(gate)).to(up.dtype).to(tl.float32)
                 x = (act * up.to(tl.float32)).to(up.dtype)
-            acc += tl.sum(w.to(tl.float32) * x[None, :].to(tl.float32), axis=1)
-        tl.store(out_ptr + rows, acc.to(out_ptr.dtype.element_ty), mask=rows < N)
+            acc += w.to(tl.float32) * x[None, :].to(tl.float32)
+        total = tl.sum(acc, axis=1)
+        tl.store(out_ptr + rows, total.to(out_ptr.dtype.element_ty), mask=rows < N)
+
+    return one_row_product
+
+
+def tune(kernel: Any, blocks: tuple[tuple[int, int], ...]) -> Any:
+    """``kernel`` under Triton's autotuner over ``blocks`` (rows, inputs), 4 or 8 warps and 2
+    or 4 pipelined loads, keyed on the weight's shape; the timings kept in Triton's cache on
+    disk where this Triton can (a second process does not time them again)."""
+    import inspect
+
+    import triton
+
+    configs = [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n, k in blocks
+        for w in (4, 8)
+        for s in (2, 4)
+    ]
+    cached = "cache_results" in inspect.signature(triton.autotune).parameters
+    keep = {"cache_results": True} if cached else {}
+    return triton.autotune(configs=configs, key=["N", "K", "GATED"], **keep)(kernel)
+
+
+@functools.cache
+def _kernel() -> Any:
+    """The launcher ``(x, weight, out, N, K, gated)``, built on first use; ``None`` without
+    Triton."""
+    kernel = one_row_kernel()
+    if kernel is None:
+        return None
+    import triton
 
     if _INTERPRETED:  # the interpreter has no timer to tune with: one configuration
         one = {"BLOCK_N": 16, "BLOCK_K": 256}
@@ -167,7 +213,7 @@ def _kernel() -> Any:
 
         return launch
 
-    tuned = triton.autotune(configs=configs, key=["N", "K", "GATED"])(kernel)
+    tuned = tune(kernel, BLOCKS)
 
     def launch(
         x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, n: int, k: int, gated: bool

@@ -143,7 +143,11 @@ class Decoder:
         fuse: compute each layer's q, k and v, and gate and up, as one product each
             (``integrations/fused_projections.py``): the model's parameters become views of
             one buffer per group, in place, so in-place weight updates are seen by the next
-            token. ``stats.unfused`` lists the groups that did not match, and why.
+            token. ``stats.unfused`` lists the groups that did not match, and why. A product
+            of one row (batch 1, half or bfloat16, on a GPU with Triton) runs the one-row
+            Triton kernel (``integrations/matvec.py``), the MLP's SiLU(gate) * up inside its
+            down product; other batches run ``F.linear``. A model fused with
+            ``fuse_projections(model)`` beforehand keeps that fusion's products.
         grouped_attention: one token's attention over grouped key/value heads reads the cache
             as it is, instead of copying each key/value head over its query heads
             (``integrations/grouped_attention.py``: the model's attention becomes that
@@ -226,7 +230,7 @@ class Decoder:
         # Before anything is compiled or captured: the parameters become views of one buffer
         # per group (the same objects), which a trace or a capture then reads.
         if fuse:
-            fusion = fuse_projections(model)
+            fusion = fuse_projections(model, matvec=True)
             self.stats.fused_groups, self.stats.unfused = len(fusion.fused), fusion.refused
         # The cache has steps_per_graph - 1 spare positions: the last launch of a request may
         # run past its last token (those steps are thrown away).
