@@ -54,6 +54,7 @@ PRODUCTS = {
     "cublas": "cuBLAS's products (the model fused by fuse_projections(model) first)",
 }
 
+
 def kernel_class(name: str) -> str:
     lowered = name.lower()
     return next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")

@@ -50,10 +50,12 @@ def transformers_attention(model: Any) -> Iterator[None]:
 
 
 def generate_with_scores(
-    model: Any, prompt: torch.Tensor, new: int
+    model: Any, prompt: torch.Tensor, new: int, raw: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``model.generate``'s greedy output, exactly ``new`` tokens longer than the prompt, and
-    the logits it chose them from, ``[batch, new, vocab]``."""
+    the logits it chose them from, ``[batch, new, vocab]``: as its logits processors left them
+    (the end-of-sequence token at ``-inf`` while ``min_new_tokens`` holds it back), or the
+    model's own with ``raw``."""
     with torch.no_grad(), transformers_attention(model):
         out = model.generate(
             prompt,
@@ -62,10 +64,11 @@ def generate_with_scores(
             min_new_tokens=new,
             do_sample=False,
             pad_token_id=0,
-            output_scores=True,
+            output_scores=not raw,
+            output_logits=raw,
             return_dict_in_generate=True,
         )
-    return out.sequences, torch.stack(out.scores, dim=1)
+    return out.sequences, torch.stack(out.logits if raw else out.scores, dim=1)
 
 
 def reference_tokens(model: Any, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
@@ -81,10 +84,14 @@ def graph_decode(
     *,
     lazy: bool = False,
     wrap: Callable[[Any], Any] | None = None,
+    forced: torch.Tensor | None = None,
     **options: Any,
 ) -> tuple[torch.Tensor, Any, Any]:
     """Prefill eagerly, then decode token by token through ``cg.graph`` (default options unless
-    given). Returns the new tokens, the cache and the graphed step."""
+    given). Returns the new tokens, the cache and the graphed step. ``forced``: ``[batch,
+    new_tokens]`` tokens to feed instead of the step's own (teacher forcing), so that each
+    returned token is the step's choice after the reference's previous tokens and one near tie
+    does not change every later token."""
     from transformers import StaticCache
 
     from cudagraphs.integrations.kv_cache import cache_keyword
@@ -105,8 +112,9 @@ def graph_decode(
         position = torch.tensor([prompt.shape[1]], device=prompt.device)
         graphed = cg.graph(step, **options) if lazy else cg.graph(step, token, position, **options)
         tokens = [token]
-        for _ in range(new_tokens - 1):
-            token = graphed(token, position).clone()
+        for i in range(new_tokens - 1):
+            fed = token if forced is None else forced[:, i : i + 1]
+            token = graphed(fed, position).clone()
             position += 1
             tokens.append(token)
     return torch.cat(tokens, dim=1), cache, graphed

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from llama_decode import graph_decode, reference_tokens, tiny_llama
+from llama_decode import generate_with_scores, graph_decode, reference_tokens, tiny_llama
 from stateful_models import Counting, Flipping
 from torch import nn
 
@@ -395,12 +395,26 @@ def llama() -> tuple:
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("lazy", [False, True], ids=["examples", "lazy"])
 def test_static_cache_decode_equals_generate(llama: tuple, batch: int, lazy: bool) -> None:
+    """Each graphed step, fed ``generate``'s previous token, chooses the token of
+    ``generate``'s logits after that prefix (the model's own, before ``min_new_tokens`` holds
+    the end-of-sequence token back). ``generate`` keeps a dynamic cache, whose attention sums
+    in another order than the static cache's: where its two best logits are within float32
+    rounding of each other (a near tie) either choice is right, and a few such steps (under
+    5 %) may differ. A wrong cache (a position off, a stale key) changes nearly every token."""
     model, config = llama
+    torch.manual_seed(batch + 10 * lazy)
     prompt = torch.randint(0, 512, (batch, 8), device="cuda")
-    expected = reference_tokens(model, prompt, 64)
-    got, cache, graphed = graph_decode(model, config, prompt, 64, lazy=lazy)
+    sequences, logits = generate_with_scores(model, prompt, 64, raw=True)
+    fed = sequences[:, prompt.shape[1] :]
+    got, cache, graphed = graph_decode(model, config, prompt, 64, lazy=lazy, forced=fed)
     assert graphed.state is cg.State.CAPTURED
-    assert torch.equal(got, expected), (got != expected).float().mean().item()
+    best = logits.float().topk(2, dim=-1).values
+    near_tie = best[..., 0] - best[..., 1] < 1e-4 * best[..., 0].abs().max()
+    differ = got != logits.argmax(-1)
+    assert not (differ & ~near_tie).any() and differ.float().mean() < 0.05, (
+        differ.float().mean().item(),
+        (differ & ~near_tie).nonzero().tolist(),
+    )
     # Eager's cache after prefill (8) and 63 decode steps; warm-up's advances were put back.
     assert all(layer.cumulative_length.item() == 8 + 63 for layer in cache.layers)
     if not lazy:
@@ -467,7 +481,10 @@ def test_doctor_finds_nothing_blocking_on_transformers_forwards(llama: tuple, fa
     else:
         config = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=512)
         model = transformers.GPT2LMHeadModel(config).cuda().eval()
-    ids = torch.randint(0, 512, (2, 16), device="cuda")
+    # Seeded: the input is the same whatever ran before in this process.
+    ids = torch.randint(
+        0, 512, (2, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(16)
+    )
     with torch.no_grad():
         report = cg.doctor(model, ids)
         graphed = cg.graph(model, ids)
