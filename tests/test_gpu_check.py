@@ -23,3 +23,26 @@ def test_a_failure_is_named_with_where_it_stopped_and_its_message() -> None:
         "  - where: `/work/main/tests/test_decoder_cuda.py:110: AssertionError: assert (7 == 4)`",
     ]
     assert gpu_check.outcomes(["1 passed in 1.0s"], ("FAILED",)) == []
+
+
+def test_an_error_at_teardown_is_named_with_its_message_and_warnings_are_not_frames() -> None:
+    """An error in a fixture's teardown prints ``E   Error: message`` under an ``ERROR at
+    teardown`` header; the warnings summary below it holds ``path.py:LINE: Warning`` lines,
+    which are not where anything stopped."""
+    lines = [
+        "....E....",
+        "==================================== ERRORS ====================================",
+        "___ ERROR at teardown of test_resnet18[True] ____",
+        "[gw5] linux -- Python 3.12.3 /opt/torch/.venv/bin/python",
+        "E   AttributeError: 'cuBLASModule' object has no attribute 'allow_tf32'",
+        "=============================== warnings summary ===============================",
+        "/opt/venv/lib/python3.12/site-packages/pytest_benchmark/logger.py:44: "
+        "PytestBenchmarkWarning: Benchmarks are automatically disabled",
+        "ERROR tests/test_segments_cuda.py::test_resnet18[True]",
+        "280 passed, 1 error in 201.96s",
+    ]
+    got = load_script("gpu-check").outcomes(lines, ("FAILED", "ERROR"))
+    assert got == [
+        "  - `ERROR tests/test_segments_cuda.py::test_resnet18[True]`",
+        "  - where: `E   AttributeError: 'cuBLASModule' object has no attribute 'allow_tf32'`",
+    ]

@@ -180,22 +180,26 @@ def test_dynamo_backend_splits_at_graph_breaks_and_equals_eager() -> None:
 
 @torch.no_grad()
 @pytest.mark.parametrize("fuse", [True, False])
-def test_dynamo_backend_on_resnet18_equals_eager(
-    fuse: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_dynamo_backend_on_resnet18_equals_eager(fuse: bool) -> None:
     """Unfused, the pieces run eager's own kernels: equal to 1e-4. Fused, Inductor picks other
     convolution kernels: compared in full fp32 (TF32 off, as in eager), to 1e-4 as well."""
     torchvision = pytest.importorskip("torchvision")
-    if fuse:
-        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     torch.manual_seed(6)
     torch.compiler.reset()
     model = torchvision.models.resnet18().cuda().eval()
     compiled = torch.compile(model, backend=cg.backend(warmup=2, fuse=fuse))
-    for _ in range(5):
-        x = torch.randn(4, 3, 64, 64, device="cuda")
-        torch.testing.assert_close(compiled(x).clone(), model(x), rtol=1e-4, atol=1e-4)
+    precision = torch.get_float32_matmul_precision()
+    # Through the public switches, put back afterwards (torch 2.11 refuses to restore the
+    # legacy allow_tf32 attribute once set).
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=not fuse):
+        try:
+            if fuse:
+                torch.set_float32_matmul_precision("highest")
+            for _ in range(5):
+                x = torch.randn(4, 3, 64, 64, device="cuda")
+                torch.testing.assert_close(compiled(x).clone(), model(x), rtol=1e-4, atol=1e-4)
+        finally:
+            torch.set_float32_matmul_precision(precision)
 
 
 @torch.no_grad()
