@@ -40,7 +40,8 @@ from rich.console import Console
 #: Kernel classes by name, the first match wins (CUPTI's kernel names; on a CPU smoke run the
 #: operators' names, which mostly fall in "other").
 KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
+    # "attend": the library's one-token attention kernel (integrations/decode_attention.py).
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention", "attend")),
     ("products", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "aten::mm",
                   "aten::addmm", "aten::linear", "rows_linear", "one_row_product")),
     ("copies", ("copy", "memcpy", "memset", "fill")),
@@ -57,6 +58,8 @@ PRODUCTS = {
 
 def kernel_class(name: str) -> str:
     lowered = name.lower()
+    if lowered.startswith("triton_"):  # Inductor's, even where its name holds an operator's
+        return "fused (Inductor)"  # (a norm fused into the product's input: "..._rows_linear_")
     return next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
 
 

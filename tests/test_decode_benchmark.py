@@ -318,3 +318,16 @@ def test_the_roofline_divides_by_the_gpu_s_own_peak_bandwidth(
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: props)
     assert common.memory_bandwidth() == pytest.approx(expected)
+
+
+def test_the_profile_counts_the_library_s_kernels_in_their_classes() -> None:
+    """The one-row product and the one-token attention are the library's own Triton kernels:
+    counted with the products and the attention, not with Inductor's kernels or "other"."""
+    classify = _benchmark("decode_profile").kernel_class
+    assert classify("one_row_product") == "products"
+    assert classify("attend") == "attention"
+    assert classify("nvjet_sm90_tst_256x8_64x6_2x1_v_bz_TNT") == "products"
+    assert classify("triton_poi_fused_2") == "fused (Inductor)"
+    assert classify("triton_red_fused__to_copy_add_mean_mul_pow_rows_linear_rsqrt_8") == (
+        "fused (Inductor)"
+    )
