@@ -38,14 +38,15 @@ from decode import COORDINATE_DESCENT
 from rich.console import Console
 
 #: Kernel classes by name, the first match wins (CUPTI's kernel names; on a CPU smoke run the
-#: operators' names, which mostly fall in "other").
+#: operators' names, which mostly fall in "other"). Inductor's kernels first: their names hold
+#: the operators they were fused around ("..._rows_linear_rsqrt_8" is a norm, not a product).
 KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("fused (Inductor)", ("triton_",)),
     # "attend": the library's one-token attention kernel (integrations/decode_attention.py).
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention", "attend")),
     ("products", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "aten::mm",
                   "aten::addmm", "aten::linear", "rows_linear", "one_row_product")),
     ("copies", ("copy", "memcpy", "memset", "fill")),
-    ("fused (Inductor)", ("triton_",)),
 )  # fmt: skip
 
 
@@ -58,8 +59,6 @@ PRODUCTS = {
 
 def kernel_class(name: str) -> str:
     lowered = name.lower()
-    if lowered.startswith("triton_"):  # Inductor's, even where its name holds an operator's
-        return "fused (Inductor)"  # (a norm fused into the product's input: "..._rows_linear_")
     return next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
 
 
