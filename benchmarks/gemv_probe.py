@@ -13,6 +13,9 @@ that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
                 a one-row product into a reduction and tunes its blocks
   triton        the library's matrix-vector kernel (``integrations/matvec.py``: one program per
                 block of output rows, looping over the inputs), autotuned over its block sizes
+  triton-pdl    the library's kernel and blocks, each call launched with programmatic
+                dependent launch (Hopper and later): scheduled while the call before it
+                finishes, waiting for it before any load (``CUDAGRAPHS_PDL=1`` in the library)
   triton-wide   the same kernel (``matvec.one_row_kernel``), autotuned over a wider space:
                 fewer rows per program (more programs for the small products) and longer input
                 blocks (a whole row of 2048 inputs in one load); the chosen configuration is
@@ -93,21 +96,26 @@ def cycling(
     return lambda: product(weights[next(turn) % len(weights)])
 
 
-def wide_matvec() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def wide_matvec(
+    blocks: tuple[tuple[int, int], ...] = WIDE_BLOCKS, dependent: bool = False
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``F.linear(x, w)`` of one bf16 row by the library's kernel (``matvec.one_row_kernel``),
-    tuned over :data:`WIDE_BLOCKS`, or ``gated_matvec``'s product where ``x`` is ``[gate, up]``,
-    twice the weight's inputs wide; the returned function's ``tuned`` is Triton's autotuner."""
+    tuned over ``blocks``, or ``gated_matvec``'s product where ``x`` is ``[gate, up]``, twice
+    the weight's inputs wide; ``dependent``: launched with programmatic dependent launch. The
+    returned function's ``tuned`` is Triton's autotuner."""
     import triton
 
     from cudagraphs.integrations.matvec import one_row_kernel, tune
 
-    tuned = tune(one_row_kernel(), WIDE_BLOCKS)
+    tuned = tune(one_row_kernel(), blocks)
+    extra = {"launch_pdl": True} if dependent else {}
 
     def product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n, k = w.shape
         gated = x.shape[-1] == 2 * k  # [gate, up]: the gated down product
         out = torch.empty(1, n, device=x.device, dtype=x.dtype)
-        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, w, out, n, k, gated)
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        tuned[grid](x, w, out, n, k, gated, dependent, **extra)
         return out
 
     product.tuned = tuned  # type: ignore[attr-defined]
@@ -118,14 +126,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", help="write the rows here (rewritten after each row)")
     parser.add_argument(
-        "--ways", default="cublas,cublas-mv,inductor-cd,triton,triton-wide",
+        "--ways", default="cublas,cublas-mv,inductor-cd,triton,triton-pdl,triton-wide",
         help="comma-separated ways to time (cublas is always timed: the reference)",
     )  # fmt: skip
     args = parser.parse_args()
     chosen = {"cublas", *args.ways.split(",")}
     if not torch.cuda.is_available():
         raise SystemExit("gemv_probe.py needs a CUDA GPU")
-    from cudagraphs.integrations.matvec import gated_matvec, matvec
+    from cudagraphs.integrations.matvec import BLOCKS, gated_matvec, matvec
 
     torch.manual_seed(0)
     compiled = torch.compile(
@@ -135,6 +143,7 @@ def main() -> int:
         lambda gu: F.silu(gu[..., : gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2 :]
     )
     wide = wide_matvec()
+    dependent = wide_matvec(BLOCKS, dependent=True)  # the library's blocks, with PDL
     rows = []
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, one input row, "
@@ -154,12 +163,14 @@ def main() -> int:
             "inductor-cd": lambda w, x=x: compiled(x, w),
             "triton": lambda w, x=x: matvec(x, w),
             "triton-wide": lambda w, x=x: wide(x, w),
+            "triton-pdl": lambda w, x=x: dependent(x, w),
         }
         if gated:
             ways = {
                 "cublas": lambda w, x=x: F.linear(activation(x), w),
                 "triton": lambda w, x=x: gated_matvec(x, w),
                 "triton-wide": lambda w, x=x: wide(x, w),
+                "triton-pdl": lambda w, x=x: dependent(x, w),
             }
         ways = {way: product for way, product in ways.items() if way in chosen}
         expected = ways["cublas"](w).float()

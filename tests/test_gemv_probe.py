@@ -21,14 +21,14 @@ w = torch.randn(n, k, dtype=torch.bfloat16) / k**0.5
 for gated in (False, True):
     x = torch.randn(1, 2 * k if gated else k, dtype=torch.bfloat16)
     got = torch.empty(1, n, dtype=torch.bfloat16)
-    wide[(triton.cdiv(n, 16),)](x, w, got, n, k, gated, BLOCK_N=16, BLOCK_K=256)
+    wide[(triton.cdiv(n, 16),)](x, w, got, n, k, gated, False, BLOCK_N=16, BLOCK_K=256)
     mine = library.gated_matvec(x, w) if gated else library.matvec(x, w)
     assert torch.equal(got, mine), (gated, (got - mine).abs().max())
     act = (F.silu(x[:, :k].float()).bfloat16() * x[:, k:]).float() if gated else x.float()
     torch.testing.assert_close(got.float(), F.linear(act, w.float()), rtol=2e-2, atol=2e-2)
     for rows, inputs in gemv_probe.WIDE_BLOCKS[:3]:  # other shapes sum in other orders
         other = torch.empty_like(got)
-        wide[(triton.cdiv(n, rows),)](x, w, other, n, k, gated, BLOCK_N=rows, BLOCK_K=inputs)
+        wide[(triton.cdiv(n, rows),)](x, w, other, n, k, gated, False, BLOCK_N=rows, BLOCK_K=inputs)
         torch.testing.assert_close(other, got, rtol=2e-2, atol=2e-2)
 print("ok")
 """

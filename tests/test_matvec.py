@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import textwrap
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -161,6 +162,40 @@ def test_a_routed_single_projection_keeps_nothing_a_compile_would_guard_on() -> 
     assert counter.frame_count == 1, counter.frame_count
 
 
+def test_a_batch_of_rows_runs_the_model_s_own_operations_in_the_compiler_s_view() -> None:
+    """The output and down projections and the gated MLP go through the library's operators
+    for one row only: a compiled step of a batch (dynamic) holds the model's own products and
+    activation, which the compiler fuses and plans, and one trace serves every batch size; a
+    batch of 1 is its own trace, with the operators."""
+    from cudagraphs.tools.workloads import random_llama
+
+    model = random_llama("llama-tiny")
+    fuse_projections(model, matvec=True)
+    plain = random_llama("llama-tiny")
+    plain.load_state_dict(model.state_dict())
+    graphs: list[torch.fx.GraphModule] = []
+
+    def keep(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    def operators(gm: torch.fx.GraphModule) -> dict[str, int]:
+        names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        return {op: sum(op in name for name in names) for op in ("gated_linear", "rows_linear")}
+
+    torch._dynamo.reset()
+    step = torch.compile(model, backend=keep, dynamic=True)
+    with torch.no_grad():
+        for rows in (2, 3, 4, 1):
+            ids = torch.randint(0, 512, (rows, 1), generator=torch.Generator().manual_seed(rows))
+            torch.testing.assert_close(step(ids).logits, plain(ids).logits, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    layers = len(model.model.layers)
+    assert len(graphs) == 2, len(graphs)  # batches 2 to 4, then batch 1
+    assert operators(graphs[0]) == {"gated_linear": 0, "rows_linear": 2 * layers}
+    assert operators(graphs[1]) == {"gated_linear": layers, "rows_linear": 3 * layers}
+
+
 @pytest.mark.slow
 def test_a_compiled_decoder_of_a_model_on_the_one_row_kernel_gives_generate_s_tokens(
     fresh_compile_cache: object,
@@ -214,3 +249,19 @@ INTERPRETED = textwrap.dedent(
 @needs_triton
 def test_the_one_row_kernels_equal_the_model_s_operations_under_the_interpreter() -> None:
     run_under_interpreter(LOOPS_OVER_ARGUMENTS + "\nsys.path.insert(0, 'src')\n" + INTERPRETED)
+
+
+def test_programmatic_dependent_launch_is_asked_for_and_needs_a_hopper_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``CUDAGRAPHS_PDL=1`` asks for it; off by default, and never on the CPU."""
+    from cudagraphs.integrations import matvec as mv
+
+    mv.pdl.cache_clear()
+    try:
+        assert not mv.pdl(torch.device("cpu"))
+        monkeypatch.setenv(mv.PDL_VARIABLE, "1")
+        mv.pdl.cache_clear()
+        assert not mv.pdl(torch.device("cpu"))
+    finally:
+        mv.pdl.cache_clear()

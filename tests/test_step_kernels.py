@@ -70,3 +70,24 @@ def test_a_layer_writes_its_cache_and_rotates_its_query_in_one_kernel(tmp_path: 
     assert cublas["one_layer"].count("cudagraphs.rows_linear") == 2, cublas["one_layer"]
     assert "cudagraphs.gated_linear" not in cublas["one_layer"]
     assert cublas["launches_per_layer"] > default["launches_per_layer"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    torch.version.cuda is None or importlib.util.find_spec("triton") is None,
+    reason="writing CUDA code takes a CUDA build of torch with Triton (no GPU needed)",
+)
+def test_a_batch_of_rows_launches_what_a_user_s_own_fusion_launches(tmp_path: Path) -> None:
+    """At batch 2 the one-row kernel cannot apply: the Decoder's step launches what it
+    launches on a model the user fused beforehand (cuBLAS's products, Inductor's fused
+    activation), none of the one-row operators."""
+    out = tmp_path / "kernels.json"
+    subprocess.run(
+        [sys.executable, "benchmarks/step_kernels.py", "--model", "llama-tiny", "--batch", "2",
+         "--variants", "default,cublas", "--json", str(out)],
+        cwd=ROOT, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    default, cublas = json.loads(out.read_text())
+    assert default["one_layer"] == cublas["one_layer"], (default["one_layer"], cublas["one_layer"])
+    assert "cudagraphs.gated_linear" not in default["one_layer"]
+    assert default["one_layer"].count("mm") == 2  # the output and down products

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from .matvec import pdl
+
 __all__ = ["MAX_POSITIONS", "applies", "computed_once", "decode_attention", "fits"]
 
 #: The longest cache the kernel takes: one program per key/value head walks every position, so
@@ -141,6 +143,8 @@ def _decode_attention_op(
     # to 32 KiB of keys per block so that a block's keys and values fit in shared memory.
     widest = max(16, (32 * 1024) // (size * query.element_size()))
     block = min(max(16, 1 << (positions - 1).bit_length()), MAX_POSITIONS, widest)
+    dependent = pdl(query.device)  # programmatic dependent launch, as the one-row products
+    extra = {"launch_pdl": True} if dependent else {}
     _kernel()[(batch * kv_heads,)](
         query, key, value, mask_arg, out, positions, kv_heads, scale,
         query.stride(0), query.stride(1), query.stride(3),
@@ -149,8 +153,8 @@ def _decode_attention_op(
         mask_strides[0], mask_strides[1],
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), HEAD_SIZE=size,
-        BLOCK=block, HAS_MASK=has_mask, IEEE=query.dtype == torch.float32,
-        num_warps=8 if block * size >= 128 * 64 else 4, num_stages=1,
+        BLOCK=block, HAS_MASK=has_mask, IEEE=query.dtype == torch.float32, PDL=dependent,
+        num_warps=8 if block * size >= 128 * 64 else 4, num_stages=1, **extra,
     )  # fmt: skip
     return out
 
@@ -194,8 +198,11 @@ def _kernel() -> Any:
         q_ptr, k_ptr, v_ptr, mask_ptr, out_ptr, positions, kv_heads, scale,
         sq_b, sq_h, sq_d, sk_b, sk_h, sk_p, sk_d, sv_b, sv_h, sv_p, sv_d, sm_b, sm_p, so_b, so_h,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
-        BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr,
+        BLOCK: tl.constexpr, HAS_MASK: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # before any load: the kernel before this one may still be writing q, k, v
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         row = pid // kv_heads
         kv_head = pid % kv_heads

@@ -47,11 +47,12 @@ computes its own rows afresh. Models whose layers already hold one projection pe
 
 With ``matvec=True`` a product of one row runs the Triton kernel of ``integrations/matvec.py``,
 and the output and down projections, which stay one product each, are routed through the same
-operator (their weights not copied): one launch each where cuBLAS may launch two. An MLP of
-SiLU(gate) times up (Llama, Qwen, Mistral) gets a class of its own whose forward is the fused
-gate/up product and :func:`gated_linear`, the activation computed inside the down product
-(``report.gated``); while its projections or activation are changed, it runs its class's own
-forward.
+operator for one row (their weights not copied): one launch each where cuBLAS may launch two.
+An MLP of SiLU(gate) times up (Llama, Qwen, Mistral) gets a class of its own whose forward,
+for one row, is the fused gate/up product and :func:`gated_linear`, the activation computed
+inside the down product (``report.gated``). Other batches, and an MLP whose projections or
+activation were changed since, run the model's own operations (``F.linear``, the class's own
+forward), which a compiler sees into.
 
 Where a layer does not match (a projection that is not a plain ``nn.Linear``, differing input
 sizes, dtypes or devices, a bias on some but not all), that layer is left as it was, and the
@@ -61,6 +62,7 @@ report says why.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +80,7 @@ __all__ = [
     "FusionReport",
     "fuse_projections",
     "gated_linear",
+    "one_row",
     "rows_linear",
     "unfuse_projections",
 ]
@@ -173,6 +176,10 @@ class _Group:
             return out
         weights = [m.weight for m in self.members]
         biases = [m.bias for m in self.members]
+        if len(self.members) == 1 and not one_row(x):
+            # Routed only for the one-row kernel: any other batch stays in the compiler's
+            # view, which plans its output and fuses its neighbours.
+            return F.linear(x, weights[0], biases[0])
         if any(b is None for b in biases) and not all(b is None for b in biases):
             return F.linear(x, weights[index], biases[index])  # a bias removed since fusing
         if torch.is_grad_enabled() and any(w.requires_grad for w in weights):
@@ -263,6 +270,7 @@ def fuse_projections(model: nn.Module, matvec: bool = False) -> FusionReport:
     """
     check_bool("matvec", matvec, "it says whether a one-row product runs the Triton kernel")
     report = FusionReport()
+    copied = False  # a group's weights copied into a new buffer on a GPU
     for name, module in model.named_modules():
         kept = False  # a group of this module fused earlier without the kernel: keep it so
         for group in GROUPS + (SINGLES if matvec else ()):
@@ -281,13 +289,24 @@ def fuse_projections(model: nn.Module, matvec: bool = False) -> FusionReport:
             if why:
                 report.refused.append(f"{label}: {why}")
                 continue
-            _fuse(members, matvec)
+            copied = _fuse(members, matvec) or copied
             done.append(label)
         if matvec and _gates(module):
             if not getattr(module, "_ungated_class", None):
                 _gate(module)
             report.gated.append(f"{name or type(model).__name__}: SiLU(gate) * up into down_proj")
+    if copied and torch.cuda.is_available():
+        # The weights' old storages are free now, but the caching allocator keeps them
+        # reserved, and a fused buffer is larger than any block it freed: give them back.
+        torch.cuda.empty_cache()
     return report
+
+
+def one_row(x: torch.Tensor) -> bool:
+    """Whether ``x`` is one row of inputs (every dimension but the last of size 1): what the
+    one-row kernel takes. Under ``torch.compile`` a batch dimension of 1 is its own graph
+    (Dynamo specializes sizes 0 and 1), so a dynamic batch adds no guard here."""
+    return math.prod(x.shape[:-1]) == 1
 
 
 def _silu(act: Any) -> bool:
@@ -321,7 +340,8 @@ def _gated_class(mlp_class: type) -> type:
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
         weights = (gate.weight, up.weight, down.weight)
         training = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
-        if _gates(self) and not training and (gate.bias is None) == (up.bias is None):
+        plain = training or not one_row(x) or (gate.bias is None) != (up.bias is None)
+        if _gates(self) and not plain:
             biases = [b for b in (gate.bias, up.bias) if b is not None]
             fused = rows_linear(x, [gate.weight, up.weight], biases, gate._fused_group.matvec)
             return gated_linear(fused, down.weight, down.bias)
@@ -334,7 +354,9 @@ def _gated_class(mlp_class: type) -> type:
     return gated
 
 
-def _fuse(members: Sequence[nn.Linear], matvec: bool = False) -> None:
+def _fuse(members: Sequence[nn.Linear], matvec: bool = False) -> bool:
+    """Fuse ``members`` in place; whether their weights were copied into a buffer on a GPU."""
+    copied = len(members) > 1 and members[0].weight.is_cuda
     with torch.no_grad():
         for attribute in ("weight", "bias") if len(members) > 1 else ():  # one: as it is
             params = [getattr(m, attribute) for m in members]
@@ -352,6 +374,7 @@ def _fuse(members: Sequence[nn.Linear], matvec: bool = False) -> None:
         # Set on the instance without registering a submodule (nothing new in state_dict).
         object.__setattr__(m, "_fused_group", group)
         object.__setattr__(m, "_fused_index", index)
+    return copied
 
 
 def unfuse_projections(model: nn.Module) -> int:

@@ -39,18 +39,24 @@ from torch.nn import functional as F
 
 __all__ = [
     "BLOCKS",
+    "PDL_VARIABLE",
     "applies",
     "applies_gated",
     "gated_matvec",
     "linear",
     "matvec",
     "one_row_kernel",
+    "pdl",
     "tune",
 ]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # Decided at import, as Triton decides: its interpreter runs kernels on CPU tensors.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+#: Experimental, off unless ``CUDAGRAPHS_PDL=1``: launch the kernel with programmatic dependent
+#: launch on Hopper and later GPUs, so that it is scheduled while the kernel before it
+#: finishes and waits (``griddepcontrol.wait``) before reading anything.
+PDL_VARIABLE = "CUDAGRAPHS_PDL"
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, inputs_per_column: int = 1) -> bool:
@@ -121,7 +127,7 @@ def _launch(
 ) -> torch.Tensor:
     n, k = weight.shape
     out = torch.empty(*x.shape[:-1], n, device=x.device, dtype=x.dtype)
-    _kernel()(x.reshape(-1), weight, out.reshape(n), n, k, gated)
+    _kernel()(x.reshape(-1), weight, out.reshape(n), n, k, gated, pdl(x.device))
     return out if bias is None else out + bias
 
 
@@ -132,11 +138,13 @@ BLOCKS: tuple[tuple[int, int], ...] = ((4, 1024), (8, 512), (8, 1024), (16, 256)
 
 @functools.cache
 def one_row_kernel() -> Any:
-    """The Triton kernel ``(x, weight, out, N, K, GATED, BLOCK_N, BLOCK_K)`` before any tuning
+    """The Triton kernel ``(x, weight, out, N, K, GATED, PDL, BLOCK_N, BLOCK_K)`` before any tuning
     (``None`` without Triton): one program per ``BLOCK_N`` rows of the weight, looping over
     ``BLOCK_K`` inputs at a time. Each program keeps a float32 sum per row and input column and
     adds across columns once, after the loop, so a step of the loop is loads and multiply-adds
     alone. ``GATED``: ``x`` is ``[gate, up]`` and the product's input is SiLU(gate) * up.
+    ``PDL``: launched with programmatic dependent launch (``launch_pdl=True``), it waits for the
+    kernel before it ahead of any load and lets the next one be scheduled at once.
 
     For tuning it over other block sizes (``benchmarks/gemv_probe.py`` does); :func:`matvec`
     and :func:`gated_matvec` are the tuned products.
@@ -150,8 +158,11 @@ def one_row_kernel() -> Any:
     @triton.jit
     def one_row_product(  # type: ignore[no-untyped-def]
         x_ptr, w_ptr, out_ptr, N, K,
-        GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GATED: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
+        if PDL:  # before any load: the kernel before this one may still be writing x
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -207,20 +218,33 @@ def _kernel() -> Any:
         one = {"BLOCK_N": 16, "BLOCK_K": 256}
 
         def launch(
-            x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, n: int, k: int, gated: bool
-        ) -> None:
-            kernel[(triton.cdiv(n, one["BLOCK_N"]),)](x, weight, out, n, k, gated, **one)
+            x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, n: int, k: int,
+            gated: bool, dependent: bool,
+        ) -> None:  # fmt: skip
+            kernel[(triton.cdiv(n, one["BLOCK_N"]),)](x, weight, out, n, k, gated, False, **one)
 
         return launch
 
     tuned = tune(kernel, BLOCKS)
 
     def launch(
-        x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, n: int, k: int, gated: bool
-    ) -> None:
-        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, weight, out, n, k, gated)
+        x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, n: int, k: int, gated: bool,
+        dependent: bool,
+    ) -> None:  # fmt: skip
+        grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
+        extra = {"launch_pdl": True} if dependent else {}
+        tuned[grid](x, weight, out, n, k, gated, dependent, **extra)
 
     return launch
+
+
+@functools.cache
+def pdl(device: torch.device) -> bool:
+    """Whether the kernel runs with programmatic dependent launch on ``device``: asked for with
+    ``CUDAGRAPHS_PDL=1`` (read on first use), on a CUDA GPU of compute capability 9 (Hopper)
+    or later, not under Triton's interpreter."""
+    wanted = os.environ.get(PDL_VARIABLE) == "1" and not _INTERPRETED
+    return wanted and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
