@@ -12,10 +12,11 @@ that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
   inductor-cd   ``torch.compile`` of the same with ``coordinate_descent_tuning``: Inductor turns
                 a one-row product into a reduction and tunes its blocks
   triton        the library's matrix-vector kernel (``integrations/matvec.py``: one program per
-                block of output rows, looping over the inputs), autotuned over its block sizes
+                block of output rows, looping over the inputs), autotuned over its block
+                sizes, launched as any kernel (the library's launch with ``CUDAGRAPHS_PDL=0``)
   triton-pdl    the library's kernel and blocks, each call launched with programmatic
-                dependent launch (Hopper and later): scheduled while the call before it
-                finishes, waiting for it before any load (``CUDAGRAPHS_PDL=1`` in the library)
+                dependent launch, as the library launches it on Hopper and later GPUs:
+                scheduled while the call before it finishes, waiting for it before any load
   triton-wide   the same kernel (``matvec.one_row_kernel``), autotuned over a wider space:
                 fewer rows per program (more programs for the small products) and longer input
                 blocks (a whole row of 2048 inputs in one load); the chosen configuration is
@@ -23,8 +24,8 @@ that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
 
 and the down projection of a gated MLP from the fused gate/up product ``[gate, up]``: ``cublas``
 is Inductor's one kernel for SiLU(gate) * up and then ``F.linear``, as a compiled step runs it;
-``triton`` is ``gated_matvec``, the activation computed as the kernel reads its inputs, and
-``triton-wide`` the same over the wider space.
+``triton`` is ``gated_matvec``'s kernel, the activation computed as the kernel reads its
+inputs, and ``triton-wide`` the same over the wider space.
 
 Each is captured in a CUDA graph of 20 calls and replayed, so launch gaps are as in a decode
 graph; µs per call is the median of 7 replays. GB/s counts the weight's bytes once per call.
@@ -133,7 +134,7 @@ def main() -> int:
     chosen = {"cublas", *args.ways.split(",")}
     if not torch.cuda.is_available():
         raise SystemExit("gemv_probe.py needs a CUDA GPU")
-    from cudagraphs.integrations.matvec import BLOCKS, gated_matvec, matvec
+    from cudagraphs.integrations.matvec import BLOCKS
 
     torch.manual_seed(0)
     compiled = torch.compile(
@@ -143,7 +144,8 @@ def main() -> int:
         lambda gu: F.silu(gu[..., : gu.shape[-1] // 2]) * gu[..., gu.shape[-1] // 2 :]
     )
     wide = wide_matvec()
-    dependent = wide_matvec(BLOCKS, dependent=True)  # the library's blocks, with PDL
+    plain = wide_matvec(BLOCKS)  # the library's kernel and blocks, without PDL
+    dependent = wide_matvec(BLOCKS, dependent=True)  # the same, with PDL
     rows = []
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16, one input row, "
@@ -161,14 +163,14 @@ def main() -> int:
             "cublas": lambda w, x=x: F.linear(x, w),
             "cublas-mv": lambda w, x=x: torch.mv(w, x[0]).unsqueeze(0),
             "inductor-cd": lambda w, x=x: compiled(x, w),
-            "triton": lambda w, x=x: matvec(x, w),
+            "triton": lambda w, x=x: plain(x, w),
             "triton-wide": lambda w, x=x: wide(x, w),
             "triton-pdl": lambda w, x=x: dependent(x, w),
         }
         if gated:
             ways = {
                 "cublas": lambda w, x=x: F.linear(activation(x), w),
-                "triton": lambda w, x=x: gated_matvec(x, w),
+                "triton": lambda w, x=x: plain(x, w),
                 "triton-wide": lambda w, x=x: wide(x, w),
                 "triton-pdl": lambda w, x=x: dependent(x, w),
             }

@@ -66,8 +66,8 @@ def test_fusing_gives_the_old_weights_memory_back() -> None:
     """The weights copied into fused buffers free their old storages, and fusing gives back
     every segment of the caching allocator that this leaves unused: ``memory_reserved()`` is
     what ``torch.cuda.empty_cache()`` would leave, and the live memory is the same weights.
-    Without it, the old storages stayed reserved (the Decoder's memory growth at batch 1). The
-    1.1 B Llama shape: its gate and up weights are large enough to hold segments of their own."""
+    Without it, the old storages would stay reserved, unused. The 1.1 B Llama shape: its gate
+    and up weights are large enough to hold segments of their own."""
     from cudagraphs.integrations.fused_projections import fuse_projections
 
     model = random_llama("llama-2048", "cuda", torch.bfloat16)

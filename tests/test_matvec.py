@@ -251,17 +251,38 @@ def test_the_one_row_kernels_equal_the_model_s_operations_under_the_interpreter(
     run_under_interpreter(LOOPS_OVER_ARGUMENTS + "\nsys.path.insert(0, 'src')\n" + INTERPRETED)
 
 
-def test_programmatic_dependent_launch_is_asked_for_and_needs_a_hopper_gpu(
+def test_programmatic_dependent_launch_is_on_for_hopper_gpus_unless_turned_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``CUDAGRAPHS_PDL=1`` asks for it; off by default, and never on the CPU."""
+    """On by default where the GPU has it (compute capability 9 and later), off with
+    ``CUDAGRAPHS_PDL=0``, never on the CPU nor on an older GPU."""
     from cudagraphs.integrations import matvec as mv
 
-    mv.pdl.cache_clear()
+    capability = {"value": (9, 0)}
+    monkeypatch.setattr(
+        torch.cuda, "get_device_capability", lambda device=None: capability["value"]
+    )
+    monkeypatch.delenv(mv.PDL_VARIABLE, raising=False)
+    gpu = torch.device("cuda", 0)
+
+    def fresh() -> None:
+        mv.pdl_requested.cache_clear()
+        mv.pdl.cache_clear()
+
     try:
-        assert not mv.pdl(torch.device("cpu"))
+        fresh()
+        assert mv.pdl(gpu) and not mv.pdl(torch.device("cpu"))
+        capability["value"] = (8, 0)
+        fresh()
+        assert not mv.pdl(gpu)
+        capability["value"] = (10, 0)
+        fresh()
+        assert mv.pdl(gpu)
+        monkeypatch.setenv(mv.PDL_VARIABLE, "0")
+        fresh()
+        assert not mv.pdl_requested() and not mv.pdl(gpu)
         monkeypatch.setenv(mv.PDL_VARIABLE, "1")
-        mv.pdl.cache_clear()
-        assert not mv.pdl(torch.device("cpu"))
+        fresh()
+        assert mv.pdl(gpu)
     finally:
-        mv.pdl.cache_clear()
+        fresh()

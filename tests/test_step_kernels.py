@@ -18,16 +18,35 @@ from cudagraphs.integrations.compiled import STEP_OPTIONS, step_settings
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_step_compiles_with_combo_kernels_unless_the_caller_says_otherwise() -> None:
-    assert step_settings(True) == {"mode": None, "options": dict(STEP_OPTIONS)}
-    assert STEP_OPTIONS["combo_kernels"] is True
-    mine = step_settings({"combo_kernels": False, "coordinate_descent_tuning": True})
-    assert mine["options"] == {"combo_kernels": False, "coordinate_descent_tuning": True}
-    # torch.compile takes a mode or options, never both: a mode goes as it is.
-    assert step_settings("max-autotune-no-cudagraphs") == {
-        "mode": "max-autotune-no-cudagraphs",
-        "options": None,
-    }
+def test_a_step_compiles_with_combo_kernels_and_pdl_unless_the_caller_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from cudagraphs.integrations import matvec
+
+    monkeypatch.delenv(matvec.PDL_VARIABLE, raising=False)
+    matvec.pdl_requested.cache_clear()
+    try:
+        launch = {"triton.enable_pdl": True}
+        assert step_settings(True) == {"mode": None, "options": {**STEP_OPTIONS, **launch}}
+        assert STEP_OPTIONS["combo_kernels"] is True
+        mine = step_settings({"combo_kernels": False, "coordinate_descent_tuning": True})
+        assert mine["options"] == {
+            "combo_kernels": False, "coordinate_descent_tuning": True, **launch
+        }  # fmt: skip
+        no_pdl = step_settings({"triton.enable_pdl": False})["options"]
+        assert no_pdl["triton.enable_pdl"] is False
+        # torch.compile takes a mode or options, never both: a mode goes as it is.
+        assert step_settings("max-autotune-no-cudagraphs") == {
+            "mode": "max-autotune-no-cudagraphs",
+            "options": None,
+        }
+        # CUDAGRAPHS_PDL=0 turns it off for Inductor's kernels as for the library's.
+        monkeypatch.setenv(matvec.PDL_VARIABLE, "0")
+        matvec.pdl_requested.cache_clear()
+        assert step_settings(True) == {"mode": None, "options": dict(STEP_OPTIONS)}
+    finally:
+        matvec.pdl_requested.cache_clear()
+        matvec.pdl.cache_clear()
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..core import compat
+from .matvec import pdl_requested
 from .saved_compile import SavedCompile, compile_key
 
 __all__ = [
@@ -61,11 +62,15 @@ STEP_OPTIONS: Mapping[str, Any] = {"combo_kernels": True}
 
 def step_settings(compile: bool | str | Mapping[str, Any]) -> dict[str, Any]:
     """:func:`compile_settings` for a decode step: :data:`STEP_OPTIONS` under ``True`` or a
-    mapping (whose own entries win, ``{"combo_kernels": False}`` turns it off); a mode name
+    mapping (whose own entries win, ``{"combo_kernels": False}`` turns it off), and Inductor's
+    programmatic dependent launch (``triton.enable_pdl``) as the library's one-row kernels use
+    it, unless ``CUDAGRAPHS_PDL=0`` (Inductor applies it on Hopper and later GPUs only; each of
+    its kernels waits for the one before it before touching what that one wrote). A mode name
     is passed as it is (``torch.compile`` takes a mode or options, never both)."""
     settings = compile_settings(compile)
     if settings["mode"] is None:
-        settings["options"] = {**STEP_OPTIONS, **(settings["options"] or {})}
+        launch = {"triton.enable_pdl": True} if pdl_requested() else {}
+        settings["options"] = {**STEP_OPTIONS, **launch, **(settings["options"] or {})}
     return settings
 
 

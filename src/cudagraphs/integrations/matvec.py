@@ -47,15 +47,17 @@ __all__ = [
     "matvec",
     "one_row_kernel",
     "pdl",
+    "pdl_requested",
     "tune",
 ]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 # Decided at import, as Triton decides: its interpreter runs kernels on CPU tensors.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-#: Experimental, off unless ``CUDAGRAPHS_PDL=1``: launch the kernel with programmatic dependent
-#: launch on Hopper and later GPUs, so that it is scheduled while the kernel before it
-#: finishes and waits (``griddepcontrol.wait``) before reading anything.
+#: On by default on Hopper and later GPUs, off with ``CUDAGRAPHS_PDL=0``: programmatic dependent
+#: launch schedules the kernel while the kernel before it finishes; it waits
+#: (``griddepcontrol.wait``) before reading or writing anything, so it never sees a half-written
+#: input. The Decoder's compiled step asks Inductor for the same (``triton.enable_pdl``).
 PDL_VARIABLE = "CUDAGRAPHS_PDL"
 
 
@@ -239,12 +241,22 @@ def _kernel() -> Any:
 
 
 @functools.cache
+def pdl_requested() -> bool:
+    """Whether programmatic dependent launch is wanted: unless ``CUDAGRAPHS_PDL=0`` (read on
+    first use), and never under Triton's interpreter. Where the GPU cannot do it, Triton and
+    Inductor launch as usual: :func:`pdl` asks the device."""
+    return os.environ.get(PDL_VARIABLE, "1") != "0" and not _INTERPRETED
+
+
+@functools.cache
 def pdl(device: torch.device) -> bool:
-    """Whether the kernel runs with programmatic dependent launch on ``device``: asked for with
-    ``CUDAGRAPHS_PDL=1`` (read on first use), on a CUDA GPU of compute capability 9 (Hopper)
-    or later, not under Triton's interpreter."""
-    wanted = os.environ.get(PDL_VARIABLE) == "1" and not _INTERPRETED
-    return wanted and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether the kernel runs with programmatic dependent launch on ``device``: wanted
+    (:func:`pdl_requested`), on a CUDA GPU of compute capability 9 (Hopper) or later."""
+    return (
+        pdl_requested()
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
