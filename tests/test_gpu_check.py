@@ -27,9 +27,11 @@ def test_a_failure_is_named_with_where_it_stopped_and_its_message() -> None:
 
 def test_an_error_at_teardown_is_named_with_its_message_and_warnings_are_not_frames() -> None:
     """An error in a fixture's teardown prints ``E   Error: message`` under an ``ERROR at
-    teardown`` header; the warnings summary below it holds ``path.py:LINE: Warning`` lines,
-    which are not where anything stopped."""
+    teardown`` header; a worker's start and the warnings summary below it hold
+    ``path.py:LINE: SomeWarning`` lines, which are not where anything stopped."""
     lines = [
+        "/opt/venv/lib/python3.12/site-packages/pytest_benchmark/logger.py:44: "
+        "PytestBenchmarkWarning: Benchmarks are automatically disabled",  # a worker's start
         "....E....",
         "==================================== ERRORS ====================================",
         "___ ERROR at teardown of test_resnet18[True] ____",
