@@ -45,7 +45,9 @@ run; the host's own ms per token (until the call returned, before waiting for th
 below the total, the GPU sets the pace);
 set-up seconds (compile, capture, first call), growth of torch.cuda.memory_reserved() beyond
 the weights (and in brackets of memory_allocated(): live tensors, without the blocks the
-caching allocator keeps after their tensors are freed), share of the weight-streaming roofline
+caching allocator keeps after their tensors are freed; the JSON also keeps the growth by the
+end of construction, ``build_growth_mib``, and a Decoder's count of its graphs' memory,
+``graph_mib``), share of the weight-streaming roofline
 (every step reads every weight once), and agreement of the tokens with ``hf eager``.
 ``--rung-memory`` instead measures, in fresh processes, the graph memory of all batch rungs
 against the largest alone, and runs a request mix of every batch size 1..max with no
@@ -311,6 +313,7 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
         clock = TokenClock()
         call = make_mode(name, model, batch, length, clock, args.max_length is not None)
         built = time.perf_counter() - start  # the Decoder's captures; transformers compiles later
+        built_growth = reserved() - before  # the rest of the growth comes with the first call
         tokens, _, _ = timed(lambda call=call: call(prompt, args.new))
         setup = time.perf_counter() - start  # construction plus the first call
         calls[name] = (call, clock)
@@ -319,6 +322,7 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
             "build_s": built,
             "memory_growth_mib": (reserved() - before) / 2**20,
             "live_growth_mib": (allocated() - live_before) / 2**20,
+            "build_growth_mib": built_growth / 2**20,
             "tokens": tokens[:, args.prompt :],
             "seconds": [],
             "host_seconds": [],
@@ -351,6 +355,8 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
             "build_s": row["build_s"],
             "memory_growth_mib": row["memory_growth_mib"],
             "live_growth_mib": row["live_growth_mib"],
+            "build_growth_mib": row["build_growth_mib"],
+            "graph_mib": _graph_mib(calls[name][0]),
             "roofline_share": tokens_per_s / roofline,
             "token_agreement": float((row["tokens"] == reference).float().mean()),
             "tokens_equal": bool(torch.equal(row["tokens"], reference)),
@@ -360,6 +366,13 @@ def run_batch(model: Any, modes: list[str], batch: int, args: argparse.Namespace
     del calls
     torch.compiler.reset()
     return out
+
+
+def _graph_mib(call: Any) -> float | None:
+    """The Decoder's own count of its graphs' memory (``stats.graph_bytes``), where the mode
+    is a Decoder: the part of the memory growth that its captures reserved."""
+    decoder = getattr(call, "decoder", None)
+    return None if decoder is None else decoder.stats.graph_bytes / 2**20
 
 
 def _replays(call: Any) -> dict[str, int] | None:
