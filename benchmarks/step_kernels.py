@@ -212,6 +212,20 @@ def launches(code: str) -> list[str]:
     return found
 
 
+_SOURCE = re.compile(r"async_compile\.triton\('(\w+)', '''(.*?)'''", re.S)
+
+
+def dependent_launches(code: str) -> dict[str, list[str]]:
+    """The Triton kernels of a wrapper compiled for programmatic dependent launch
+    (``launched``), and those of them whose source never waits for the kernel before it
+    (``gdc_wait``): ``without_wait``. A kernel launched that way must wait before it ends, or
+    one launched after it may read what the kernel before it is still writing."""
+    sources = dict(_SOURCE.findall(code))
+    launched = [name for name, source in sources.items() if "'launch_pdl': True" in source]
+    without = [name for name in launched if "gdc_wait" not in sources[name]]
+    return {"launched": launched, "without_wait": without}
+
+
 def _kind(name: str) -> str:
     if name.startswith("triton_"):
         return {"poi": "pointwise", "red": "reduction", "per": "reduction"}.get(
@@ -259,9 +273,12 @@ def step_launches(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     kinds: dict[str, int] = {}
     for name in step:
         kinds[_kind(name)] = kinds.get(_kind(name), 0) + 1
+    dependent = dependent_launches(steps[-1])
     return {
         "variant": variant,
         "compile_argument": repr(VARIANTS[variant]),
+        "dependent_kernels": len(dependent["launched"]),
+        "dependent_without_wait": dependent["without_wait"],
         "launches_per_step": len(step),
         "layers": layers,
         "launches_per_layer": second - first,

@@ -89,6 +89,11 @@ def test_a_layer_writes_its_cache_and_rotates_its_query_in_one_kernel(tmp_path: 
     assert cublas["one_layer"].count("cudagraphs.rows_linear") == 2, cublas["one_layer"]
     assert "cudagraphs.gated_linear" not in cublas["one_layer"]
     assert cublas["launches_per_layer"] > default["launches_per_layer"]
+    # Programmatic dependent launch: the step's Inductor kernels are compiled for it, and each
+    # waits for the kernel before it (none may end without waiting).
+    for run in (default, plain, cublas):
+        assert run["dependent_kernels"] > 0
+        assert run["dependent_without_wait"] == [], run["dependent_without_wait"]
 
 
 @pytest.mark.slow
@@ -110,3 +115,34 @@ def test_a_batch_of_rows_launches_what_a_user_s_own_fusion_launches(tmp_path: Pa
     assert default["one_layer"] == cublas["one_layer"], (default["one_layer"], cublas["one_layer"])
     assert "cudagraphs.gated_linear" not in default["one_layer"]
     assert default["one_layer"].count("mm") == 2  # the output and down products
+    assert default["dependent_kernels"] > 0 and default["dependent_without_wait"] == []
+
+
+def test_a_kernel_compiled_for_dependent_launch_that_never_waits_is_named() -> None:
+    """``step_kernels.dependent_launches`` reads the wrapper's kernel sources: one compiled
+    with ``launch_pdl`` and no ``gdc_wait`` is named, one that waits is not, and one compiled
+    without it is not counted."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        step_kernels = importlib.import_module("step_kernels")
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    quotes = "'" * 3
+
+    def kernel(name: str, launch_pdl: bool, body: str) -> str:
+        return (
+            f"{name} = async_compile.triton('{name}', {quotes}\n"
+            f"@triton_heuristics.pointwise(triton_meta={{'launch_pdl': {launch_pdl}}})\n"
+            f"@triton.jit\ndef {name}(in_ptr0, out_ptr0):\n{body}\n{quotes}, device_str='cuda')\n"
+        )
+
+    waits = "    tl.extra.cuda.gdc_wait()\n    tmp0 = tl.load(in_ptr0)"
+    code = (
+        kernel("triton_poi_fused_0", True, waits)
+        + kernel("triton_poi_fused_1", True, "    tl.store(out_ptr0, 0.0)")
+        + kernel("triton_poi_fused_2", False, "    tl.store(out_ptr0, 0.0)")
+    )
+    assert step_kernels.dependent_launches(code) == {
+        "launched": ["triton_poi_fused_0", "triton_poi_fused_1"],
+        "without_wait": ["triton_poi_fused_1"],
+    }
