@@ -238,3 +238,19 @@ def fresh_compile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
     real = compat.compile_cache
     monkeypatch.setattr(compat, "compile_cache", lambda: (str(tmp_path), real()[1]))
     return tmp_path
+
+
+@pytest.fixture
+def pdl_decided_afresh() -> Iterator[Any]:
+    """A function that makes ``integrations/matvec.py`` decide again whether kernels use
+    programmatic dependent launch (it decides once per process, from ``CUDAGRAPHS_PDL`` and the
+    device): call it after changing either. The decision is forgotten again after the test."""
+    from cudagraphs.integrations import matvec
+
+    def afresh() -> None:
+        matvec.pdl_requested.cache_clear()
+        matvec.pdl.cache_clear()
+
+    afresh()
+    yield afresh
+    afresh()

@@ -4,28 +4,18 @@ tokens."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from script_modules import load_benchmark
 
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _benchmark(name: str) -> Any:
-    """The module of ``benchmarks/{name}.py`` (its own imports, like ``common``, found beside it)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 @pytest.mark.slow
@@ -72,7 +62,7 @@ def test_a_single_request_on_the_batch_2_graph_decodes_the_same_tokens(tmp_path:
 
 
 def test_the_rung_memory_table_gives_the_ratio_and_the_request_mix() -> None:
-    decode = _benchmark("decode")
+    decode = load_benchmark("decode")
     mib = 1 << 20
     every = {"graph_bytes": 92 * mib, "graphs": 7, "setup_s": 1.5, "recaptures": 0,
              "requests": 64, "graphs_after": 7}  # fmt: skip
@@ -130,7 +120,7 @@ def test_the_decode_profile_counts_what_each_token_runs(tmp_path: Path) -> None:
     every = result["kernels"]  # all of them, each with its class: the classes' sums add up
     top = [(k["kernel"], k["us_per_token"]) for k in costliest]
     assert [(k["kernel"], k["us_per_token"]) for k in every[: len(top)]] == top
-    classify = _benchmark("decode_profile").kernel_class
+    classify = load_benchmark("decode_profile").kernel_class
     assert all(k["class"] == classify(k["kernel"]) for k in every)
     for name, totals in result["classes"].items():
         mine = [k for k in every if k["class"] == name]
@@ -165,7 +155,7 @@ def test_the_compile_cost_benchmark_times_every_variant(tmp_path: Path) -> None:
 
 
 def test_each_decoder_mode_builds_the_decoder_it_names() -> None:
-    decode = _benchmark("decode")
+    decode = load_benchmark("decode")
     assert decode._compile_of("cg compile autotune") == "max-autotune-no-cudagraphs"
     assert decode._compile_of("cg compile K=4") is True
     assert decode._compile_of("cg K=16") is False
@@ -173,7 +163,7 @@ def test_each_decoder_mode_builds_the_decoder_it_names() -> None:
 
 
 def test_the_startup_table_has_a_row_per_run_and_the_ratios() -> None:
-    decode_startup = _benchmark("decode_startup")
+    decode_startup = load_benchmark("decode_startup")
     mib = 1 << 20
 
     def row(setup: float, rungs: list[int], graphs: int, memory: int) -> dict[str, object]:
@@ -241,7 +231,7 @@ def test_the_second_process_profile_lists_the_costliest_calls_first() -> None:
     (what cProfile lost under Dynamo)."""
     import time
 
-    fusion = _benchmark("fusion")
+    fusion = load_benchmark("fusion")
 
     def slow() -> None:
         time.sleep(0.2)
@@ -276,7 +266,7 @@ def test_the_profile_s_gqa_attention_equals_the_library_s_grouped_one() -> None:
 
     from cudagraphs.integrations.grouped_attention import grouped_sdpa_attention
 
-    profile = _benchmark("decode_profile")
+    profile = load_benchmark("decode_profile")
     module = Heads(4)
     torch.manual_seed(2)
     query = torch.randn(2, 8, 1, 16)
@@ -312,7 +302,7 @@ def test_the_roofline_divides_by_the_gpu_s_own_peak_bandwidth(
     H200's figure would read 1.43 times too low."""
     from types import SimpleNamespace
 
-    common = _benchmark("common")
+    common = load_benchmark("common")
     props = SimpleNamespace(memory_clock_rate=1_593_000, memory_bus_width=5120)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
@@ -323,7 +313,7 @@ def test_the_roofline_divides_by_the_gpu_s_own_peak_bandwidth(
 def test_the_profile_counts_the_library_s_kernels_in_their_classes() -> None:
     """The one-row product and the one-token attention are the library's own Triton kernels:
     counted with the products and the attention, not with Inductor's kernels or "other"."""
-    classify = _benchmark("decode_profile").kernel_class
+    classify = load_benchmark("decode_profile").kernel_class
     assert classify("one_row_product") == "products"
     assert classify("attend") == "attention"
     assert classify("nvjet_sm90_tst_256x8_64x6_2x1_v_bz_TNT") == "products"

@@ -252,7 +252,7 @@ def test_the_one_row_kernels_equal_the_model_s_operations_under_the_interpreter(
 
 
 def test_programmatic_dependent_launch_is_on_for_hopper_gpus_unless_turned_off(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, pdl_decided_afresh: Any
 ) -> None:
     """On by default where the GPU has it (compute capability 9 and later), off with
     ``CUDAGRAPHS_PDL=0``, never on the CPU nor on an older GPU."""
@@ -264,25 +264,19 @@ def test_programmatic_dependent_launch_is_on_for_hopper_gpus_unless_turned_off(
     )
     monkeypatch.delenv(mv.PDL_VARIABLE, raising=False)
     gpu = torch.device("cuda", 0)
+    fresh = pdl_decided_afresh
 
-    def fresh() -> None:
-        mv.pdl_requested.cache_clear()
-        mv.pdl.cache_clear()
-
-    try:
-        fresh()
-        assert mv.pdl(gpu) and not mv.pdl(torch.device("cpu"))
-        capability["value"] = (8, 0)
-        fresh()
-        assert not mv.pdl(gpu)
-        capability["value"] = (10, 0)
-        fresh()
-        assert mv.pdl(gpu)
-        monkeypatch.setenv(mv.PDL_VARIABLE, "0")
-        fresh()
-        assert not mv.pdl_requested() and not mv.pdl(gpu)
-        monkeypatch.setenv(mv.PDL_VARIABLE, "1")
-        fresh()
-        assert mv.pdl(gpu)
-    finally:
-        fresh()
+    fresh()
+    assert mv.pdl(gpu) and not mv.pdl(torch.device("cpu"))
+    capability["value"] = (8, 0)
+    fresh()
+    assert not mv.pdl(gpu)
+    capability["value"] = (10, 0)
+    fresh()
+    assert mv.pdl(gpu)
+    monkeypatch.setenv(mv.PDL_VARIABLE, "0")
+    fresh()
+    assert not mv.pdl_requested() and not mv.pdl(gpu)
+    monkeypatch.setenv(mv.PDL_VARIABLE, "1")
+    fresh()
+    assert mv.pdl(gpu)

@@ -9,9 +9,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from script_modules import load_benchmark
 
 from cudagraphs.integrations.compiled import STEP_OPTIONS, step_settings
 
@@ -19,34 +21,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_step_compiles_with_combo_kernels_and_pdl_unless_the_caller_says_otherwise(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, pdl_decided_afresh: Any
 ) -> None:
     from cudagraphs.integrations import matvec
 
     monkeypatch.delenv(matvec.PDL_VARIABLE, raising=False)
-    matvec.pdl_requested.cache_clear()
-    try:
-        launch = {"triton.enable_pdl": True}
-        assert step_settings(True) == {"mode": None, "options": {**STEP_OPTIONS, **launch}}
-        assert STEP_OPTIONS["combo_kernels"] is True
-        mine = step_settings({"combo_kernels": False, "coordinate_descent_tuning": True})
-        assert mine["options"] == {
-            "combo_kernels": False, "coordinate_descent_tuning": True, **launch
-        }  # fmt: skip
-        no_pdl = step_settings({"triton.enable_pdl": False})["options"]
-        assert no_pdl["triton.enable_pdl"] is False
-        # torch.compile takes a mode or options, never both: a mode goes as it is.
-        assert step_settings("max-autotune-no-cudagraphs") == {
-            "mode": "max-autotune-no-cudagraphs",
-            "options": None,
-        }
-        # CUDAGRAPHS_PDL=0 turns it off for Inductor's kernels as for the library's.
-        monkeypatch.setenv(matvec.PDL_VARIABLE, "0")
-        matvec.pdl_requested.cache_clear()
-        assert step_settings(True) == {"mode": None, "options": dict(STEP_OPTIONS)}
-    finally:
-        matvec.pdl_requested.cache_clear()
-        matvec.pdl.cache_clear()
+    pdl_decided_afresh()
+    launch = {"triton.enable_pdl": True}
+    assert step_settings(True) == {"mode": None, "options": {**STEP_OPTIONS, **launch}}
+    assert STEP_OPTIONS["combo_kernels"] is True
+    mine = step_settings({"combo_kernels": False, "coordinate_descent_tuning": True})
+    assert mine["options"] == {"combo_kernels": False, "coordinate_descent_tuning": True, **launch}
+    no_pdl = step_settings({"triton.enable_pdl": False})["options"]
+    assert no_pdl["triton.enable_pdl"] is False
+    # torch.compile takes a mode or options, never both: a mode goes as it is.
+    assert step_settings("max-autotune-no-cudagraphs") == {
+        "mode": "max-autotune-no-cudagraphs",
+        "options": None,
+    }
+    # CUDAGRAPHS_PDL=0 turns it off for Inductor's kernels as for the library's.
+    monkeypatch.setenv(matvec.PDL_VARIABLE, "0")
+    pdl_decided_afresh()
+    assert step_settings(True) == {"mode": None, "options": dict(STEP_OPTIONS)}
 
 
 @pytest.mark.slow
@@ -122,11 +118,7 @@ def test_a_kernel_compiled_for_dependent_launch_that_never_waits_is_named() -> N
     """``step_kernels.dependent_launches`` reads the wrapper's kernel sources: one compiled
     with ``launch_pdl`` and no ``gdc_wait`` is named, one that waits is not, and one compiled
     without it is not counted."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        step_kernels = importlib.import_module("step_kernels")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    step_kernels = load_benchmark("step_kernels")
     quotes = "'" * 3
 
     def kernel(name: str, launch_pdl: bool, body: str) -> str:
