@@ -170,3 +170,51 @@ def test_a_ratio_without_its_figures_is_caught() -> None:
     table = "## Speed\n\n| a | b | a / b |\n|---|---|---|\n| 3.0 | 2.0 | 1.5x |\n"
     assert not _untraced_ratios(table, root)
     assert _untraced_ratios(table.replace("1.5x", "1.6x"), root)
+
+
+# A citation of a report's part: (`reports/gpu.md`, "Decoding on src tree 1f38e61"); the part
+# is a heading of that report or a bold label in it (**Address guards**).
+_CITATION = re.compile(
+    r"`{1,2}((?:\.\./)*(?:reports|benchmarks/results)/[\w./-]+\.md)`{1,2}\s*,\s*\"([^\"]+)\""
+)
+_PART = re.compile(r"^#{1,6} (.*)$|\*\*([^*]+)\*\*", re.MULTILINE)
+
+
+def _dangling_citations(text: str, root: Path) -> list[str]:
+    """The ``(report, "part")`` citations of ``text`` whose report has no such heading or
+    bold label (white space folded: a citation may wrap)."""
+    found = []
+    for path, part in _CITATION.findall(re.sub(r"\s+", " ", text)):
+        report = root / re.sub(r"^(\.\./)+", "", path)
+        parts = (
+            [re.sub(r"\s+", " ", h) for pair in _PART.findall(report.read_text()) for h in pair]
+            if report.exists()
+            else []
+        )
+        if not any(part in p for p in parts if p):
+            found.append(f"{path}: {part!r}")
+    return found
+
+
+def test_every_report_part_a_page_cites_is_in_that_report() -> None:
+    root = Path(__file__).resolve().parents[1]
+    pages = [
+        root / "README.md",
+        root / "DESIGN.md",
+        *sorted((root / "docs").rglob("*.md")),
+        *sorted((root / "reports").glob("*.md")),
+        *sorted((root / "src").rglob("*.py")),
+        *sorted((root / "benchmarks").glob("*.py")),
+    ]
+    dangling = [f"{p.name}: {c}" for p in pages for c in _dangling_citations(p.read_text(), root)]
+    assert dangling == []
+
+
+def test_a_citation_of_a_part_the_report_lacks_is_caught() -> None:
+    root = Path(__file__).resolve().parents[1]
+    heading = re.search(r"^## (.+)$", (root / "reports" / "gpu.md").read_text(), re.MULTILINE)
+    assert heading is not None
+    cited = f'(`reports/gpu.md`,\n"{heading.group(1)}")'
+    assert not _dangling_citations(cited, root)
+    assert _dangling_citations(cited.replace(heading.group(1), "Decoding on an abacus"), root)
+    assert _dangling_citations('(`reports/nowhere.md`, "Tests")', root)
