@@ -1,7 +1,7 @@
 """The one compiled piece: the host-side work before a replay (src/cudagraphs/core/_before_replay.cpp).
 
 Optional: without a C++ compiler or the Python headers the install still succeeds and the guard
-uses its pure fallbacks (see cudagraphs/core/addresses.py). Everything else is in pyproject.toml.
+uses its fallbacks (see src/cudagraphs/core/guards.py). Everything else is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
