@@ -1,5 +1,5 @@
 """Plain Python values a recording read are checked before every replay
-(``core/read_values.py``): a value changed after the capture gives eager's answer through a
+(``core/python_values.py``): a value changed after the capture gives eager's answer through a
 new capture, or the named error with ``on_stale="raise"``, never the old answer. On the CPU the
 stand-in (conftest.py) replays the logged operations without running the function, so a
 missed change gives the old answer here as in a graph; the GPU tests check real replays."""
