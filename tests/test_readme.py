@@ -1,4 +1,5 @@
-"""README examples that must run as written, on any machine."""
+"""README examples that must run as written, on any machine; figures, report citations and file
+names in the docs and docstrings that must match the tree."""
 
 from __future__ import annotations
 
@@ -218,3 +219,51 @@ def test_a_citation_of_a_part_the_report_lacks_is_caught() -> None:
     assert not _dangling_citations(cited, root)
     assert _dangling_citations(cited.replace(heading.group(1), "Decoding on an abacus"), root)
     assert _dangling_citations('(`reports/nowhere.md`, "Tests")', root)
+
+
+_PACKAGES = "core|control|shapes|training|diagnose|integrations|serve|tools"
+# A module, benchmark, test, example or script named in prose or a docstring:
+# ``core/guards.py``, ``src/cudagraphs/integrations/matvec.py``, ``benchmarks/decode.py``.
+_FILE_NAMED = re.compile(
+    rf"(?<![\w/.-])((?:src/)?(?:cudagraphs/)?(?:{_PACKAGES})/\w+\.(?:py|cpp)"
+    r"|(?:benchmarks|tests|examples|scripts)/[\w-]+(?:\.py)?)\b"
+)
+
+
+def _missing_files(text: str, root: Path) -> list[str]:
+    """The files ``text`` names that the tree lacks (``NAME`` is a placeholder)."""
+    missing = []
+    for named in sorted(set(_FILE_NAMED.findall(text))):
+        if "NAME" in named:
+            continue
+        places = [root / named, root / "src" / named, root / "src" / "cudagraphs" / named]
+        if not any(p.exists() or p.with_suffix(".py").exists() for p in places):
+            missing.append(named)
+    return missing
+
+
+def test_every_file_the_docs_and_docstrings_name_exists() -> None:
+    root = Path(__file__).resolve().parents[1]
+    pages = [
+        root / "README.md",
+        root / "DESIGN.md",
+        root / "setup.py",
+        *sorted((root / "docs").rglob("*.md")),
+        *sorted((root / "reports").glob("*.md")),
+        *sorted((root / "src").rglob("*.py")),
+        *sorted((root / "src").rglob("*.cpp")),
+        *sorted((root / "benchmarks").glob("*.py")),
+        *sorted((root / "examples").glob("*.py")),
+        *sorted((root / "tests").glob("*.py")),
+    ]
+    missing = [f"{p.name}: {m}" for p in pages for m in _missing_files(p.read_text(), root)]
+    assert missing == []
+
+
+def test_a_module_that_was_renamed_is_caught() -> None:
+    root = Path(__file__).resolve().parents[1]
+    # Names that were renamed, not written out whole: this file is among the pages checked.
+    for gone in ("addresses", "read_values"):
+        assert _missing_files(f"the fallbacks (see cudagraphs/core/{gone}.py)", root)
+        assert _missing_files(f"(``core/{gone}.py``)", root)
+    assert not _missing_files("(``core/python_values.py``, ``benchmarks/decode.py``)", root)
