@@ -27,27 +27,26 @@ Wrong::
             self.step += 1
             return x * 2 if self.step % 2 else x  # FrozenStateError: Stepper.step changed
 
-Values the program changes after the capture. A recording runs the function's Python code once: every plain value it read then (a module's
-``scale``, a config flag, a module-level ``GAIN``) is baked into the kernels it launched. If
-the program changes such a value after the capture, every replay would silently repeat the old
-answer. So while the capture runs, :class:`Reader` notes which code ran (every Python function
-outside torch, the standard library and this library: the user's model and third-party model
-code such as transformers) and the names that code loads (and its identifier-like string
-constants, for ``getattr(obj, "name")``); :func:`read_values` keeps what the reached objects
-and that code's module globals hold under those names (:func:`is_watched`: plain values, and by
-identity functions, modules, tensors and the reached objects themselves). :class:`ValueWatch`
+Values the program changes after the capture (a module's ``scale``, a config flag, a
+module-level ``GAIN``) would be replayed as they were, silently. So while the capture runs,
+:class:`Reader` notes which code ran (every Python function outside torch, the standard library
+and this library: the user's model and third-party model code such as transformers) and the
+names that code loads (and its identifier-like string constants, for ``getattr(obj, "name")``);
+:func:`read_values` keeps what the reached objects and that code's module globals hold under
+those names (:func:`is_watched`: plain values, and by identity functions, modules, tensors and
+the reached objects themselves). :class:`ValueWatch`
 compares them before each replay (identity, then equality where it decides), and a change
 captures again (``on_stale="recapture"``, logged once per value) or raises
 :class:`~cudagraphs.errors.StaleGraphError` naming it (``on_stale="raise"``).
 
 A name the code loads in a branch it did not take is guarded too: a change of it may be
-harmless, and then costs a recapture, never a wrong answer. Values declared with
-``harmless_state=`` are not guarded.
+harmless, and then costs a recapture, never a wrong answer.
 
 Values read from the class rather than the instance (:func:`class_values`: a class-level
 default read as ``self.scale``, a method that ran), the class of each module and model object
-the recording reached (``module.__class__ = Other``), and the items of a list of plain values
-(``self.mix[0] = 3.0``) are guarded the same way.
+the recording reached (``module.__class__ = Other``), the items of a list of plain values
+(``self.mix[0] = 3.0``), and what a reached ``functools.partial`` binds
+(``writes.bound_arguments``) are guarded the same way.
 
 Right::
 
@@ -58,13 +57,13 @@ Right::
     model.head.__class__ = Patched  # another class, other methods: seen
     model.mask = new_mask      # a tensor attribute (not a buffer) replaced: seen, by identity
     model.activation = torch.tanh   # a held function, compared by identity: the same
+    model.fn.keywords["factor"] = 2.0   # a value bound to a held partial: the same
     y = g(x)
 
-Wrong (a value the guard cannot see)::
+Wrong::
 
-    model.fn = functools.partial(scaled, factor=1.0)
-    g = cg.graph(model, x)
-    model.fn.keywords["factor"] = 2.0   # a partial changed in place: bind a new partial
+    g = cg.graph(model, x, harmless_state=("scale",))   # names what is not guarded:
+    model.scale = 2.0                                   # the old answer
 """
 
 from __future__ import annotations
@@ -83,7 +82,7 @@ from . import compat
 from .frames import callable_name, is_model_code
 from .guards import compiled_module
 from .signature import CLASS_OF, MISSING, held_value_now, held_value_still, is_plain
-from .writes import is_compiled, is_model_class, walk
+from .writes import bound_arguments, is_compiled, is_model_class, walk
 
 __all__ = [
     "READS_LIKE",
@@ -166,7 +165,8 @@ class PythonSnapshot:
         # comes before what it holds.
         owned: set[int] = set()
         fn = getattr(self.fn, "__func__", self.fn)  # its own closure cells are read too
-        self.objects = [(callable_name(fn), fn)] if isinstance(fn, types.FunctionType) else []
+        graphed = isinstance(fn, (types.FunctionType, functools.partial))
+        self.objects = [(callable_name(fn), fn)] if graphed else []
         for name, obj in walk(self.fn, self.roots):
             attributes = _slots_of(obj)
             if attributes is None or id(obj) in owned:
@@ -385,14 +385,13 @@ def read_values(
     harmless: Sequence[str] = (),
     objects: Iterable[tuple[str, Any]] = (),
 ) -> list[tuple[str, Any, str, Any]]:
-    """``(label, owner, key, value)`` for each plain value the recorded code read:
-    attributes of reached objects (``reached``: ``PythonSnapshot``'s values after the
-    capture), module globals, and values the classes of the reached ``objects`` hold
-    (:func:`class_values`), under the names that code loads, harmless ones left out. The
-    owner is a dict (an instance's, a module's globals) or a class; a list's value is its
-    :class:`Items`. An object the walk reached through such a name (a config, a namespace, a
-    dict whose items the code reads) is held by identity too: another one bound in its place
-    holds values the recording never read."""
+    """``(label, owner, key, value)`` for each value the recorded code read, harmless ones
+    left out: under the names that code loads, the reached objects' attributes (``reached``:
+    ``PythonSnapshot``'s values after the capture), module globals and values of the
+    ``objects``' classes (:func:`class_values`); closure cells; what a partial binds. The
+    owner is a dict, a class or a cell; a list's value is its :class:`Items`. An object reached
+    through such a name (a config, a dict whose items the code reads) is held by identity too:
+    another one bound in its place holds values the recording never read."""
     names = reader.names
     objects = list(objects)
     holders = {id(obj) for _, obj in objects}
@@ -411,6 +410,8 @@ def read_values(
                     found.append((held, namespace, key, value))
     found.extend(v for v in class_values(reader, objects) if not _harmless(v[0], harmless))
     found.extend(v for v in _cells_read(reader, objects) if not _harmless(v[0], harmless))
+    bound = bound_arguments(objects)  # a partial's arguments: read under no name
+    found.extend((*v[:3], _held_value(v[3])) for v in bound if not _harmless(v[0], harmless))
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
         module = namespace.get("__name__", "?")

@@ -61,6 +61,7 @@ __all__ = [
     "Versions",
     "WriteRecorder",
     "Written",
+    "bound_arguments",
     "is_compiled",
     "is_model_class",
     "named_roots",
@@ -491,6 +492,23 @@ def _bound(partial: functools.partial) -> Iterator[tuple[str, Any]]:
         yield f".args[{k}]", value
     for key, value in partial.keywords.items():
         yield f".keywords[{key!r}]", value
+
+
+def bound_arguments(objects: Iterable[tuple[str, Any]]) -> list[tuple[str, dict, str, Any]]:
+    """``(label, owner, key, value)`` for what each ``functools.partial`` among ``objects``
+    binds: the function reads it as an argument, under no name a guard of attributes or
+    globals keeps. Every keyword (its dict is the owner: ``p.keywords["scale"] = 2.0``), and
+    each list bound as a positional argument, which the tuple holding it keeps as the same
+    object (its owner a dict of its own, so that the list's items are what can change)."""
+    found: list[tuple[str, dict, str, Any]] = []
+    for label, obj in objects:
+        if isinstance(obj, functools.partial):
+            for key, value in obj.keywords.items():
+                found.append((f"{label}.keywords[{key!r}]", obj.keywords, key, value))
+            for k, value in enumerate(obj.args):
+                if type(value) is list:
+                    found.append((f"{label}.args[{k}]", {"list": value}, "list", value))
+    return found
 
 
 def named_roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
