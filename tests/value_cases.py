@@ -429,3 +429,32 @@ PARTIAL_CHANGES = {
     "keyword module": lambda step, mix: _another_net(step),
     "list item": lambda step, mix: mix.__setitem__(0, 3.0),
 }
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedSettings:
+    scale: float
+    mix: list[float]
+    gain: torch.Tensor
+
+
+class SlottedModel(nn.Module):
+    """A model whose settings are a ``@dataclass(slots=True)``: no ``__dict__`` to read."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False).to(device)
+        self.settings = SlottedSettings(1.0, [1.0], torch.ones(8, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        settings = self.settings
+        return self.fc(x) * settings.scale * settings.mix[0] * settings.gain
+
+
+#: What a program changes in a SlottedModel's settings after the capture.
+SLOT_CHANGES = {
+    "slot value": lambda s: setattr(s, "scale", 2.0),
+    "list item in a slot": lambda s: s.mix.__setitem__(0, 3.0),
+    "slot rebound": lambda s: setattr(s, "mix", [0.5]),
+    "tensor in a slot replaced": lambda s: setattr(s, "gain", torch.full_like(s.gain, 2.0)),
+}

@@ -79,10 +79,10 @@ import torch
 
 from ..errors import FrozenStateError, explain
 from . import compat
-from .frames import callable_name, is_model_code
+from .frames import callable_name, is_model_class, is_model_code, slot_values
 from .guards import compiled_module
 from .signature import CLASS_OF, MISSING, held_value_now, held_value_still, is_plain
-from .writes import bound_arguments, is_compiled, is_model_class, walk
+from .writes import bound_arguments, is_compiled, walk
 
 __all__ = [
     "READS_LIKE",
@@ -136,13 +136,17 @@ class Items:
 _Key = tuple[int, str]  # (id of the owner, attribute)
 
 
-def _slots_of(obj: Any) -> dict[str, Any] | None:
-    """Where ``obj`` keeps the values a program reads by name: an object's ``__dict__``, or a
-    plain dict itself (``self.nets["value"]``, ``self.cfg["scale"]``); ``None`` for others."""
+def _held_by(obj: Any) -> tuple[Any, dict[str, Any]] | None:
+    """Where ``obj`` keeps the values a program reads by name, as (what a guard entry reads,
+    those values): an object's ``__dict__``, a plain dict itself (``self.cfg["scale"]``), or
+    a model object's ``__slots__`` (``@dataclass(slots=True)``), read through the object."""
     if type(obj) is dict:
-        return obj if all(isinstance(k, str) for k in list(obj)[:1000]) else None
+        return (obj, obj) if all(isinstance(k, str) for k in list(obj)[:1000]) else None
     attributes = getattr(obj, "__dict__", None)
-    return attributes if isinstance(attributes, dict) else None
+    if isinstance(attributes, dict):
+        return attributes, attributes
+    slots = slot_values(obj)
+    return (obj, slots) if slots else None
 
 
 class PythonSnapshot:
@@ -168,9 +172,10 @@ class PythonSnapshot:
         graphed = isinstance(fn, (types.FunctionType, functools.partial))
         self.objects = [(callable_name(fn), fn)] if graphed else []
         for name, obj in walk(self.fn, self.roots):
-            attributes = _slots_of(obj)
-            if attributes is None or id(obj) in owned:
+            held = _held_by(obj)
+            if held is None or id(obj) in owned:
                 continue
+            attributes = held[1]
             if _not_state(obj):
                 owned.update(id(v) for v in list(attributes.values())[:1000] if type(v) is dict)
                 continue
@@ -278,7 +283,6 @@ class Reader:
     """While active (one thread: the capture's), the code objects that run outside the
     libraries, with their module globals; the names they load are what :func:`read_values`
     keeps. Another profiler of this thread (a debugger, cProfile) is chained, not replaced.
-
     ``of``: the callable about to run; the code it stands in for (:data:`READS_LIKE`) counts
     as run."""
 
@@ -328,15 +332,12 @@ class Reader:
 
 
 def compiled_code(fn: Any, limit: int = 20000) -> dict[types.CodeType, dict[str, Any]]:
-    """The model code a ``torch.compile``'d ``fn`` may stand in for, with its globals.
-
-    Dynamo inlines the forwards of child modules and the helpers they call into one compiled
-    frame, so their own frames never run and a :class:`Reader` would miss the names they load
-    (``self.gain`` in a child's forward). So every function of each module class ``fn``
-    reaches (its methods, through the classes it derives from), each function ``fn`` reaches,
-    the functions their code names as globals, and the code nested in theirs, count as run.
-    More than ran: a name loaded by code that did not run is guarded too, and its change costs
-    a recapture, never a wrong answer."""
+    """The model code a ``torch.compile``'d ``fn`` may stand in for, with its globals. Dynamo
+    inlines child modules' forwards and their helpers into one frame, so a :class:`Reader`
+    would miss the names they load (``self.gain`` in a child's forward): the methods of each
+    module class ``fn`` reaches (through its bases), the functions it reaches, the functions
+    their code names as globals, and the code nested in theirs count as run. A name loaded by
+    code that did not run is guarded too: its change costs a recapture, never a wrong answer."""
     found: dict[types.CodeType, dict[str, Any]] = {}
     stack: list[Any] = []
     classes: set[type] = set()
@@ -398,16 +399,16 @@ def read_values(
     found: list[tuple[str, Any, str, Any]] = []
     for (_, key), (label, value, owner) in reached.items():
         if key in names and not _harmless(label, harmless):
-            namespace = _slots_of(owner)
-            if namespace is not None and namespace.get(key, MISSING) is value:
-                found.append((label, namespace, key, _held_value(value)))
+            held = _held_by(owner)
+            if held is not None and held_value_now(held[0], key) is value:
+                found.append((label, held[0], key, _held_value(value)))
     for label, obj in objects:
-        namespace = _slots_of(obj)
-        for key, value in list(namespace.items() if namespace is not None else ())[:1000]:
+        held = _held_by(obj)
+        for key, value in list(held[1].items() if held is not None else ())[:1000]:
             if key in names and id(value) in holders and not is_watched(value):
-                held = f"{label}[{key!r}]" if namespace is obj else f"{label}.{key}"
-                if not _harmless(held, harmless):
-                    found.append((held, namespace, key, value))
+                named = f"{label}[{key!r}]" if held[1] is obj else f"{label}.{key}"
+                if not _harmless(named, harmless):
+                    found.append((named, held[0], key, value))
     found.extend(v for v in class_values(reader, objects) if not _harmless(v[0], harmless))
     found.extend(v for v in _cells_read(reader, objects) if not _harmless(v[0], harmless))
     bound = bound_arguments(objects)  # a partial's arguments: read under no name
@@ -453,13 +454,12 @@ def _held_value(value: Any) -> Any:
 def class_values(
     reader: Reader, objects: Iterable[tuple[str, Any]]
 ) -> list[tuple[str, Any, str, Any]]:
-    """The values a recording read from the classes of model code rather than from the
-    instance: a class-level default (``class M: scale = 1.0``, read as ``self.scale``) and each
-    method that ran. Two entries guard each: the class's lookup (the class, or a base before the
-    one that held it, given another value: ``M.scale = 2.0``, ``M.forward = patched``), and,
-    per instance, the key's absence from the instance's dict (``model.scale = 2.0`` shadows
-    the class's value; ``model.forward = f`` replaces the method). Only classes of model code
-    count: torch's and the standard library's classes are not changed by a program."""
+    """The values a recording read from model code's classes rather than the instance: a
+    class-level default (``class M: scale = 1.0``, read as ``self.scale``) and each method that
+    ran. Two entries guard each: the class's lookup (the class, or a base before the one that
+    held it, given another value: ``M.scale = 2.0``, ``M.forward = patched``), and per
+    instance the key's absence from its dict (``model.scale = 2.0``, ``model.forward = f``).
+    torch's and the standard library's classes are not changed by a program."""
     names = reader.names
     found: list[tuple[str, Any, str, Any]] = []
     keys_of: dict[type, tuple[str, ...]] = {}
