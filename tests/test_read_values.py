@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 import value_cases
-from value_cases import CALLABLE_CHANGES, CHANGES, Activated, Scaled, gained
+from value_cases import (
+    CALLABLE_CHANGES,
+    CHANGES,
+    SLOT_CHANGES,
+    Activated,
+    Scaled,
+    SlottedModel,
+    gained,
+)
 
 import cudagraphs as cg
 
@@ -237,3 +245,22 @@ def test_a_value_deep_in_a_compiled_model_is_reached_by_its_shortest_path() -> N
     model = torch.nn.Sequential(inner, torch.nn.ReLU()).eval()
     labels = _labels_read_under_compile(model, torch.randn(4, 8))
     assert any(label.endswith(".gain") for label in labels), labels
+
+
+@pytest.mark.parametrize("change", list(SLOT_CHANGES))
+def test_a_value_in_a_slotted_object_changed_after_capture_captures_again(
+    stand_in: None, change: str
+) -> None:
+    """A ``@dataclass(slots=True)`` has no ``__dict__``: its values are read through the
+    object, its tensors guarded at their addresses as an attribute's are."""
+    torch.manual_seed(0)
+    model = SlottedModel()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        g = cg.graph(model, x)
+        SLOT_CHANGES[change](model.settings)
+        fresh = torch.randn(4, 8)
+        torch.testing.assert_close(g(fresh), model(fresh))  # not the recorded answer
+        assert g.stats.recaptures == 1
+        torch.testing.assert_close(g(x), model(x))
+        assert g.stats.recaptures == 1

@@ -9,7 +9,7 @@ import pytest
 import torch
 import value_cases
 from torch import nn
-from value_cases import CALLABLE_CHANGES, CHANGES, Activated, Scaled
+from value_cases import CALLABLE_CHANGES, CHANGES, SLOT_CHANGES, Activated, Scaled, SlottedModel
 
 import cudagraphs as cg
 
@@ -176,3 +176,21 @@ def test_an_object_the_forward_reads_through_rebound_after_capture_gives_eager_s
     torch.manual_seed(0)
     change, _ = value_cases.REBOUND_HOLDERS[case]
     _captured_changed_and_checked(value_cases.Configured(64).cuda().eval(), change, compile)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("change", list(SLOT_CHANGES))
+def test_a_value_in_a_slotted_object_changed_after_capture_gives_eager_s_answer(
+    change: str, compile: bool
+) -> None:
+    torch.manual_seed(0)
+    model = SlottedModel("cuda")
+    kept = model.settings.gain  # alive: a new tensor cannot take its address
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(16, 8, device="cuda"), compile=compile)
+        SLOT_CHANGES[change](model.settings)
+        for _ in range(2):
+            x = torch.randn(16, 8, device="cuda")
+            torch.testing.assert_close(g(x), model(x))  # not the recorded answer
+        assert g.stats.recaptures == 1 and g.stats.replays >= 2
+    del kept

@@ -3,7 +3,8 @@
 Everything here is a name PyTorch does not promise to keep. Each is used only through this
 module (``tests/test_layers.py`` fails on a private torch name anywhere else), each has a
 fallback or a clear error when a PyTorch release drops it, and each says what it is for.
-Tested on torch 2.11 (the GPU machine), 2.13 and 2.14.1 (CI); ``pyproject.toml`` claims no older.
+Tested on torch 2.11 (the GPU machine), and 2.11, 2.13 and the newest release (CI);
+``pyproject.toml`` claims no older.
 """
 
 from __future__ import annotations
