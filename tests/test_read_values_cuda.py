@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
@@ -194,3 +195,34 @@ def test_a_value_in_a_slotted_object_changed_after_capture_gives_eager_s_answer(
             torch.testing.assert_close(g(x), model(x))  # not the recorded answer
         assert g.stats.recaptures == 1 and g.stats.replays >= 2
     del kept
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("kind", ["OrderedDict entry", "forward hook's closure"])
+def test_a_dict_subclass_entry_or_a_hook_s_value_changed_gives_eager_s_answer(
+    kind: str, compile: bool
+) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8).cuda().requires_grad_(False)
+    settings = collections.OrderedDict(gain=1.0)
+    if kind == "OrderedDict entry":
+        graphed: nn.Module = _MappedGain(layer, settings)
+    else:
+        layer.register_forward_hook(lambda module, args, out: out * settings["gain"])
+        graphed = layer
+    with torch.no_grad():
+        g = cg.graph(graphed, torch.randn(16, 8, device="cuda"), compile=compile)
+        settings["gain"] = 2.0
+        for _ in range(2):
+            x = torch.randn(16, 8, device="cuda")
+            torch.testing.assert_close(g(x), graphed(x))  # not the recorded answer
+        assert g.stats.recaptures == 1 and g.stats.replays >= 2
+
+
+class _MappedGain(nn.Module):
+    def __init__(self, layer: nn.Module, settings: dict[str, float]) -> None:
+        super().__init__()
+        self.layer, self.settings = layer, settings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * self.settings["gain"]

@@ -140,7 +140,7 @@ def _held_by(obj: Any) -> tuple[Any, dict[str, Any]] | None:
     """Where ``obj`` keeps the values a program reads by name, as (what a guard entry reads,
     those values): an object's ``__dict__``, a plain dict itself (``self.cfg["scale"]``), or
     a model object's ``__slots__`` (``@dataclass(slots=True)``), read through the object."""
-    if type(obj) is dict:
+    if isinstance(obj, dict):  # an OrderedDict's or a defaultdict's items too
         return (obj, obj) if all(isinstance(k, str) for k in list(obj)[:1000]) else None
     attributes = getattr(obj, "__dict__", None)
     if isinstance(attributes, dict):
@@ -177,7 +177,7 @@ class PythonSnapshot:
                 continue
             attributes = held[1]
             if _not_state(obj):
-                owned.update(id(v) for v in list(attributes.values())[:1000] if type(v) is dict)
+                owned.update(id(v) for v in list(attributes.values())[:1000] if isinstance(v, dict))
                 continue
             self.objects.append((name, obj))
             for key, value in list(attributes.items())[:1000]:
@@ -217,7 +217,7 @@ class PythonSnapshot:
             now = latest.get(key)
             if now is not None and is_plain(was) and not _same(now[1], was):
                 try:
-                    if type(obj) is dict:
+                    if isinstance(obj, dict):
                         obj[key[1]] = was
                     else:
                         setattr(obj, key[1], was)

@@ -421,6 +421,10 @@ def walk(fn: Callable[..., Any], roots: Iterable[Any] = ()) -> Iterator[tuple[st
         (name, value, 0) for name, value in named_roots(fn)
     )
     stack.extend((f"argument {type(r).__name__}", r, 0) for r in roots)
+    # Hooks run around every module's forward: what their closures hold is read too.
+    stack.extend(
+        (label, h, 0) for label, hooks in compat.global_hook_dicts() for h in hooks.values()
+    )
     while stack and len(seen) < _MAX_OBJECTS:
         name, obj, depth = stack.popleft()
         if isinstance(obj, _OPAQUE) or id(obj) in seen:
@@ -536,6 +540,9 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
             yield f".{name}", t
         for name, child in obj.named_children():
             yield f".{name}", child
+        for label, hooks in compat.module_hook_dicts(obj, recurse=False):
+            kind = label.split("'s ")[-1]  # "forward hooks", "forward pre hooks"
+            yield from ((f"'s {kind}", hook) for hook in list(hooks.values()))
         values = obj.__dict__.items()
         for key, value in values:
             if not key.startswith("_") and not isinstance(value, torch.nn.Module):
