@@ -56,9 +56,9 @@ import torch
 from torch import nn
 
 from . import compat
-from .frames import class_names, is_model_class
+from .frames import class_names
 from .signature import CLASS_OF, held_value_still, is_plain
-from .writes import walk
+from .writes import is_model_class, walk
 
 __all__ = [
     "AddressCheck",
