@@ -113,14 +113,18 @@ def _untraced(text: str, root: Path) -> list[str]:
     return found
 
 
-def _pages_untraced(check: Callable[[str, Path], list[str]]) -> list[str]:
+def _found_on_pages(
+    check: Callable[[str, Path], list[str]], pages: list[Path] | None = None
+) -> list[str]:
+    """What ``check`` finds on each page (by default the README, the design and the docs)."""
     root = Path(__file__).resolve().parents[1]
-    pages = [root / "README.md", root / "DESIGN.md", *sorted((root / "docs").rglob("*.md"))]
+    if pages is None:
+        pages = [root / "README.md", root / "DESIGN.md", *sorted((root / "docs").rglob("*.md"))]
     return [f"{p.name}: {item}" for p in pages for item in check(p.read_text(), root)]
 
 
 def test_every_absolute_figure_in_the_readme_and_docs_traces_to_a_report() -> None:
-    assert _pages_untraced(_untraced) == []
+    assert _found_on_pages(_untraced) == []
 
 
 def test_a_figure_without_its_report_is_caught() -> None:
@@ -161,7 +165,7 @@ def _untraced_ratios(text: str, root: Path) -> list[str]:
 
 
 def test_every_ratio_in_the_readme_and_docs_traces_to_its_figures() -> None:
-    assert _pages_untraced(_untraced_ratios) == []
+    assert _found_on_pages(_untraced_ratios) == []
 
 
 def test_a_ratio_without_its_figures_is_caught() -> None:
@@ -216,9 +220,7 @@ def _written_pages(root: Path) -> list[Path]:
 
 def test_every_report_part_a_page_cites_is_in_that_report() -> None:
     root = Path(__file__).resolve().parents[1]
-    pages = _written_pages(root)
-    dangling = [f"{p.name}: {c}" for p in pages for c in _dangling_citations(p.read_text(), root)]
-    assert dangling == []
+    assert _found_on_pages(_dangling_citations, _written_pages(root)) == []
 
 
 def test_a_citation_of_a_part_the_report_lacks_is_caught() -> None:
@@ -255,9 +257,7 @@ def _missing_files(text: str, root: Path) -> list[str]:
 
 def test_every_file_the_docs_and_docstrings_name_exists() -> None:
     root = Path(__file__).resolve().parents[1]
-    pages = _written_pages(root)
-    missing = [f"{p.name}: {m}" for p in pages for m in _missing_files(p.read_text(), root)]
-    assert missing == []
+    assert _found_on_pages(_missing_files, _written_pages(root)) == []
 
 
 def test_a_module_that_was_renamed_is_caught() -> None:
