@@ -706,6 +706,30 @@ def test_python_state_the_forward_changes_is_refused_at_capture() -> None:
         torch.testing.assert_close(g(y), counted.net(y))
 
 
+class LayerDrop(nn.Module):
+    """A layer dropped at random with Python's global generator (hand-written layer drop)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        return self.net(x) if random.random() < 0.5 else x
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@cuda
+@torch.no_grad()
+def test_a_draw_from_python_s_random_generator_is_refused_at_capture(compile: bool) -> None:
+    """Every replay would repeat the recorded draw (the layer always run or always skipped):
+    refused, under torch.compile too (Dynamo draws the numbers in Python before each call)."""
+    x = torch.randn(8, 64, device="cuda")
+    with pytest.raises(cg.FrozenStateError, match="draws from random"):
+        cg.graph(LayerDrop(small_mlp()), x, compile=compile)
+
+
 def hammer(
     call: Any, model: nn.Module, pattern: str, threads: int = 8, calls: int = 500
 ) -> list[int]:

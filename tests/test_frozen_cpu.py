@@ -5,6 +5,7 @@ test_footguns.py."""
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import warnings
@@ -213,6 +214,61 @@ def test_a_flag_the_forward_flips_is_refused(stand_in: None) -> None:
         lazy = cg.graph(Flipping(), warmup=2, outputs="clone")
         for _ in range(3):
             lazy(torch.randn(4))
+
+
+class _LayerDrop(nn.Module):
+    """Drops its second layer at random with Python's (or NumPy's) global generator, as a
+    hand-written layer drop or stochastic depth does."""
+
+    def __init__(self, draw: Callable[[], float]) -> None:
+        super().__init__()
+        self.first, self.second, self.draw = nn.Linear(8, 8), nn.Linear(8, 8), draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        return x if self.draw() < 0.5 else self.second(x)
+
+
+def _numpy_draw() -> float:
+    import numpy
+
+    return float(numpy.random.random())
+
+
+@pytest.mark.parametrize(
+    ("draw", "generator"), [(random.random, "random"), (_numpy_draw, "numpy.random")]
+)
+def test_a_draw_from_the_hosts_random_generator_is_refused_naming_it(
+    stand_in: None, draw: Callable[[], float], generator: str
+) -> None:
+    """Every replay would repeat the recorded run's draw (the layer always dropped, or always
+    kept) where eager draws afresh. The refusal names the generator and the way to declare a
+    draw that decides nothing on the GPU, and leaves the generator as it found it."""
+    import numpy
+
+    model = _LayerDrop(draw).requires_grad_(False)
+    state = random.getstate(), numpy.random.get_state()[1].tobytes()
+    with pytest.raises(cg.FrozenStateError, match=f"draws from {re.escape(generator)}") as info:
+        cg.graph(model, torch.randn(4, 8))
+    assert info.value.names == [generator]
+    assert f"harmless_state=({generator!r},)" in str(info.value)
+    assert (random.getstate(), numpy.random.get_state()[1].tobytes()) == state
+    g = cg.graph(model, torch.randn(4, 8), harmless_state=(generator,))  # declared: allowed
+    assert g.state is cg.State.CAPTURED
+
+
+def test_a_draw_in_the_first_run_only_is_not_a_draw_at_every_call(stand_in: None) -> None:
+    """Set-up that draws once (a compile's nonce, a lazily built table) is not refused: only a
+    run after the first that draws again is."""
+    drawn: list[float] = []
+
+    def once(x: torch.Tensor) -> torch.Tensor:
+        if not drawn:
+            drawn.append(random.random())
+        return x * 2.0
+
+    g = cg.graph(once, torch.randn(4))
+    assert g.state is cg.State.CAPTURED and len(drawn) == 1
 
 
 def test_the_snapshot_reaches_closures_caches_and_arguments() -> None:

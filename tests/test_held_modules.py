@@ -14,7 +14,14 @@ import pytest
 import torch
 import value_cases
 from torch import nn
-from value_cases import POLICY_CHANGES, Policy, step_with_net
+from value_cases import (
+    PARTIAL_CHANGES,
+    POLICY_CHANGES,
+    HoldsStep,
+    Policy,
+    bound_step,
+    step_with_net,
+)
 
 import cudagraphs as cg
 
@@ -68,8 +75,7 @@ def _scaled(model: nn.Module, x: torch.Tensor, *, scale: float) -> torch.Tensor:
 
 def test_a_module_bound_to_a_partial_is_guarded(stand_in: None) -> None:
     """``functools.partial(step, model, scale=...)``: a module bound to the partial is read by
-    the graph. (A plain value bound to it is not guarded yet: the function reads it as a
-    local, under no name the guard keeps.)"""
+    the graph."""
     torch.manual_seed(0)
     model = nn.Linear(8, 8).requires_grad_(False)
     step = functools.partial(_scaled, model, scale=1.0)
@@ -82,3 +88,46 @@ def test_a_module_bound_to_a_partial_is_guarded(stand_in: None) -> None:
         model.weight.mul_(2.0)  # in place: replayed as it is, no capture
         torch.testing.assert_close(g(x), step(x))
         assert g.stats.recaptures == 1
+
+
+@pytest.mark.parametrize("held", ["graphed", "attribute"])
+@pytest.mark.parametrize("change", list(PARTIAL_CHANGES))
+def test_a_value_bound_to_a_partial_and_changed_gives_eager_s_answer(
+    stand_in: None, change: str, held: str
+) -> None:
+    """``p.keywords["scale"] = 2.0`` after the capture, on the graphed partial itself or on one
+    a model holds: captured again, eager's answer."""
+    torch.manual_seed(0)
+    step, mix = bound_step(change)
+    graphed = HoldsStep(step) if held == "attribute" else step
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        g = cg.graph(graphed, x)
+        torch.testing.assert_close(g(x), graphed(x))
+        PARTIAL_CHANGES[change](step, mix)
+        fresh = torch.randn(4, 8)
+        torch.testing.assert_close(g(fresh), graphed(fresh))  # not the recorded answer
+        assert g.stats.recaptures == 1
+        torch.testing.assert_close(g(x), graphed(x))
+        assert g.stats.recaptures == 1
+
+
+def test_what_a_partial_binds_is_guarded_under_compile_too() -> None:
+    """Under ``compile=True`` the partial's function never runs as Python during the capture
+    (Dynamo runs its trace); what the partial binds is still among what the guard checks, so
+    a change captures again, and Dynamo, whose own guards see the change, traces again."""
+    from cudagraphs.core import PythonSnapshot, Reader, read_values
+
+    torch.manual_seed(0)
+    step, _ = bound_step("list item")
+    compiled = torch.compile(HoldsStep(step))
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        compiled(x)  # compiles: the capture sees only the compiled frame
+        snapshot = PythonSnapshot(compiled)
+        with Reader(of=compiled) as reader:
+            compiled(x)
+        snapshot.take()
+    labels = [v[0] for v in read_values(reader, snapshot.runs[-1], (), snapshot.objects)]
+    for bound in (".keywords['scale']", ".keywords['net']", ".args[0]"):
+        assert any(label.endswith(bound) for label in labels), (bound, labels)

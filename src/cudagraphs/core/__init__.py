@@ -43,7 +43,7 @@ from .python_values import (
     is_plain,
     read_values,
 )
-from .random_draws import RandomDraws
+from .random_draws import HostDraws, RandomDraws
 from .replay import OutputsInUse, StreamOrder
 from .segments import Segments, current_eager_step, eager
 from .signature import NAMESPACE, Signature, flatten, leaf_paths, same_value
@@ -66,6 +66,7 @@ __all__ = [
     "AddressGuard",
     "Diagnostics",
     "Graphed",
+    "HostDraws",
     "OutputsInUse",
     "Pool",
     "PythonSnapshot",

@@ -115,6 +115,24 @@ static PyObject* settings_hold(PyObject*, PyObject* calls) {
   Py_RETURN_TRUE;
 }
 
+// Whether what an entry's owner holds now (NULL: nothing) is what the entry recorded: absent
+// (2 items), the value or an equal one (3), or the same list with the same items (4).
+static int entry_holds(PyObject* entry, Py_ssize_t size, PyObject* now) {
+  if (size == 2) return now == nullptr;
+  if (now == nullptr) return 0;
+  PyObject* value = PyTuple_GET_ITEM(entry, 2);
+  if (size == 3) return same_object(now, value);
+  PyObject* items = PyTuple_GET_ITEM(entry, 3);
+  if (now != value || !PyList_Check(now) || !PyTuple_Check(items)) return 0;
+  Py_ssize_t count = PyTuple_GET_SIZE(items);
+  if (PyList_GET_SIZE(now) != count) return 0;
+  for (Py_ssize_t j = 0; j < count; ++j) {
+    if (j >= PyList_GET_SIZE(now)) return 0;  // a comparison shortened the list
+    if (!same_object(PyList_GET_ITEM(now, j), PyTuple_GET_ITEM(items, j))) return 0;
+  }
+  return 1;
+}
+
 // 1: each entry still holds (python_values.ValueWatch); 0: one changed; -1: error set. The
 // plain Python values a recording read, checked before every replay. Entries:
 //   (dict, key, value)         the dict holds value (or an equal one) under key;
@@ -124,7 +142,8 @@ static PyObject* settings_hold(PyObject*, PyObject* calls) {
 //   (dict, key)                key is absent (the class's value is not shadowed);
 //   (dict, key, list, items)   the dict holds a list whose items are still items (a tuple);
 //   (object, None, class)      the object's class is still that very class;
-//   (cell, key, value[, items]) a closure cell holds value (or, a list, those items).
+//   (cell, key, value[, items]) a closure cell holds value (or, a list, those items);
+//   (object, key, value[, items]) another object (one with __slots__) holds it as attribute key.
 static int values_hold(PyObject* held) {
   if (!PyTuple_Check(held)) {
     PyErr_SetString(PyExc_TypeError, "values: a tuple of entries expected");
@@ -141,6 +160,7 @@ static int values_hold(PyObject* held) {
     PyObject* owner = PyTuple_GET_ITEM(entry, 0);
     PyObject* key = PyTuple_GET_ITEM(entry, 1);
     PyObject* now;
+    PyObject* owned = nullptr;  // a new reference (an attribute read) to release below
     if (key == Py_None && size == 3) {
       if (reinterpret_cast<PyObject*>(Py_TYPE(owner)) != PyTuple_GET_ITEM(entry, 2)) return 0;
       continue;
@@ -152,29 +172,23 @@ static int values_hold(PyObject* held) {
       if (now == nullptr && PyErr_Occurred()) return -1;
     } else if (PyType_Check(owner) && PyUnicode_Check(key) && size == 3) {
       now = _PyType_Lookup(reinterpret_cast<PyTypeObject*>(owner), key);
+    } else if (PyUnicode_Check(key) && size >= 3) {  // a slot: read through the object
+      owned = PyObject_GetAttr(owner, key);
+      if (owned == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();  // an emptied slot: the value is gone
+        return 0;
+      }
+      now = owned;
     } else {
       PyErr_SetString(PyExc_TypeError,
-                      "values: an entry's owner is a dict, a class or a cell, or its key is None");
+                      "values: an entry's owner is a dict, a class, a cell or an object with "
+                      "the attribute key, or its key is None");
       return -1;
     }
-    if (size == 2) {
-      if (now != nullptr) return 0;
-      continue;
-    }
-    PyObject* value = PyTuple_GET_ITEM(entry, 2);
-    if (now == nullptr) return 0;
-    if (size == 3) {
-      if (!same_object(now, value)) return 0;
-      continue;
-    }
-    PyObject* items = PyTuple_GET_ITEM(entry, 3);
-    if (now != value || !PyList_Check(now) || !PyTuple_Check(items)) return 0;
-    Py_ssize_t count = PyTuple_GET_SIZE(items);
-    if (PyList_GET_SIZE(now) != count) return 0;
-    for (Py_ssize_t j = 0; j < count; ++j) {
-      if (j >= PyList_GET_SIZE(now)) return 0;  // a comparison shortened the list
-      if (!same_object(PyList_GET_ITEM(now, j), PyTuple_GET_ITEM(items, j))) return 0;
-    }
+    int holds = entry_holds(entry, size, now);
+    Py_XDECREF(owned);
+    if (!holds) return 0;
   }
   return 1;
 }

@@ -42,6 +42,7 @@ from .guards import modules_of
 from .launch import CopyNodes, CopyNodesUnavailable, sources_for
 from .launch import record as record_copies
 from .modes import Modes, outputs_needing_gradients, refuse_gradients
+from .random_draws import HostDraws
 from .replay import Counters, Replayer, detach_outputs
 from .segments import KeptWrites, NeedsSplitting, Segments, Splitter, module_gaps
 from .signature import Signature
@@ -444,15 +445,17 @@ def warm_up_and_capture(
     inputs = [static[i] for i in signature.tensor_index]
     roots = [static[i] for i in signature.frozen_index]
     plain = python_values.PythonSnapshot(fn, roots, options.harmless_state)
+    host = HostDraws(name, options.harmless_state)
+    after_each = lambda: (plain.take(), host.take())  # noqa: E731
     if settled:
-        plain.take()
+        after_each()
     with _capture_lock:
         effects = writes.SideEffects(fn, inputs, roots, options.side_effects if warmup else "keep")
         with effects.running():
             warmup_s = warm_up(
                 fn, args, kwargs, warmup, stream,
                 checked=functools.partial(collectives.compared_across_ranks, f"{name} (warm-up)"),
-                after_each=plain.take,
+                after_each=after_each,
             )  # fmt: skip
         written = effects.finish()
         writes.report(effects, fn)
@@ -474,7 +477,7 @@ def warm_up_and_capture(
                 restore=options.side_effects != "keep",
                 copy_inputs=inputs if copy_inputs else (),
             )
-        plain.take()
+        after_each()
         values = python_values.read_values(
             reader, plain.runs[-1], options.harmless_state, plain.objects
         )
@@ -483,6 +486,7 @@ def warm_up_and_capture(
             shared.record(recording.pool_bytes)
         # Values the runs changed go back only where the runs were the library's own.
         plain.check(restore=bool(warmup) and options.side_effects == "restore")
+        host.check()
     mutated = [
         i
         for i, x, before in zip(signature.tensor_index, inputs, versions)

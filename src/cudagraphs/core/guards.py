@@ -56,9 +56,9 @@ import torch
 from torch import nn
 
 from . import compat
-from .frames import class_names
+from .frames import class_names, is_model_class
 from .signature import CLASS_OF, held_value_still, is_plain
-from .writes import is_model_class, walk
+from .writes import walk
 
 __all__ = [
     "AddressCheck",

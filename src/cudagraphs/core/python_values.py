@@ -27,27 +27,26 @@ Wrong::
             self.step += 1
             return x * 2 if self.step % 2 else x  # FrozenStateError: Stepper.step changed
 
-Values the program changes after the capture. A recording runs the function's Python code once: every plain value it read then (a module's
-``scale``, a config flag, a module-level ``GAIN``) is baked into the kernels it launched. If
-the program changes such a value after the capture, every replay would silently repeat the old
-answer. So while the capture runs, :class:`Reader` notes which code ran (every Python function
-outside torch, the standard library and this library: the user's model and third-party model
-code such as transformers) and the names that code loads (and its identifier-like string
-constants, for ``getattr(obj, "name")``); :func:`read_values` keeps what the reached objects
-and that code's module globals hold under those names (:func:`is_watched`: plain values, and by
-identity functions, modules, tensors and the reached objects themselves). :class:`ValueWatch`
+Values the program changes after the capture (a module's ``scale``, a config flag, a
+module-level ``GAIN``) would be replayed as they were, silently. So while the capture runs,
+:class:`Reader` notes which code ran (every Python function outside torch, the standard library
+and this library: the user's model and third-party model code such as transformers) and the
+names that code loads (and its identifier-like string constants, for ``getattr(obj, "name")``);
+:func:`read_values` keeps what the reached objects and that code's module globals hold under
+those names (:func:`is_watched`: plain values, and by identity functions, modules, tensors and
+the reached objects themselves). :class:`ValueWatch`
 compares them before each replay (identity, then equality where it decides), and a change
 captures again (``on_stale="recapture"``, logged once per value) or raises
 :class:`~cudagraphs.errors.StaleGraphError` naming it (``on_stale="raise"``).
 
 A name the code loads in a branch it did not take is guarded too: a change of it may be
-harmless, and then costs a recapture, never a wrong answer. Values declared with
-``harmless_state=`` are not guarded.
+harmless, and then costs a recapture, never a wrong answer.
 
 Values read from the class rather than the instance (:func:`class_values`: a class-level
 default read as ``self.scale``, a method that ran), the class of each module and model object
-the recording reached (``module.__class__ = Other``), and the items of a list of plain values
-(``self.mix[0] = 3.0``) are guarded the same way.
+the recording reached (``module.__class__ = Other``), the items of a list of plain values
+(``self.mix[0] = 3.0``), and what a reached ``functools.partial`` binds
+(``writes.bound_arguments``) are guarded the same way.
 
 Right::
 
@@ -58,13 +57,13 @@ Right::
     model.head.__class__ = Patched  # another class, other methods: seen
     model.mask = new_mask      # a tensor attribute (not a buffer) replaced: seen, by identity
     model.activation = torch.tanh   # a held function, compared by identity: the same
+    model.fn.keywords["factor"] = 2.0   # a value bound to a held partial: the same
     y = g(x)
 
-Wrong (a value the guard cannot see)::
+Wrong::
 
-    model.fn = functools.partial(scaled, factor=1.0)
-    g = cg.graph(model, x)
-    model.fn.keywords["factor"] = 2.0   # a partial changed in place: bind a new partial
+    g = cg.graph(model, x, harmless_state=("scale",))   # names what is not guarded:
+    model.scale = 2.0                                   # the old answer
 """
 
 from __future__ import annotations
@@ -80,10 +79,10 @@ import torch
 
 from ..errors import FrozenStateError, explain
 from . import compat
-from .frames import callable_name, is_model_code
+from .frames import callable_name, is_model_class, is_model_code, slot_values
 from .guards import compiled_module
 from .signature import CLASS_OF, MISSING, held_value_now, held_value_still, is_plain
-from .writes import is_compiled, is_model_class, walk
+from .writes import bound_arguments, is_compiled, walk
 
 __all__ = [
     "READS_LIKE",
@@ -137,13 +136,17 @@ class Items:
 _Key = tuple[int, str]  # (id of the owner, attribute)
 
 
-def _slots_of(obj: Any) -> dict[str, Any] | None:
-    """Where ``obj`` keeps the values a program reads by name: an object's ``__dict__``, or a
-    plain dict itself (``self.nets["value"]``, ``self.cfg["scale"]``); ``None`` for others."""
-    if type(obj) is dict:
-        return obj if all(isinstance(k, str) for k in list(obj)[:1000]) else None
+def _held_by(obj: Any) -> tuple[Any, dict[str, Any]] | None:
+    """Where ``obj`` keeps the values a program reads by name, as (what a guard entry reads,
+    those values): an object's ``__dict__``, a plain dict itself (``self.cfg["scale"]``), or
+    a model object's ``__slots__`` (``@dataclass(slots=True)``), read through the object."""
+    if isinstance(obj, dict):  # an OrderedDict's or a defaultdict's items too
+        return (obj, obj) if all(isinstance(k, str) for k in list(obj)[:1000]) else None
     attributes = getattr(obj, "__dict__", None)
-    return attributes if isinstance(attributes, dict) else None
+    if isinstance(attributes, dict):
+        return attributes, attributes
+    slots = slot_values(obj)
+    return (obj, slots) if slots else None
 
 
 class PythonSnapshot:
@@ -166,13 +169,15 @@ class PythonSnapshot:
         # comes before what it holds.
         owned: set[int] = set()
         fn = getattr(self.fn, "__func__", self.fn)  # its own closure cells are read too
-        self.objects = [(callable_name(fn), fn)] if isinstance(fn, types.FunctionType) else []
+        graphed = isinstance(fn, (types.FunctionType, functools.partial))
+        self.objects = [(callable_name(fn), fn)] if graphed else []
         for name, obj in walk(self.fn, self.roots):
-            attributes = _slots_of(obj)
-            if attributes is None or id(obj) in owned:
+            held = _held_by(obj)
+            if held is None or id(obj) in owned:
                 continue
+            attributes = held[1]
             if _not_state(obj):
-                owned.update(id(v) for v in list(attributes.values())[:1000] if type(v) is dict)
+                owned.update(id(v) for v in list(attributes.values())[:1000] if isinstance(v, dict))
                 continue
             self.objects.append((name, obj))
             for key, value in list(attributes.items())[:1000]:
@@ -212,7 +217,7 @@ class PythonSnapshot:
             now = latest.get(key)
             if now is not None and is_plain(was) and not _same(now[1], was):
                 try:
-                    if type(obj) is dict:
+                    if isinstance(obj, dict):
                         obj[key[1]] = was
                     else:
                         setattr(obj, key[1], was)
@@ -278,7 +283,6 @@ class Reader:
     """While active (one thread: the capture's), the code objects that run outside the
     libraries, with their module globals; the names they load are what :func:`read_values`
     keeps. Another profiler of this thread (a debugger, cProfile) is chained, not replaced.
-
     ``of``: the callable about to run; the code it stands in for (:data:`READS_LIKE`) counts
     as run."""
 
@@ -328,15 +332,12 @@ class Reader:
 
 
 def compiled_code(fn: Any, limit: int = 20000) -> dict[types.CodeType, dict[str, Any]]:
-    """The model code a ``torch.compile``'d ``fn`` may stand in for, with its globals.
-
-    Dynamo inlines the forwards of child modules and the helpers they call into one compiled
-    frame, so their own frames never run and a :class:`Reader` would miss the names they load
-    (``self.gain`` in a child's forward). So every function of each module class ``fn``
-    reaches (its methods, through the classes it derives from), each function ``fn`` reaches,
-    the functions their code names as globals, and the code nested in theirs, count as run.
-    More than ran: a name loaded by code that did not run is guarded too, and its change costs
-    a recapture, never a wrong answer."""
+    """The model code a ``torch.compile``'d ``fn`` may stand in for, with its globals. Dynamo
+    inlines child modules' forwards and their helpers into one frame, so a :class:`Reader`
+    would miss the names they load (``self.gain`` in a child's forward): the methods of each
+    module class ``fn`` reaches (through its bases), the functions it reaches, the functions
+    their code names as globals, and the code nested in theirs count as run. A name loaded by
+    code that did not run is guarded too: its change costs a recapture, never a wrong answer."""
     found: dict[types.CodeType, dict[str, Any]] = {}
     stack: list[Any] = []
     classes: set[type] = set()
@@ -385,32 +386,33 @@ def read_values(
     harmless: Sequence[str] = (),
     objects: Iterable[tuple[str, Any]] = (),
 ) -> list[tuple[str, Any, str, Any]]:
-    """``(label, owner, key, value)`` for each plain value the recorded code read:
-    attributes of reached objects (``reached``: ``PythonSnapshot``'s values after the
-    capture), module globals, and values the classes of the reached ``objects`` hold
-    (:func:`class_values`), under the names that code loads, harmless ones left out. The
-    owner is a dict (an instance's, a module's globals) or a class; a list's value is its
-    :class:`Items`. An object the walk reached through such a name (a config, a namespace, a
-    dict whose items the code reads) is held by identity too: another one bound in its place
-    holds values the recording never read."""
+    """``(label, owner, key, value)`` for each value the recorded code read, harmless ones
+    left out: under the names that code loads, the reached objects' attributes (``reached``:
+    ``PythonSnapshot``'s values after the capture), module globals and values of the
+    ``objects``' classes (:func:`class_values`); closure cells; what a partial binds. The
+    owner is a dict, a class or a cell; a list's value is its :class:`Items`. An object reached
+    through such a name (a config, a dict whose items the code reads) is held by identity too:
+    another one bound in its place holds values the recording never read."""
     names = reader.names
     objects = list(objects)
     holders = {id(obj) for _, obj in objects}
     found: list[tuple[str, Any, str, Any]] = []
     for (_, key), (label, value, owner) in reached.items():
         if key in names and not _harmless(label, harmless):
-            namespace = _slots_of(owner)
-            if namespace is not None and namespace.get(key, MISSING) is value:
-                found.append((label, namespace, key, _held_value(value)))
+            held = _held_by(owner)
+            if held is not None and held_value_now(held[0], key) is value:
+                found.append((label, held[0], key, _held_value(value)))
     for label, obj in objects:
-        namespace = _slots_of(obj)
-        for key, value in list(namespace.items() if namespace is not None else ())[:1000]:
+        held = _held_by(obj)
+        for key, value in list(held[1].items() if held is not None else ())[:1000]:
             if key in names and id(value) in holders and not is_watched(value):
-                held = f"{label}[{key!r}]" if namespace is obj else f"{label}.{key}"
-                if not _harmless(held, harmless):
-                    found.append((held, namespace, key, value))
+                named = f"{label}[{key!r}]" if held[1] is obj else f"{label}.{key}"
+                if not _harmless(named, harmless):
+                    found.append((named, held[0], key, value))
     found.extend(v for v in class_values(reader, objects) if not _harmless(v[0], harmless))
     found.extend(v for v in _cells_read(reader, objects) if not _harmless(v[0], harmless))
+    bound = bound_arguments(objects)  # a partial's arguments: read under no name
+    found.extend((*v[:3], _held_value(v[3])) for v in bound if not _harmless(v[0], harmless))
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
         module = namespace.get("__name__", "?")
@@ -452,13 +454,12 @@ def _held_value(value: Any) -> Any:
 def class_values(
     reader: Reader, objects: Iterable[tuple[str, Any]]
 ) -> list[tuple[str, Any, str, Any]]:
-    """The values a recording read from the classes of model code rather than from the
-    instance: a class-level default (``class M: scale = 1.0``, read as ``self.scale``) and each
-    method that ran. Two entries guard each: the class's lookup (the class, or a base before the
-    one that held it, given another value: ``M.scale = 2.0``, ``M.forward = patched``), and,
-    per instance, the key's absence from the instance's dict (``model.scale = 2.0`` shadows
-    the class's value; ``model.forward = f`` replaces the method). Only classes of model code
-    count: torch's and the standard library's classes are not changed by a program."""
+    """The values a recording read from model code's classes rather than the instance: a
+    class-level default (``class M: scale = 1.0``, read as ``self.scale``) and each method that
+    ran. Two entries guard each: the class's lookup (the class, or a base before the one that
+    held it, given another value: ``M.scale = 2.0``, ``M.forward = patched``), and per
+    instance the key's absence from its dict (``model.scale = 2.0``, ``model.forward = f``).
+    torch's and the standard library's classes are not changed by a program."""
     names = reader.names
     found: list[tuple[str, Any, str, Any]] = []
     keys_of: dict[type, tuple[str, ...]] = {}

@@ -135,8 +135,8 @@ CLASS_OF = None
 
 def held_value_now(owner: Any, key: str | None) -> Any:
     """What ``owner`` holds under ``key`` now: a dict's item, a class's attribute lookup (bases
-    in order, no descriptor run), a closure cell's contents, or its class for
-    :data:`CLASS_OF`; else :data:`MISSING`."""
+    in order, no descriptor run), a closure cell's contents, its class for :data:`CLASS_OF`,
+    or another object's attribute (a slot); else :data:`MISSING`."""
     if key is CLASS_OF:
         return type(owner)
     if isinstance(owner, types.CellType):  # a closure variable (key "cell_contents")
@@ -144,8 +144,10 @@ def held_value_now(owner: Any, key: str | None) -> Any:
             return owner.cell_contents
         except ValueError:  # an emptied cell
             return MISSING
-    if not isinstance(owner, type):
+    if isinstance(owner, dict):
         return owner.get(key, MISSING)
+    if not isinstance(owner, type):
+        return getattr(owner, key, MISSING)
     for klass in owner.__mro__:
         found = vars(klass).get(key, MISSING)
         if found is not MISSING:
