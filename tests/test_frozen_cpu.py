@@ -19,9 +19,9 @@ from stateful_models import Counting, Flipping
 from torch import nn
 
 import cudagraphs as cg
+from cudagraphs.core import PythonSnapshot as Snapshot
+from cudagraphs.core import RandomDraws
 from cudagraphs.core import modes as modes_module
-from cudagraphs.core.python_values import PythonSnapshot as Snapshot
-from cudagraphs.core.random_draws import RandomDraws
 from cudagraphs.core.replay import Counters, OutputsInUse, Replayer
 from cudagraphs.core.signature import Signature
 

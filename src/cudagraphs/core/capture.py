@@ -11,8 +11,8 @@ stream, the allocator and Python's gc are always restored, so the process stays 
 
 Around the runs (:func:`warm_up_and_capture`): the writes to tensors outside the inputs (``writes.SideEffects``: restored
 after a warm-up on the library's own account), the plain Python values the function changes from run
-to run (``python_values``: refused;
-the values it read are guarded), the inputs the function writes in place (their version
+to run (``frozen_state``: refused;
+the values it read are guarded, ``python_values``), the inputs the function writes in place (their version
 counters), and the collectives each rank issued (``collectives``: compared across ranks, since
 ranks whose graphs differ would hang at the first replay).
 """
@@ -38,11 +38,11 @@ from ..options import Options
 from . import collectives, compat, python_values, segments, writes
 from .active_capture import capturing
 from .frames import block_hint, callable_name, classify_failure, failing_module, user_location
+from .frozen_state import HostDraws, PythonSnapshot
 from .guards import modules_of
 from .launch import CopyNodes, CopyNodesUnavailable, sources_for
 from .launch import record as record_copies
 from .modes import Modes, outputs_needing_gradients, refuse_gradients
-from .random_draws import HostDraws
 from .replay import Counters, Replayer, detach_outputs
 from .segments import KeptWrites, NeedsSplitting, Segments, Splitter, module_gaps
 from .signature import Signature
@@ -444,7 +444,7 @@ def warm_up_and_capture(
     args, kwargs = optree.tree_unflatten(signature.spec, static)
     inputs = [static[i] for i in signature.tensor_index]
     roots = [static[i] for i in signature.frozen_index]
-    plain = python_values.PythonSnapshot(fn, roots, options.harmless_state)
+    plain = PythonSnapshot(fn, roots, options.harmless_state)
     host = HostDraws(name, options.harmless_state)
     after_each = lambda: (plain.take(), host.take())  # noqa: E731
     if settled:

@@ -1,31 +1,5 @@
-"""Plain Python values a recording freezes: refused where the function changes them, guarded
-where the program might.
-
-Values the function changes. A recording runs the function's Python code once: every plain
-value it read (a step counter, a "cache is full" flag, a cache's Python position) is baked into
-the kernels it launched. If the function changes such a value from run to run, every replay
-repeats the first run's choice, silently. So around warm-up and capture a
-:class:`PythonSnapshot` holds the plain values (:func:`is_plain`) in the instance dictionaries
-of every object the function reaches (``writes.walk``: the module tree, a bound method's
-``self``, closure cells, globals its code names, attributes of its plain arguments). One that
-differs between two runs after the first (which may set things up once) raises
-:class:`~cudagraphs.errors.FrozenStateError` at capture, naming it.
-
-Right::
-
-    class Counted(nn.Module):
-        def forward(self, x):
-            self.calls += 1                      # a logging counter: harmless
-            return self.net(x)
-
-    g = cg.graph(model, x, harmless_state=("calls",))
-
-Wrong::
-
-    class Stepper(nn.Module):
-        def forward(self, x):
-            self.step += 1
-            return x * 2 if self.step % 2 else x  # FrozenStateError: Stepper.step changed
+"""Plain Python values a recording read, guarded where the program might change them after
+the capture (``frozen_state`` refuses those the function itself changes).
 
 Values the program changes after the capture (a module's ``scale``, a config flag, a
 module-level ``GAIN``) would be replayed as they were, silently. So while the capture runs,
@@ -33,7 +7,7 @@ module-level ``GAIN``) would be replayed as they were, silently. So while the ca
 and this library: the user's model and third-party model code such as transformers) and the
 names that code loads (and its identifier-like string constants, for ``getattr(obj, "name")``);
 :func:`read_values` keeps what the reached objects and that code's module globals hold under
-those names (:func:`is_watched`: plain values, and by identity functions, modules, tensors and
+those names (``frozen_state.is_watched``: plain values, and by identity functions, modules, tensors and
 the reached objects themselves). :class:`ValueWatch`
 compares them before each replay (identity, then equality where it decides), and a change
 captures again (``on_stale="recapture"``, logged once per value) or raises
@@ -77,199 +51,21 @@ from typing import Any
 
 import torch
 
-from ..errors import FrozenStateError, explain
 from . import compat
-from .frames import callable_name, is_model_class, is_model_code, slot_values
+from .frames import is_model_class, is_model_code
+from .frozen_state import Items, held_by, is_harmless, is_watched, short_repr
 from .guards import compiled_module
-from .signature import CLASS_OF, MISSING, held_value_now, held_value_still, is_plain
+from .signature import CLASS_OF, MISSING, held_value_now, held_value_still
 from .writes import bound_arguments, is_compiled, walk
 
 __all__ = [
     "READS_LIKE",
     "Reader",
-    "PythonSnapshot",
-    "Items",
     "ValueWatch",
     "class_values",
-    "is_plain",
-    "is_watched",
     "read_values",
     "retrace_after_class_change",
 ]
-
-#: Compared by identity: callables (``self.activation = torch.relu``; an equal new partial costs
-#: a recapture, never a wrong answer), modules held outside a module (a policy's ``self.head``),
-#: and tensors that are not parameters or buffers (``self.mask = t``), read at their address.
-_BY_IDENTITY = (
-    types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
-    torch.nn.Module, torch.Tensor,
-)  # fmt: skip
-# nn.Module's own bookkeeping: not the model's state.
-_MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
-
-
-def is_watched(value: Any) -> bool:
-    """A value the guard compares before each replay: a plain value, a list of such values
-    (``self.mix = [0.5, 0.5]``: its items, which ``self.mix[0] = 0.9`` changes in place), or a
-    function, module or tensor held by identity (:data:`_BY_IDENTITY`)."""
-    return is_plain(value) or isinstance(value, _BY_IDENTITY) or _is_watched_list(value)
-
-
-def _is_watched_list(value: Any) -> bool:
-    if type(value) is not list or len(value) > 64:
-        return False
-    return all(is_plain(v, 1) or isinstance(v, _BY_IDENTITY) for v in value)
-
-
-class Items:
-    """What a guard holds for a list the recording read: the list itself and its items then."""
-
-    __slots__ = ("items", "list")
-
-    def __init__(self, held: list[Any]) -> None:
-        self.list, self.items = held, tuple(held)
-
-    def __repr__(self) -> str:
-        return repr(list(self.items))
-
-
-_Key = tuple[int, str]  # (id of the owner, attribute)
-
-
-def _held_by(obj: Any) -> tuple[Any, dict[str, Any]] | None:
-    """Where ``obj`` keeps the values a program reads by name, as (what a guard entry reads,
-    those values): an object's ``__dict__``, a plain dict itself (``self.cfg["scale"]``), or
-    a model object's ``__slots__`` (``@dataclass(slots=True)``), read through the object."""
-    if isinstance(obj, dict):  # an OrderedDict's or a defaultdict's items too
-        return (obj, obj) if all(isinstance(k, str) for k in list(obj)[:1000]) else None
-    attributes = getattr(obj, "__dict__", None)
-    if isinstance(attributes, dict):
-        return attributes, attributes
-    slots = slot_values(obj)
-    return (obj, slots) if slots else None
-
-
-class PythonSnapshot:
-    """The plain values ``fn`` can reach; :meth:`take` after each run, :meth:`check` at the
-    end of the capture."""
-
-    def __init__(
-        self, fn: Callable[..., Any], roots: Iterable[Any] = (), harmless: Sequence[str] = ()
-    ):
-        self.fn = fn
-        self.roots = tuple(roots)
-        self.harmless = tuple(harmless)
-        self.first = self._values()
-        self.runs: list[dict[_Key, tuple[str, Any, Any]]] = []
-
-    def _values(self) -> dict[_Key, tuple[str, Any, Any]]:
-        values: dict[_Key, tuple[str, Any, Any]] = {}
-        # The dicts the library's own objects hold (a graph's registry, its counters) are no
-        # more the user's state than those objects' attributes are. Breadth first, an owner
-        # comes before what it holds.
-        owned: set[int] = set()
-        fn = getattr(self.fn, "__func__", self.fn)  # its own closure cells are read too
-        graphed = isinstance(fn, (types.FunctionType, functools.partial))
-        self.objects = [(callable_name(fn), fn)] if graphed else []
-        for name, obj in walk(self.fn, self.roots):
-            held = _held_by(obj)
-            if held is None or id(obj) in owned:
-                continue
-            attributes = held[1]
-            if _not_state(obj):
-                owned.update(id(v) for v in list(attributes.values())[:1000] if isinstance(v, dict))
-                continue
-            self.objects.append((name, obj))
-            for key, value in list(attributes.items())[:1000]:
-                if key in _MODULE_INTERNALS or not is_watched(value):
-                    continue
-                label = f"{name}[{key!r}]" if attributes is obj else f"{name}.{key}"
-                values[(id(obj), key)] = (label, value, obj)
-        return values
-
-    def take(self) -> None:
-        """After a run: what the plain values are now."""
-        self.runs.append(self._values())
-
-    def changes(self) -> list[tuple[str, Any, Any]]:
-        """``(name, was, became)`` for each value that differs between two consecutive runs
-        after the first, harmless names left out."""
-        found: dict[str, tuple[str, Any, Any]] = {}
-        for before, after in zip(self.runs, self.runs[1:]):
-            for key, (name, was, _) in before.items():
-                if key not in after or name in found or self._is_harmless(name):
-                    continue
-                if not is_plain(was):  # a held function: guarded after the capture only
-                    continue
-                now = after[key][1]
-                if not _same(now, was):
-                    found[name] = (name, was, now)
-        return list(found.values())
-
-    def _is_harmless(self, name: str) -> bool:
-        return any(name == h or name.endswith("." + h) for h in self.harmless)
-
-    def restore(self) -> None:
-        """Put back every plain value the runs changed (the library's own runs leave no
-        trace), harmless ones included."""
-        latest = self.runs[-1] if self.runs else {}
-        for key, (_, was, obj) in self.first.items():
-            now = latest.get(key)
-            if now is not None and is_plain(was) and not _same(now[1], was):
-                try:
-                    if isinstance(obj, dict):
-                        obj[key[1]] = was
-                    else:
-                        setattr(obj, key[1], was)
-                except (AttributeError, TypeError):  # a read-only or slotted attribute
-                    continue
-
-    def check(self, *, restore: bool) -> None:
-        """Raise :class:`FrozenStateError` if the function changes a plain value from run to
-        run (after putting values back when ``restore``)."""
-        changes = self.changes()
-        if restore or changes:
-            self.restore()
-        if not changes:
-            return
-        listed = "; ".join(f"{n} was {_short(a)}, became {_short(b)}" for n, a, b in changes[:5])
-        more = f" (and {len(changes) - 5} more)" if len(changes) > 5 else ""
-        first = changes[0][0].rsplit(".", 1)[-1]
-        raise FrozenStateError(
-            explain(
-                f"{callable_name(self.fn)} changes plain Python state from one run to the next: "
-                f"{listed}{more}",
-                "a recording runs the Python code once, so every replay would repeat the "
-                "branch, index or constant of that run while eager would use the new value",
-                "keep such state in a tensor on the device (updated in place), or move it out "
-                "of the graphed function; if the value decides nothing the GPU does (a logging "
-                f"counter), declare it with harmless_state=({first!r},)",
-            ),
-            names=[n for n, _, _ in changes],
-        )
-
-
-def _same(now: Any, was: Any) -> bool:
-    if now is was:
-        return True
-    if type(now) is not type(was):
-        return False
-    if isinstance(now, float) and now != now and was != was:  # NaN stays NaN
-        return True
-    return bool(now == was)
-
-
-def _not_state(obj: Any) -> bool:
-    """Objects whose attributes are not the user's state: Python modules (their globals) and
-    classes, and the library's own objects (a pool's capture count, a graph's counters)."""
-    if isinstance(obj, (types.ModuleType, type)):
-        return True
-    return type(obj).__module__.split(".", 1)[0] == "cudagraphs"
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 #: The attribute by which a callable that runs compiled code in place of the Python code it was
@@ -398,21 +194,21 @@ def read_values(
     holders = {id(obj) for _, obj in objects}
     found: list[tuple[str, Any, str, Any]] = []
     for (_, key), (label, value, owner) in reached.items():
-        if key in names and not _harmless(label, harmless):
-            held = _held_by(owner)
+        if key in names and not is_harmless(label, harmless):
+            held = held_by(owner)
             if held is not None and held_value_now(held[0], key) is value:
                 found.append((label, held[0], key, _held_value(value)))
     for label, obj in objects:
-        held = _held_by(obj)
+        held = held_by(obj)
         for key, value in list(held[1].items() if held is not None else ())[:1000]:
             if key in names and id(value) in holders and not is_watched(value):
                 named = f"{label}[{key!r}]" if held[1] is obj else f"{label}.{key}"
-                if not _harmless(named, harmless):
+                if not is_harmless(named, harmless):
                     found.append((named, held[0], key, value))
-    found.extend(v for v in class_values(reader, objects) if not _harmless(v[0], harmless))
-    found.extend(v for v in _cells_read(reader, objects) if not _harmless(v[0], harmless))
+    found.extend(v for v in class_values(reader, objects) if not is_harmless(v[0], harmless))
+    found.extend(v for v in _cells_read(reader, objects) if not is_harmless(v[0], harmless))
     bound = bound_arguments(objects)  # a partial's arguments: read under no name
-    found.extend((*v[:3], _held_value(v[3])) for v in bound if not _harmless(v[0], harmless))
+    found.extend((*v[:3], _held_value(v[3])) for v in bound if not is_harmless(v[0], harmless))
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
         module = namespace.get("__name__", "?")
@@ -426,7 +222,7 @@ def read_values(
                 continue
             seen.add((id(namespace), name))
             label = f"global {module}.{name}"
-            if not _harmless(label, harmless):
+            if not is_harmless(label, harmless):
                 found.append((label, namespace, name, _held_value(value)))
     return found
 
@@ -515,10 +311,6 @@ def _class_reads(cls: type, names: set[str], ran: dict[types.CodeType, Any]) -> 
     return tuple(keys)
 
 
-def _harmless(label: str, harmless: Iterable[str]) -> bool:
-    return any(label == h or label.endswith("." + h) for h in harmless)
-
-
 class ValueWatch:
     """The guard's watch over the plain values a recording read (see the module doc)."""
 
@@ -580,7 +372,7 @@ class ValueWatch:
 def _words(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} at {value.data_ptr():#x}"
-    return repr(value) if is_watched(value) else f"{_short(value)} (another object)"
+    return repr(value) if is_watched(value) else f"{short_repr(value)} (another object)"
 
 
 def _entry(owner: Any, key: str, value: Any) -> tuple[Any, ...]:
