@@ -15,8 +15,10 @@ import value_cases
 from value_cases import (
     CALLABLE_CHANGES,
     CHANGES,
+    NUMPY_CHANGES,
     SLOT_CHANGES,
     Activated,
+    NumpyScaled,
     Scaled,
     SlottedModel,
     gained,
@@ -353,3 +355,35 @@ def test_what_a_hook_reads_is_guarded_under_compile_too() -> None:
     layer.register_forward_hook(lambda module, args, out: out * factor[0])
     labels = _labels_read_under_compile(layer, torch.randn(4, 8))
     assert any("closure variable 'factor'" in label for label in labels), labels
+
+
+@pytest.mark.parametrize("change", NUMPY_CHANGES)
+def test_a_numpy_value_changed_after_capture_captures_again(stand_in: None, change: str) -> None:
+    """A NumPy scalar is compared by value (an equal new one is no change), a small array by
+    its memory (an item set in place is a change, one set to its own value is not)."""
+    import numpy
+
+    torch.manual_seed(0)
+    model = NumpyScaled()
+    x = torch.randn(4, 8)
+    g = cg.graph(model, x)
+    model.scale, model.table[1] = numpy.float32(1.0), 2.0  # the same values: no change
+    torch.testing.assert_close(g(x), model(x))
+    assert g.stats.recaptures == 0
+    value_cases._numpy_change(change)(model)
+    fresh = torch.randn(4, 8)
+    torch.testing.assert_close(g(fresh), model(fresh))  # not the recorded answer
+    assert g.stats.recaptures == 1
+    torch.testing.assert_close(g(x), model(x))
+    assert g.stats.recaptures == 1
+
+
+def test_a_numpy_array_changed_in_place_is_named_under_on_stale_raise(stand_in: None) -> None:
+    model = NumpyScaled()
+    g = cg.graph(model, torch.randn(4, 8), on_stale="raise")
+    model.table[1] = 5.0
+    with pytest.raises(
+        cg.StaleGraphError,
+        match=r"NumpyScaled\.table changed from array\(\[1\., 2\.\]\) to array\(\[1\., 5\.\]\)",
+    ):
+        g(torch.randn(4, 8))

@@ -10,7 +10,16 @@ import pytest
 import torch
 import value_cases
 from torch import nn
-from value_cases import CALLABLE_CHANGES, CHANGES, SLOT_CHANGES, Activated, Scaled, SlottedModel
+from value_cases import (
+    CALLABLE_CHANGES,
+    CHANGES,
+    NUMPY_CHANGES,
+    SLOT_CHANGES,
+    Activated,
+    NumpyScaled,
+    Scaled,
+    SlottedModel,
+)
 
 import cudagraphs as cg
 
@@ -226,3 +235,19 @@ class _MappedGain(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layer(x) * self.settings["gain"]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("change", NUMPY_CHANGES)
+def test_a_numpy_value_changed_after_capture_gives_eager_s_answer(
+    change: str, compile: bool
+) -> None:
+    torch.manual_seed(0)
+    model = NumpyScaled(8, "cuda")
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(16, 8, device="cuda"), compile=compile)
+        value_cases._numpy_change(change)(model)
+        for _ in range(2):
+            x = torch.randn(16, 8, device="cuda")
+            torch.testing.assert_close(g(x), model(x))  # not the recorded answer
+        assert g.stats.recaptures == 1 and g.stats.replays >= 2

@@ -458,3 +458,34 @@ SLOT_CHANGES = {
     "slot rebound": lambda s: setattr(s, "mix", [0.5]),
     "tensor in a slot replaced": lambda s: setattr(s, "gain", torch.full_like(s.gain, 2.0)),
 }
+
+
+class NumpyScaled(nn.Module):
+    """Settings held as NumPy values: a scalar (``np.float32``, not a Python float) and a small
+    table whose items the forward reads."""
+
+    def __init__(self, width: int = 8, device: str = "cpu") -> None:
+        import numpy
+
+        super().__init__()
+        self.fc = nn.Linear(width, width).requires_grad_(False).to(device)
+        self.scale, self.table = numpy.float32(1.0), numpy.array([1.0, 2.0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * float(self.scale) * float(self.table[1].sum()) * self.table.ndim
+
+
+def _numpy_change(kind: str) -> Any:
+    import numpy
+
+    return {
+        "scalar": lambda m: setattr(m, "scale", numpy.float32(2.0)),
+        "array item": lambda m: m.table.__setitem__(1, 5.0),
+        "array reshaped in place": lambda m: setattr(m.table, "shape", (2, 1)),
+        "array replaced": lambda m: setattr(m, "table", numpy.array([1.0, 7.0])),
+    }[kind]
+
+
+#: What a program changes in a NumpyScaled after the capture (a reshape in place changes what
+#: the forward computes with ``ndim``, not one byte of the array).
+NUMPY_CHANGES = ["scalar", "array item", "array reshaped in place", "array replaced"]

@@ -72,10 +72,13 @@ from .writes import walk
 
 __all__ = [
     "HostDraws",
+    "ARRAY_BYTES",
+    "Contents",
     "Items",
     "PythonSnapshot",
     "RandomDraws",
     "held_by",
+    "held_value",
     "is_harmless",
     "is_watched",
     "short_repr",
@@ -92,11 +95,27 @@ _BY_IDENTITY = (
 _MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
 
 
+#: The largest NumPy array whose memory a guard compares before each replay (a copy is kept);
+#: a larger one is held by identity only.
+ARRAY_BYTES = 64 * 1024
+
+
 def is_watched(value: Any) -> bool:
-    """A value the guard compares before each replay: a plain value, a list of such values
-    (``self.mix = [0.5, 0.5]``: its items, which ``self.mix[0] = 0.9`` changes in place), or a
-    function, module or tensor held by identity (:data:`_BY_IDENTITY`)."""
-    return is_plain(value) or isinstance(value, _BY_IDENTITY) or _is_watched_list(value)
+    """A value the guard compares before each replay: a plain value (NumPy scalars too), a list
+    of such values (``self.mix = [0.5, 0.5]``: its items, which ``self.mix[0] = 0.9`` changes in
+    place), a NumPy array (its memory, which ``self.table[1] = 5.0`` changes), or a function,
+    module or tensor held by identity (:data:`_BY_IDENTITY`)."""
+    return (
+        is_plain(value)
+        or isinstance(value, _BY_IDENTITY)
+        or _is_watched_list(value)
+        or _is_array(value)
+    )
+
+
+def _is_array(value: Any) -> bool:
+    numpy = sys.modules.get("numpy")  # never imported here: a program that made one did
+    return numpy is not None and isinstance(value, getattr(numpy, "ndarray", ()))
 
 
 def _is_watched_list(value: Any) -> bool:
@@ -115,6 +134,40 @@ class Items:
 
     def __repr__(self) -> str:
         return repr(list(self.items))
+
+
+class Contents:
+    """What a guard holds for a NumPy array the recording read: the array itself and, where it
+    is C-contiguous, of plain elements and at most :data:`ARRAY_BYTES`, a copy of its memory
+    then (``snapshot``: bytes, element format, shape; else ``None``, identity only)."""
+
+    __slots__ = ("_then", "array", "snapshot")
+
+    def __init__(self, array: Any) -> None:
+        self.array, self.snapshot = array, _memory_of(array)
+        self._then = array.copy() if self.snapshot is not None else array  # for messages
+
+    def __repr__(self) -> str:
+        return short_repr(self._then)
+
+
+def _memory_of(array: Any) -> tuple[bytes, str, tuple[int, ...]] | None:
+    try:
+        view = memoryview(array)  # object and datetime arrays have no buffer
+    except (TypeError, ValueError):
+        return None
+    with view:
+        if not view.c_contiguous or view.nbytes > ARRAY_BYTES or view.format == "O":
+            return None
+        return view.tobytes(), view.format, view.shape
+
+
+def held_value(value: Any) -> Any:
+    """What a guard keeps for ``value``: a list's items (:class:`Items`), an array's memory
+    (:class:`Contents`), else the value itself."""
+    if type(value) is list:
+        return Items(value)
+    return Contents(value) if _is_array(value) else value
 
 
 _Key = tuple[int, str]  # (id of the owner, attribute)

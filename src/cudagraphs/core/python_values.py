@@ -32,6 +32,7 @@ Right::
     model.mask = new_mask      # a tensor attribute (not a buffer) replaced: seen, by identity
     model.activation = torch.tanh   # a held function, compared by identity: the same
     model.fn.keywords["factor"] = 2.0   # a value bound to a held partial: the same
+    model.table[1] = 5.0       # a NumPy array read: its memory is compared (up to 64 KiB)
     y = g(x)
 
 Wrong::
@@ -53,9 +54,9 @@ import torch
 
 from . import compat
 from .frames import is_model_class, is_model_code
-from .frozen_state import Items, held_by, is_harmless, is_watched, short_repr
+from .frozen_state import Contents, Items, held_by, held_value, is_harmless, is_watched, short_repr
 from .guards import compiled_module
-from .signature import CLASS_OF, MISSING, held_value_now, held_value_still
+from .signature import CLASS_OF, MISSING, by_value_types, held_value_now, held_value_still
 from .writes import bound_arguments, is_compiled, walk
 
 __all__ = [
@@ -186,7 +187,8 @@ def read_values(
     left out: under the names that code loads, the reached objects' attributes (``reached``:
     ``PythonSnapshot``'s values after the capture), module globals and values of the
     ``objects``' classes (:func:`class_values`); closure cells; what a partial binds. The
-    owner is a dict, a class or a cell; a list's value is its :class:`Items`. An object reached
+    owner is a dict, a class or a cell; a list's value is its :class:`Items`, an array's its
+    :class:`Contents`. An object reached
     through such a name (a config, a dict whose items the code reads) is held by identity too:
     another one bound in its place holds values the recording never read."""
     names = reader.names
@@ -197,7 +199,7 @@ def read_values(
         if key in names and not is_harmless(label, harmless):
             held = held_by(owner)
             if held is not None and held_value_now(held[0], key) is value:
-                found.append((label, held[0], key, _held_value(value)))
+                found.append((label, held[0], key, held_value(value)))
     for label, obj in objects:
         held = held_by(obj)
         for key, value in list(held[1].items() if held is not None else ())[:1000]:
@@ -208,7 +210,7 @@ def read_values(
     found.extend(v for v in class_values(reader, objects) if not is_harmless(v[0], harmless))
     found.extend(v for v in _cells_read(reader, objects) if not is_harmless(v[0], harmless))
     bound = bound_arguments(objects)  # a partial's arguments: read under no name
-    found.extend((*v[:3], _held_value(v[3])) for v in bound if not is_harmless(v[0], harmless))
+    found.extend((*v[:3], held_value(v[3])) for v in bound if not is_harmless(v[0], harmless))
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
         module = namespace.get("__name__", "?")
@@ -223,7 +225,7 @@ def read_values(
             seen.add((id(namespace), name))
             label = f"global {module}.{name}"
             if not is_harmless(label, harmless):
-                found.append((label, namespace, name, _held_value(value)))
+                found.append((label, namespace, name, held_value(value)))
     return found
 
 
@@ -236,15 +238,11 @@ def _cells_read(reader: Reader, objects: list[tuple[str, Any]]) -> list[tuple[st
             for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
                 value = held_value_now(cell, "cell_contents")
                 if value is not MISSING and is_watched(value):
-                    held = _held_value(value)
+                    held = held_value(value)
                     found.append(
                         (f"{label}'s closure variable {name!r}", cell, "cell_contents", held)
                     )
     return found
-
-
-def _held_value(value: Any) -> Any:
-    return Items(value) if type(value) is list else value
 
 
 def class_values(
@@ -319,6 +317,8 @@ class ValueWatch:
         #: What a guard checks inside its one C call (``_before_replay.cpp``'s ``values_hold``).
         self.held = tuple(_entry(owner, key, value) for _, owner, key, value in values)
         compiled = compiled_module()
+        if compiled is not None:  # NumPy's scalars compare by value, as Python's numbers do
+            compiled.compare_by_value(by_value_types())
         self._same = (
             functools.partial(compiled.values_same, self.held)
             if compiled is not None and hasattr(compiled, "values_same")
@@ -372,6 +372,8 @@ class ValueWatch:
 def _words(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} at {value.data_ptr():#x}"
+    if isinstance(value, Contents) or (is_watched(value) and hasattr(value, "__array__")):
+        return short_repr(value)  # an array: its first elements
     return repr(value) if is_watched(value) else f"{short_repr(value)} (another object)"
 
 
@@ -380,6 +382,11 @@ def _entry(owner: Any, key: str, value: Any) -> tuple[Any, ...]:
         return (owner, key)
     if isinstance(value, Items):
         return (owner, key, value.list, value.items)
+    if isinstance(value, Contents):  # an array too large to copy: the same object, no more
+        snapshot = value.snapshot
+        return (
+            (owner, key, value.array) if snapshot is None else (owner, key, value.array, snapshot)
+        )
     return (owner, key, value)
 
 
