@@ -216,6 +216,40 @@ def test_a_flag_the_forward_flips_is_refused(stand_in: None) -> None:
             lazy(torch.randn(4))
 
 
+class _InPlace(nn.Module):
+    """A flag kept in a list, or a NumPy array, that the forward changes in place and branches
+    on: the attribute is the same object at every run, its contents are not."""
+
+    def __init__(self, holder: str) -> None:
+        import numpy
+
+        super().__init__()
+        self.net = nn.Linear(8, 8)
+        self.state = [0] if holder == "list" else numpy.zeros(1)
+        self.outputs: list[torch.Tensor] = []  # tensors only: not plain state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state[0] += 1
+        self.outputs[:] = [x]
+        y = self.net(x)
+        return -y if self.state[0] % 2 else y
+
+
+@pytest.mark.parametrize("holder", ["list", "numpy array"])
+def test_a_list_or_array_the_forward_changes_in_place_is_refused_unless_declared(
+    stand_in: None, holder: str
+) -> None:
+    """Every replay would take the recorded branch where eager alternates. The refusal names
+    the attribute and shows its contents; the library's runs are put back either way."""
+    model = _InPlace(holder).requires_grad_(False)
+    with pytest.raises(cg.FrozenStateError, match=r"_InPlace\.state was .*1.*, became .*2") as info:
+        cg.graph(model, torch.randn(2, 8))
+    assert info.value.names == ["_InPlace.state"]
+    assert model.state[0] == 0
+    g = cg.graph(model, torch.randn(2, 8), harmless_state=("state",))
+    assert g.state is cg.State.CAPTURED and model.state[0] == 0
+
+
 class _LayerDrop(nn.Module):
     """Drops its second layer at random with Python's (or NumPy's) global generator, as a
     hand-written layer drop or stochastic depth does."""

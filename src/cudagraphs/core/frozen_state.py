@@ -55,6 +55,7 @@ which guards after the capture the values a recording read.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import sys
@@ -198,6 +199,10 @@ class PythonSnapshot:
         self.harmless = tuple(harmless)
         self.first = self._values()
         self.runs: list[dict[_Key, tuple[str, Any, Any]]] = []
+        # What the lists and arrays among them held after each run: changed in place, they
+        # keep their identity, so the values above cannot tell.
+        self.first_contents = _contents(self.first)
+        self.contents: list[dict[_Key, Any]] = []
 
     def _values(self) -> dict[_Key, tuple[str, Any, Any]]:
         values: dict[_Key, tuple[str, Any, Any]] = {}
@@ -227,6 +232,7 @@ class PythonSnapshot:
     def take(self) -> None:
         """After a run: what the plain values are now."""
         self.runs.append(self._values())
+        self.contents.append(_contents(self.runs[-1]))
 
     def changes(self) -> list[tuple[str, Any, Any]]:
         """``(name, was, became)`` for each value that differs between two consecutive runs
@@ -241,6 +247,13 @@ class PythonSnapshot:
                 now = after[key][1]
                 if not _same(now, was):
                     found[name] = (name, was, now)
+        for before, after, runs in zip(self.contents, self.contents[1:], self.runs[1:]):
+            for key, held in before.items():
+                name = runs[key][0] if key in runs else ""
+                if key not in after or name in found or is_harmless(name, self.harmless):
+                    continue
+                if not _same_contents(held, after[key]):
+                    found[name] = (name, held, after[key])
         return list(found.values())
 
     def restore(self) -> None:
@@ -257,6 +270,11 @@ class PythonSnapshot:
                         setattr(obj, key[1], was)
                 except (AttributeError, TypeError):  # a read-only or slotted attribute
                     continue
+        latest_contents = self.contents[-1] if self.contents else {}
+        for key, held in self.first_contents.items():
+            now = latest_contents.get(key)
+            if now is not None and not _same_contents(held, now):
+                _put_back(held, now)
 
     def check(self, *, restore: bool) -> None:
         """Raise :class:`FrozenStateError` if the function changes a plain value from run to
@@ -283,6 +301,34 @@ class PythonSnapshot:
             ),
             names=[n for n, _, _ in changes],
         )
+
+
+def _contents(values: dict[_Key, tuple[str, Any, Any]]) -> dict[_Key, Any]:
+    """The items of each list of plain values and the memory of each array among ``values``."""
+    found: dict[_Key, Any] = {}
+    for key, (_, value, _) in values.items():
+        if type(value) is list and all(is_plain(v, 1) for v in value):
+            found[key] = Items(value)
+        elif _is_array(value):
+            held = Contents(value)
+            if held.snapshot is not None:
+                found[key] = held
+    return found
+
+
+def _same_contents(was: Any, now: Any) -> bool:
+    if isinstance(was, Items) and isinstance(now, Items):
+        return len(was.items) == len(now.items) and all(map(_same, now.items, was.items))
+    return isinstance(now, Contents) and now.snapshot == was.snapshot
+
+
+def _put_back(was: Any, now: Any) -> None:
+    """Put a list's items or an array's memory back as they were, where the object is the same."""
+    if isinstance(was, Items) and now.list is was.list:
+        was.list[:] = was.items
+    elif isinstance(was, Contents) and now.array is was.array:
+        with contextlib.suppress(ValueError, TypeError):  # read-only, or reshaped since
+            was.array[...] = was._then
 
 
 def _same(now: Any, was: Any) -> bool:
