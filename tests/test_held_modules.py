@@ -20,6 +20,7 @@ from value_cases import (
     HoldsStep,
     Policy,
     bound_step,
+    labels_read_under_compile,
     step_with_net,
 )
 
@@ -116,18 +117,8 @@ def test_what_a_partial_binds_is_guarded_under_compile_too() -> None:
     """Under ``compile=True`` the partial's function never runs as Python during the capture
     (Dynamo runs its trace); what the partial binds is still among what the guard checks, so
     a change captures again, and Dynamo, whose own guards see the change, traces again."""
-    from cudagraphs.core import PythonSnapshot, Reader, read_values
-
     torch.manual_seed(0)
     step, _ = bound_step("list item")
-    compiled = torch.compile(HoldsStep(step))
-    x = torch.randn(4, 8)
-    with torch.no_grad():
-        compiled(x)  # compiles: the capture sees only the compiled frame
-        snapshot = PythonSnapshot(compiled)
-        with Reader(of=compiled) as reader:
-            compiled(x)
-        snapshot.take()
-    labels = [v[0] for v in read_values(reader, snapshot.runs[-1], (), snapshot.objects)]
+    labels = labels_read_under_compile(HoldsStep(step), torch.randn(4, 8))
     for bound in (".keywords['scale']", ".keywords['net']", ".args[0]"):
         assert any(label.endswith(bound) for label in labels), (bound, labels)

@@ -22,6 +22,7 @@ from value_cases import (
     Scaled,
     SlottedModel,
     gained,
+    labels_read_under_compile,
 )
 
 import cudagraphs as cg
@@ -214,28 +215,12 @@ def test_code_a_callable_stands_in_for_is_guarded_as_if_it_ran(stand_in: None) -
     assert plain.stats.recaptures == 0  # without it, nothing it runs reads the value
 
 
-def _labels_read_under_compile(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
-    """What the value guard would check after a capture of ``torch.compile(model)``: the
-    values read by the code the capture's reader counts as run."""
-    from cudagraphs.core import PythonSnapshot, Reader, read_values
-
-    compiled = torch.compile(model)
-    with torch.no_grad():
-        compiled(x)  # compiles: the capture sees only the compiled frame
-        snapshot = PythonSnapshot(compiled)
-        with Reader(of=compiled) as reader:
-            compiled(x)
-        snapshot.take()
-    read = read_values(reader, snapshot.runs[-1], (), snapshot.objects)  # as the capture does
-    return [label for label, _, _, _ in read]
-
-
 def test_the_reads_of_code_a_compiled_model_inlined_are_guarded() -> None:
     """``torch.compile`` inlines a child module's forward and the helpers it calls, whose
     frames then never run during the capture: the reader counts their code as run, so the
     child's plain value and the helper's global are among what the guard checks."""
     torch.manual_seed(0)
-    labels = _labels_read_under_compile(value_cases.Outer().eval(), torch.randn(4, 8))
+    labels = labels_read_under_compile(value_cases.Outer().eval(), torch.randn(4, 8))
     assert any(label.endswith("inner.gain") for label in labels), labels
     assert "global value_cases.GAIN" in labels, labels
 
@@ -249,7 +234,7 @@ def test_a_value_deep_in_a_compiled_model_is_reached_by_its_shortest_path() -> N
     for _ in range(4):  # Inner nested in Sequentials: model[0][0][0][0] is the Inner
         inner = torch.nn.Sequential(inner)
     model = torch.nn.Sequential(inner, torch.nn.ReLU()).eval()
-    labels = _labels_read_under_compile(model, torch.randn(4, 8))
+    labels = labels_read_under_compile(model, torch.randn(4, 8))
     assert any(label.endswith(".gain") for label in labels), labels
 
 
@@ -353,7 +338,7 @@ def test_what_a_hook_reads_is_guarded_under_compile_too() -> None:
     factor = [1.0]
     layer = torch.nn.Linear(8, 8).requires_grad_(False)
     layer.register_forward_hook(lambda module, args, out: out * factor[0])
-    labels = _labels_read_under_compile(layer, torch.randn(4, 8))
+    labels = labels_read_under_compile(layer, torch.randn(4, 8))
     assert any("closure variable 'factor'" in label for label in labels), labels
 
 

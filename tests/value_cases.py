@@ -489,3 +489,19 @@ def _numpy_change(kind: str) -> Any:
 #: What a program changes in a NumpyScaled after the capture (a reshape in place changes what
 #: the forward computes with ``ndim``, not one byte of the array).
 NUMPY_CHANGES = ["scalar", "array item", "array reshaped in place", "array replaced"]
+
+
+def labels_read_under_compile(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
+    """What the value guard would check after a capture of ``torch.compile(model)``: the
+    values read by the code the capture's reader counts as run."""
+    from cudagraphs.core import PythonSnapshot, Reader, read_values
+
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        compiled(x)  # compiles: the capture sees only the compiled frame
+        snapshot = PythonSnapshot(compiled)
+        with Reader(of=compiled) as reader:
+            compiled(x)
+        snapshot.take()
+    read = read_values(reader, snapshot.runs[-1], (), snapshot.objects)  # as the capture does
+    return [label for label, _, _, _ in read]
