@@ -7,9 +7,9 @@ module-level ``GAIN``) would be replayed as they were, silently. So while the ca
 and this library: the user's model and third-party model code such as transformers) and the
 names that code loads (and its identifier-like string constants, for ``getattr(obj, "name")``);
 :func:`read_values` keeps what the reached objects and that code's module globals hold under
-those names (``frozen_state.is_watched``: plain values, and by identity functions, modules, tensors and
-the reached objects themselves). :class:`ValueWatch`
-compares them before each replay (identity, then equality where it decides), and a change
+those names (``frozen_state.is_watched``: plain values, NumPy values, and by identity
+functions, modules, tensors and the reached objects themselves). :class:`ValueWatch` compares
+them before each replay (identity, then equality where it decides), and a change
 captures again (``on_stale="recapture"``, logged once per value) or raises
 :class:`~cudagraphs.errors.StaleGraphError` naming it (``on_stale="raise"``).
 
