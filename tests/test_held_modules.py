@@ -113,12 +113,15 @@ def test_a_value_bound_to_a_partial_and_changed_gives_eager_s_answer(
         assert g.stats.recaptures == 1
 
 
-def test_what_a_partial_binds_is_guarded_under_compile_too() -> None:
+@pytest.mark.parametrize("held", ["attribute", "graphed"])
+def test_what_a_partial_binds_is_guarded_under_compile_too(held: str) -> None:
     """Under ``compile=True`` the partial's function never runs as Python during the capture
     (Dynamo runs its trace); what the partial binds is still among what the guard checks, so
-    a change captures again, and Dynamo, whose own guards see the change, traces again."""
+    a change captures again, and Dynamo, whose own guards see the change, traces again. Also
+    where the partial itself is compiled: Dynamo wraps it in a function of its own."""
     torch.manual_seed(0)
     step, _ = bound_step("list item")
-    labels = labels_read_under_compile(HoldsStep(step), torch.randn(4, 8))
+    graphed = HoldsStep(step) if held == "attribute" else step
+    labels = labels_read_under_compile(graphed, torch.randn(4, 8))
     for bound in (".keywords['scale']", ".keywords['net']", ".args[0]"):
         assert any(label.endswith(bound) for label in labels), (bound, labels)

@@ -432,10 +432,16 @@ PARTIAL_CHANGES = {
 
 
 @dataclasses.dataclass(slots=True)
+class SlottedInner:
+    factor: float
+
+
+@dataclasses.dataclass(slots=True)
 class SlottedSettings:
     scale: float
     mix: list[float]
     gain: torch.Tensor
+    inner: SlottedInner  # reached only by entering the slotted object that holds it
 
 
 class SlottedModel(nn.Module):
@@ -444,11 +450,11 @@ class SlottedModel(nn.Module):
     def __init__(self, device: str = "cpu") -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8).requires_grad_(False).to(device)
-        self.settings = SlottedSettings(1.0, [1.0], torch.ones(8, device=device))
+        self.settings = SlottedSettings(1.0, [1.0], torch.ones(8, device=device), SlottedInner(1.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         settings = self.settings
-        return self.fc(x) * settings.scale * settings.mix[0] * settings.gain
+        return self.fc(x) * settings.scale * settings.mix[0] * settings.gain * settings.inner.factor
 
 
 #: What a program changes in a SlottedModel's settings after the capture.
@@ -457,6 +463,7 @@ SLOT_CHANGES = {
     "list item in a slot": lambda s: s.mix.__setitem__(0, 3.0),
     "slot rebound": lambda s: setattr(s, "mix", [0.5]),
     "tensor in a slot replaced": lambda s: setattr(s, "gain", torch.full_like(s.gain, 2.0)),
+    "value in a slotted object in a slot": lambda s: setattr(s.inner, "factor", 2.0),
 }
 
 

@@ -511,6 +511,10 @@ def named_roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
         ):
             roots.append((type(candidate).__name__, candidate))
     target = inspect.unwrap(getattr(fn, "__func__", fn))
+    if isinstance(target, functools.partial) and target is not fn:
+        # torch.compile(partial) wraps the partial in a function of Dynamo's: the partial, what
+        # it binds and its function are what the wrapper runs.
+        return [*roots, ("partial", target)]
     if getattr(target, "__code__", None) is None and is_user_object(fn):
         target = getattr(type(fn).__call__, "__func__", type(fn).__call__)
     code = getattr(target, "__code__", None)
