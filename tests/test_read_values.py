@@ -352,7 +352,7 @@ def test_a_numpy_value_changed_after_capture_captures_again(stand_in: None, chan
     model = NumpyScaled()
     x = torch.randn(4, 8)
     g = cg.graph(model, x)
-    model.scale, model.table[1] = numpy.float32(1.0), 2.0  # the same values: no change
+    model.scale, model.table[0, 1] = numpy.float32(1.0), 2.0  # the same values: no change
     torch.testing.assert_close(g(x), model(x))
     assert g.stats.recaptures == 0
     value_cases._numpy_change(change)(model)
@@ -366,9 +366,9 @@ def test_a_numpy_value_changed_after_capture_captures_again(stand_in: None, chan
 def test_a_numpy_array_changed_in_place_is_named_under_on_stale_raise(stand_in: None) -> None:
     model = NumpyScaled()
     g = cg.graph(model, torch.randn(4, 8), on_stale="raise")
-    model.table[1] = 5.0
+    model.table[0, 1] = 5.0
     with pytest.raises(
         cg.StaleGraphError,
-        match=r"NumpyScaled\.table changed from array\(\[1\., 2\.\]\) to array\(\[1\., 5\.\]\)",
+        match=r"NumpyScaled\.table changed from array\(\[\[1\., 2\.\]\]\) to array\(\[\[1\., 5\.\]\]\)",
     ):
         g(torch.randn(4, 8))

@@ -476,10 +476,11 @@ class NumpyScaled(nn.Module):
 
         super().__init__()
         self.fc = nn.Linear(width, width).requires_grad_(False).to(device)
-        self.scale, self.table = numpy.float32(1.0), numpy.array([1.0, 2.0])
+        self.scale, self.table = numpy.float32(1.0), numpy.array([[1.0, 2.0]])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) * float(self.scale) * float(self.table[1].sum()) * self.table.ndim
+        table = self.table
+        return self.fc(x) * float(self.scale) * float(table.reshape(-1)[1]) * table.shape[0]
 
 
 def _numpy_change(kind: str) -> Any:
@@ -487,15 +488,18 @@ def _numpy_change(kind: str) -> Any:
 
     return {
         "scalar": lambda m: setattr(m, "scale", numpy.float32(2.0)),
-        "array item": lambda m: m.table.__setitem__(1, 5.0),
+        "array item": lambda m: m.table.__setitem__((0, 1), 5.0),
         "array reshaped in place": lambda m: setattr(m.table, "shape", (2, 1)),
-        "array replaced": lambda m: setattr(m, "table", numpy.array([1.0, 7.0])),
+        "array made 1-D in place": lambda m: setattr(m.table, "shape", (2,)),
+        "array replaced": lambda m: setattr(m, "table", numpy.array([[1.0, 7.0]])),
     }[kind]
 
 
 #: What a program changes in a NumpyScaled after the capture (a reshape in place changes what
-#: the forward computes with ``ndim``, not one byte of the array).
-NUMPY_CHANGES = ["scalar", "array item", "array reshaped in place", "array replaced"]
+#: the forward computes with the shape, not one byte of the array).
+NUMPY_CHANGES = [
+    "scalar", "array item", "array reshaped in place", "array made 1-D in place", "array replaced"
+]  # fmt: skip
 
 
 def labels_read_under_compile(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
