@@ -131,8 +131,7 @@ class GradientsNotRecordedError(ModeMismatchError):
 
 class FrozenStateError(CudaGraphsError):
     """The function changes a plain Python value (an int, float, bool, str, enum or a tuple of
-    these, held by a module, a cache or another object it reaches) from one run to the next,
-    or draws from the host's random generators (Python's ``random``, NumPy's global one).
+    these, held by a module, a cache or another object it reaches) from one run to the next.
 
     A recording runs the Python code once, so every later replay would repeat the branch and
     the constants of that one run. ``names`` lists what changed (``object.attribute``). Declare

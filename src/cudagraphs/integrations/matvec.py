@@ -234,7 +234,8 @@ def _kernel() -> Any:
         dependent: bool,
     ) -> None:  # fmt: skip
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        tuned[grid](x, weight, out, n, k, gated, dependent, launch_pdl=dependent)
+        extra = {"launch_pdl": True} if dependent else {}
+        tuned[grid](x, weight, out, n, k, gated, dependent, **extra)
 
     return launch
 
