@@ -251,3 +251,25 @@ def test_the_doctor_leaves_the_user_s_plain_attributes_as_they_were() -> None:
     report = cg.doctor(model, x)
     assert report.blocking and any(f.kind == "python-state" for f in report.findings)
     assert model.calls == 7  # both runs' increments put back
+
+
+def test_the_doctor_reports_a_draw_from_python_s_random_generator_and_puts_it_back() -> None:
+    """A layer dropped with ``random.random()``: a capture would refuse it (every replay would
+    repeat the recorded draw), so the doctor reports it as blocking, names the generator and
+    the fix, and leaves the generator's state as it found it."""
+    import random
+
+    class LayerDrop(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.layer(x) if random.random() < 0.5 else x
+
+    state = random.getstate()
+    report = cg.doctor(LayerDrop(), torch.randn(4, 8))
+    found = [f for f in report.findings if f.kind == "host-random"]
+    assert report.blocking and len(found) == 1, report
+    assert "draws from random" in found[0].message and "torch.rand" in found[0].fix
+    assert random.getstate() == state

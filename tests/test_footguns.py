@@ -706,6 +706,61 @@ def test_python_state_the_forward_changes_is_refused_at_capture() -> None:
         torch.testing.assert_close(g(y), counted.net(y))
 
 
+class InPlaceFlag(nn.Module):
+    """A flag kept in a list (or a NumPy array) that the forward changes in place and
+    branches on."""
+
+    def __init__(self, net: nn.Module, holder: str) -> None:
+        import numpy
+
+        super().__init__()
+        self.net = net
+        self.state = [0] if holder == "list" else numpy.zeros(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state[0] += 1
+        y = self.net(x)
+        return -y if self.state[0] % 2 else y
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("holder", ["list", "numpy array"])
+@cuda
+@torch.no_grad()
+def test_a_list_or_array_the_forward_changes_in_place_is_refused_at_capture(
+    holder: str, compile: bool
+) -> None:
+    x = torch.randn(8, 64, device="cuda")
+    model = InPlaceFlag(small_mlp(), holder)
+    with pytest.raises(cg.FrozenStateError, match=r"InPlaceFlag\.state"):
+        cg.graph(model, x, compile=compile)
+    assert model.state[0] == 0  # the library's runs were put back
+
+
+class LayerDrop(nn.Module):
+    """A layer dropped at random with Python's global generator (hand-written layer drop)."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import random
+
+        return self.net(x) if random.random() < 0.5 else x
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@cuda
+@torch.no_grad()
+def test_a_draw_from_python_s_random_generator_is_refused_at_capture(compile: bool) -> None:
+    """Every replay would repeat the recorded draw (the layer always run or always skipped):
+    refused, under torch.compile too (Dynamo draws the numbers in Python before each call)."""
+    x = torch.randn(8, 64, device="cuda")
+    with pytest.raises(cg.FrozenStateError, match="draws from random"):
+        cg.graph(LayerDrop(small_mlp()), x, compile=compile)
+
+
 def hammer(
     call: Any, model: nn.Module, pattern: str, threads: int = 8, calls: int = 500
 ) -> list[int]:

@@ -5,6 +5,7 @@ test_footguns.py."""
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import warnings
@@ -18,9 +19,9 @@ from stateful_models import Counting, Flipping
 from torch import nn
 
 import cudagraphs as cg
+from cudagraphs.core import PythonSnapshot as Snapshot
+from cudagraphs.core import RandomDraws
 from cudagraphs.core import modes as modes_module
-from cudagraphs.core.python_values import PythonSnapshot as Snapshot
-from cudagraphs.core.random_draws import RandomDraws
 from cudagraphs.core.replay import Counters, OutputsInUse, Replayer
 from cudagraphs.core.signature import Signature
 
@@ -213,6 +214,95 @@ def test_a_flag_the_forward_flips_is_refused(stand_in: None) -> None:
         lazy = cg.graph(Flipping(), warmup=2, outputs="clone")
         for _ in range(3):
             lazy(torch.randn(4))
+
+
+class _InPlace(nn.Module):
+    """A flag kept in a list, or a NumPy array, that the forward changes in place and branches
+    on: the attribute is the same object at every run, its contents are not."""
+
+    def __init__(self, holder: str) -> None:
+        import numpy
+
+        super().__init__()
+        self.net = nn.Linear(8, 8)
+        self.state = [0] if holder == "list" else numpy.zeros(1)
+        self.outputs: list[torch.Tensor] = []  # tensors only: not plain state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state[0] += 1
+        self.outputs[:] = [x]
+        y = self.net(x)
+        return -y if self.state[0] % 2 else y
+
+
+@pytest.mark.parametrize("holder", ["list", "numpy array"])
+def test_a_list_or_array_the_forward_changes_in_place_is_refused_unless_declared(
+    stand_in: None, holder: str
+) -> None:
+    """Every replay would take the recorded branch where eager alternates. The refusal names
+    the attribute and shows its contents; the library's runs are put back either way."""
+    model = _InPlace(holder).requires_grad_(False)
+    with pytest.raises(cg.FrozenStateError, match=r"_InPlace\.state was .*1.*, became .*2") as info:
+        cg.graph(model, torch.randn(2, 8))
+    assert info.value.names == ["_InPlace.state"]
+    assert model.state[0] == 0
+    g = cg.graph(model, torch.randn(2, 8), harmless_state=("state",))
+    assert g.state is cg.State.CAPTURED and model.state[0] == 0
+
+
+class _LayerDrop(nn.Module):
+    """Drops its second layer at random with Python's (or NumPy's) global generator, as a
+    hand-written layer drop or stochastic depth does."""
+
+    def __init__(self, draw: Callable[[], float]) -> None:
+        super().__init__()
+        self.first, self.second, self.draw = nn.Linear(8, 8), nn.Linear(8, 8), draw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.first(x)
+        return x if self.draw() < 0.5 else self.second(x)
+
+
+def _numpy_draw() -> float:
+    import numpy
+
+    return float(numpy.random.random())
+
+
+@pytest.mark.parametrize(
+    ("draw", "generator"), [(random.random, "random"), (_numpy_draw, "numpy.random")]
+)
+def test_a_draw_from_the_hosts_random_generator_is_refused_naming_it(
+    stand_in: None, draw: Callable[[], float], generator: str
+) -> None:
+    """Every replay would repeat the recorded run's draw (the layer always dropped, or always
+    kept) where eager draws afresh. The refusal names the generator and the way to declare a
+    draw that decides nothing on the GPU, and leaves the generator as it found it."""
+    import numpy
+
+    model = _LayerDrop(draw).requires_grad_(False)
+    state = random.getstate(), numpy.random.get_state()[1].tobytes()
+    with pytest.raises(cg.FrozenStateError, match=f"draws from {re.escape(generator)}") as info:
+        cg.graph(model, torch.randn(4, 8))
+    assert info.value.names == [generator]
+    assert f"harmless_state=({generator!r},)" in str(info.value)
+    assert (random.getstate(), numpy.random.get_state()[1].tobytes()) == state
+    g = cg.graph(model, torch.randn(4, 8), harmless_state=(generator,))  # declared: allowed
+    assert g.state is cg.State.CAPTURED
+
+
+def test_a_draw_in_the_first_run_only_is_not_a_draw_at_every_call(stand_in: None) -> None:
+    """Set-up that draws once (a compile's nonce, a lazily built table) is not refused: only a
+    run after the first that draws again is."""
+    drawn: list[float] = []
+
+    def once(x: torch.Tensor) -> torch.Tensor:
+        if not drawn:
+            drawn.append(random.random())
+        return x * 2.0
+
+    g = cg.graph(once, torch.randn(4))
+    assert g.state is cg.State.CAPTURED and len(drawn) == 1
 
 
 def test_the_snapshot_reaches_closures_caches_and_arguments() -> None:

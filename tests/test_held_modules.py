@@ -14,7 +14,15 @@ import pytest
 import torch
 import value_cases
 from torch import nn
-from value_cases import POLICY_CHANGES, Policy, step_with_net
+from value_cases import (
+    PARTIAL_CHANGES,
+    POLICY_CHANGES,
+    HoldsStep,
+    Policy,
+    bound_step,
+    labels_read_under_compile,
+    step_with_net,
+)
 
 import cudagraphs as cg
 
@@ -68,8 +76,7 @@ def _scaled(model: nn.Module, x: torch.Tensor, *, scale: float) -> torch.Tensor:
 
 def test_a_module_bound_to_a_partial_is_guarded(stand_in: None) -> None:
     """``functools.partial(step, model, scale=...)``: a module bound to the partial is read by
-    the graph. (A plain value bound to it is not guarded yet: the function reads it as a
-    local, under no name the guard keeps.)"""
+    the graph."""
     torch.manual_seed(0)
     model = nn.Linear(8, 8).requires_grad_(False)
     step = functools.partial(_scaled, model, scale=1.0)
@@ -82,3 +89,39 @@ def test_a_module_bound_to_a_partial_is_guarded(stand_in: None) -> None:
         model.weight.mul_(2.0)  # in place: replayed as it is, no capture
         torch.testing.assert_close(g(x), step(x))
         assert g.stats.recaptures == 1
+
+
+@pytest.mark.parametrize("held", ["graphed", "attribute"])
+@pytest.mark.parametrize("change", list(PARTIAL_CHANGES))
+def test_a_value_bound_to_a_partial_and_changed_gives_eager_s_answer(
+    stand_in: None, change: str, held: str
+) -> None:
+    """``p.keywords["scale"] = 2.0`` after the capture, on the graphed partial itself or on one
+    a model holds: captured again, eager's answer."""
+    torch.manual_seed(0)
+    step, mix = bound_step(change)
+    graphed = HoldsStep(step) if held == "attribute" else step
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        g = cg.graph(graphed, x)
+        torch.testing.assert_close(g(x), graphed(x))
+        PARTIAL_CHANGES[change](step, mix)
+        fresh = torch.randn(4, 8)
+        torch.testing.assert_close(g(fresh), graphed(fresh))  # not the recorded answer
+        assert g.stats.recaptures == 1
+        torch.testing.assert_close(g(x), graphed(x))
+        assert g.stats.recaptures == 1
+
+
+@pytest.mark.parametrize("held", ["attribute", "graphed"])
+def test_what_a_partial_binds_is_guarded_under_compile_too(held: str) -> None:
+    """Under ``compile=True`` the partial's function never runs as Python during the capture
+    (Dynamo runs its trace); what the partial binds is still among what the guard checks, so
+    a change captures again, and Dynamo, whose own guards see the change, traces again. Also
+    where the partial itself is compiled: Dynamo wraps it in a function of its own."""
+    torch.manual_seed(0)
+    step, _ = bound_step("list item")
+    graphed = HoldsStep(step) if held == "attribute" else step
+    labels = labels_read_under_compile(graphed, torch.randn(4, 8))
+    for bound in (".keywords['scale']", ".keywords['net']", ".args[0]"):
+        assert any(label.endswith(bound) for label in labels), (bound, labels)

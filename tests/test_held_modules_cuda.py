@@ -1,6 +1,6 @@
-"""On a GPU, with real graphs: a policy object's networks and a module global a step function
-reads are guarded (see test_held_modules.py): a change after the capture gives eager's answer,
-an in-place update replays without a new capture."""
+"""On a GPU, with real graphs: a policy object's networks, a module global a step function
+reads and what a partial binds are guarded (see test_held_modules.py): a change after the
+capture gives eager's answer, an in-place update replays without a new capture."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ import pytest
 import torch
 import value_cases
 from torch import nn
-from value_cases import POLICY_CHANGES, Policy, step_with_net
+from value_cases import (
+    PARTIAL_CHANGES,
+    POLICY_CHANGES,
+    HoldsStep,
+    Policy,
+    bound_step,
+    step_with_net,
+)
 
 import cudagraphs as cg
 
@@ -65,3 +72,25 @@ def test_a_module_global_bound_to_another_module_gives_eager_s_answer(
         x = torch.randn(64, 8, device="cuda")
         torch.testing.assert_close(g(x), step_with_net(x))  # not the old module's answer
         assert g.stats.recaptures == 1
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("held", ["graphed", "attribute"])
+@pytest.mark.parametrize("change", list(PARTIAL_CHANGES))
+def test_a_value_bound_to_a_partial_and_changed_gives_eager_s_answer(
+    change: str, held: str, compile: bool
+) -> None:
+    torch.manual_seed(0)
+    step, mix = bound_step(change, "cuda")
+    graphed = HoldsStep(step) if held == "attribute" else step
+    kept = step.keywords["net"]  # alive: a new network cannot take its address
+    with torch.no_grad():
+        g = cg.graph(graphed, torch.randn(64, 8, device="cuda"), compile=compile)
+        PARTIAL_CHANGES[change](step, mix)
+        x = torch.randn(64, 8, device="cuda")
+        torch.testing.assert_close(g(x), graphed(x))  # not the recorded answer
+        assert g.stats.recaptures == 1
+        x = torch.randn(64, 8, device="cuda")
+        torch.testing.assert_close(g(x), graphed(x))
+        assert g.stats.recaptures == 1 and g.stats.replays >= 1
+    del kept

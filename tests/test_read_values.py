@@ -6,10 +6,24 @@ missed change gives the old answer here as in a graph; the GPU tests check real 
 
 from __future__ import annotations
 
+import collections
+from typing import Any
+
 import pytest
 import torch
 import value_cases
-from value_cases import CALLABLE_CHANGES, CHANGES, Activated, Scaled, gained
+from value_cases import (
+    CALLABLE_CHANGES,
+    CHANGES,
+    NUMPY_CHANGES,
+    SLOT_CHANGES,
+    Activated,
+    NumpyScaled,
+    Scaled,
+    SlottedModel,
+    gained,
+    labels_read_under_compile,
+)
 
 import cudagraphs as cg
 
@@ -201,27 +215,12 @@ def test_code_a_callable_stands_in_for_is_guarded_as_if_it_ran(stand_in: None) -
     assert plain.stats.recaptures == 0  # without it, nothing it runs reads the value
 
 
-def _labels_read_under_compile(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
-    """What the value guard would check after a capture of ``torch.compile(model)``: the
-    values read by the code the capture's reader counts as run."""
-    from cudagraphs.core import PythonSnapshot, Reader, read_values
-
-    compiled = torch.compile(model)
-    with torch.no_grad():
-        compiled(x)  # compiles: the capture sees only the compiled frame
-        snapshot = PythonSnapshot(compiled)
-        with Reader(of=compiled) as reader:
-            compiled(x)
-        snapshot.take()
-    return [label for label, _, _, _ in read_values(reader, snapshot.runs[-1])]
-
-
 def test_the_reads_of_code_a_compiled_model_inlined_are_guarded() -> None:
     """``torch.compile`` inlines a child module's forward and the helpers it calls, whose
     frames then never run during the capture: the reader counts their code as run, so the
     child's plain value and the helper's global are among what the guard checks."""
     torch.manual_seed(0)
-    labels = _labels_read_under_compile(value_cases.Outer().eval(), torch.randn(4, 8))
+    labels = labels_read_under_compile(value_cases.Outer().eval(), torch.randn(4, 8))
     assert any(label.endswith("inner.gain") for label in labels), labels
     assert "global value_cases.GAIN" in labels, labels
 
@@ -235,5 +234,141 @@ def test_a_value_deep_in_a_compiled_model_is_reached_by_its_shortest_path() -> N
     for _ in range(4):  # Inner nested in Sequentials: model[0][0][0][0] is the Inner
         inner = torch.nn.Sequential(inner)
     model = torch.nn.Sequential(inner, torch.nn.ReLU()).eval()
-    labels = _labels_read_under_compile(model, torch.randn(4, 8))
+    labels = labels_read_under_compile(model, torch.randn(4, 8))
     assert any(label.endswith(".gain") for label in labels), labels
+
+
+@pytest.mark.parametrize("change", list(SLOT_CHANGES))
+def test_a_value_in_a_slotted_object_changed_after_capture_captures_again(
+    stand_in: None, change: str
+) -> None:
+    """A ``@dataclass(slots=True)`` has no ``__dict__``: its values are read through the
+    object, its tensors guarded at their addresses as an attribute's are."""
+    torch.manual_seed(0)
+    model = SlottedModel()
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        g = cg.graph(model, x)
+        SLOT_CHANGES[change](model.settings)
+        fresh = torch.randn(4, 8)
+        torch.testing.assert_close(g(fresh), model(fresh))  # not the recorded answer
+        assert g.stats.recaptures == 1
+        torch.testing.assert_close(g(x), model(x))
+        assert g.stats.recaptures == 1
+
+
+class _Mapped(torch.nn.Module):
+    """Settings in a dict subclass (an ``OrderedDict``, a ``defaultdict``)."""
+
+    def __init__(self, settings: dict[str, float]) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.settings = settings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.settings["scale"]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [collections.OrderedDict(scale=1.0), collections.defaultdict(float, scale=1.0)],
+    ids=["OrderedDict", "defaultdict"],
+)
+def test_an_entry_of_a_dict_subclass_changed_after_capture_captures_again(
+    stand_in: None, settings: dict[str, float]
+) -> None:
+    torch.manual_seed(0)
+    model = _Mapped(settings)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        g = cg.graph(model, x)
+        settings["scale"] = 2.0
+        torch.testing.assert_close(g(x), model(x))  # not the recorded answer
+        assert g.stats.recaptures == 1
+
+
+def _hooked(kind: str) -> tuple[torch.nn.Module, Any]:
+    """A layer with a forward hook that reads a value from its closure (a list, or a dict),
+    and the change a program makes to that value later."""
+    layer = torch.nn.Linear(8, 8).requires_grad_(False)
+    factor, state = [1.0], {"gain": 1.0}
+    if kind == "list in a lambda's closure":
+        layer.register_forward_hook(lambda module, args, out: out * factor[0])
+        return layer, lambda: factor.__setitem__(0, 2.0)
+
+    def hook(module: torch.nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out * state["gain"]
+
+    if kind == "dict in a hook's closure":
+        layer.register_forward_hook(hook)
+    else:  # every module's forward: torch.nn.modules.module.register_module_forward_hook
+        handle = torch.nn.modules.module.register_module_forward_hook(hook)
+        _GLOBAL_HOOKS.append(handle)
+    return layer, lambda: state.__setitem__("gain", 2.0)
+
+
+_GLOBAL_HOOKS: list[Any] = []
+
+
+@pytest.mark.parametrize(
+    "kind", ["list in a lambda's closure", "dict in a hook's closure", "global hook's closure"]
+)
+def test_a_value_a_forward_hook_reads_changed_after_capture_captures_again(
+    stand_in: None, kind: str
+) -> None:
+    torch.manual_seed(0)
+    try:
+        layer, change = _hooked(kind)
+        x = torch.randn(4, 8)
+        with torch.no_grad():
+            g = cg.graph(layer, x)
+            change()
+            torch.testing.assert_close(g(x), layer(x))  # not the recorded answer
+            assert g.stats.recaptures == 1
+    finally:
+        while _GLOBAL_HOOKS:
+            _GLOBAL_HOOKS.pop().remove()
+
+
+def test_what_a_hook_reads_is_guarded_under_compile_too() -> None:
+    """Dynamo inlines a forward hook, whose frame then never runs during the capture: the
+    hooks the walk reaches count as run, so their closure's values are among what the guard
+    checks."""
+    torch.manual_seed(0)
+    factor = [1.0]
+    layer = torch.nn.Linear(8, 8).requires_grad_(False)
+    layer.register_forward_hook(lambda module, args, out: out * factor[0])
+    labels = labels_read_under_compile(layer, torch.randn(4, 8))
+    assert any("closure variable 'factor'" in label for label in labels), labels
+
+
+@pytest.mark.parametrize("change", NUMPY_CHANGES)
+def test_a_numpy_value_changed_after_capture_captures_again(stand_in: None, change: str) -> None:
+    """A NumPy scalar is compared by value (an equal new one is no change), a small array by
+    its memory (an item set in place is a change, one set to its own value is not)."""
+    import numpy
+
+    torch.manual_seed(0)
+    model = NumpyScaled()
+    x = torch.randn(4, 8)
+    g = cg.graph(model, x)
+    model.scale, model.table[0, 1] = numpy.float32(1.0), 2.0  # the same values: no change
+    torch.testing.assert_close(g(x), model(x))
+    assert g.stats.recaptures == 0
+    value_cases._numpy_change(change)(model)
+    fresh = torch.randn(4, 8)
+    torch.testing.assert_close(g(fresh), model(fresh))  # not the recorded answer
+    assert g.stats.recaptures == 1
+    torch.testing.assert_close(g(x), model(x))
+    assert g.stats.recaptures == 1
+
+
+def test_a_numpy_array_changed_in_place_is_named_under_on_stale_raise(stand_in: None) -> None:
+    model = NumpyScaled()
+    g = cg.graph(model, torch.randn(4, 8), on_stale="raise")
+    model.table[0, 1] = 5.0
+    with pytest.raises(
+        cg.StaleGraphError,
+        match=r"NumpyScaled\.table changed from array\(\[\[1\., 2\.\]\]\) to array\(\[\[1\., 5\.\]\]\)",
+    ):
+        g(torch.randn(4, 8))

@@ -3,13 +3,23 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import pytest
 import torch
 import value_cases
 from torch import nn
-from value_cases import CALLABLE_CHANGES, CHANGES, Activated, Scaled
+from value_cases import (
+    CALLABLE_CHANGES,
+    CHANGES,
+    NUMPY_CHANGES,
+    SLOT_CHANGES,
+    Activated,
+    NumpyScaled,
+    Scaled,
+    SlottedModel,
+)
 
 import cudagraphs as cg
 
@@ -176,3 +186,68 @@ def test_an_object_the_forward_reads_through_rebound_after_capture_gives_eager_s
     torch.manual_seed(0)
     change, _ = value_cases.REBOUND_HOLDERS[case]
     _captured_changed_and_checked(value_cases.Configured(64).cuda().eval(), change, compile)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("change", list(SLOT_CHANGES))
+def test_a_value_in_a_slotted_object_changed_after_capture_gives_eager_s_answer(
+    change: str, compile: bool
+) -> None:
+    torch.manual_seed(0)
+    model = SlottedModel("cuda")
+    kept = model.settings.gain  # alive: a new tensor cannot take its address
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(16, 8, device="cuda"), compile=compile)
+        SLOT_CHANGES[change](model.settings)
+        for _ in range(2):
+            x = torch.randn(16, 8, device="cuda")
+            torch.testing.assert_close(g(x), model(x))  # not the recorded answer
+        assert g.stats.recaptures == 1 and g.stats.replays >= 2
+    del kept
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("kind", ["OrderedDict entry", "forward hook's closure"])
+def test_a_dict_subclass_entry_or_a_hook_s_value_changed_gives_eager_s_answer(
+    kind: str, compile: bool
+) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 8).cuda().requires_grad_(False)
+    settings = collections.OrderedDict(gain=1.0)
+    if kind == "OrderedDict entry":
+        graphed: nn.Module = _MappedGain(layer, settings)
+    else:
+        layer.register_forward_hook(lambda module, args, out: out * settings["gain"])
+        graphed = layer
+    with torch.no_grad():
+        g = cg.graph(graphed, torch.randn(16, 8, device="cuda"), compile=compile)
+        settings["gain"] = 2.0
+        for _ in range(2):
+            x = torch.randn(16, 8, device="cuda")
+            torch.testing.assert_close(g(x), graphed(x))  # not the recorded answer
+        assert g.stats.recaptures == 1 and g.stats.replays >= 2
+
+
+class _MappedGain(nn.Module):
+    def __init__(self, layer: nn.Module, settings: dict[str, float]) -> None:
+        super().__init__()
+        self.layer, self.settings = layer, settings
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * self.settings["gain"]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("change", NUMPY_CHANGES)
+def test_a_numpy_value_changed_after_capture_gives_eager_s_answer(
+    change: str, compile: bool
+) -> None:
+    torch.manual_seed(0)
+    model = NumpyScaled(8, "cuda")
+    with torch.no_grad():
+        g = cg.graph(model, torch.randn(16, 8, device="cuda"), compile=compile)
+        value_cases._numpy_change(change)(model)
+        for _ in range(2):
+            x = torch.randn(16, 8, device="cuda")
+            torch.testing.assert_close(g(x), model(x))  # not the recorded answer
+        assert g.stats.recaptures == 1 and g.stats.replays >= 2

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from cudagraphs.core import PythonSnapshot, Reader, ValueWatch, read_values
+from cudagraphs.core.frozen_state import ARRAY_BYTES
 from cudagraphs.core.guards import compiled_module
 
 
@@ -105,3 +106,78 @@ def test_no_change_of_what_the_forward_reads_is_missed(native: bool, steps: list
     if _reads(model) != recorded:
         assert not same, (steps, watch.values)  # a change of what the forward reads is seen
         assert watch.stale() is not None
+
+
+class _NumpyRead(nn.Module):
+    """Reads a NumPy scalar, a small array (guarded by its memory) and a large one (past
+    ``ARRAY_BYTES``: guarded by identity only, so its in-place changes are not drawn here)."""
+
+    def __init__(self) -> None:
+        import numpy
+
+        super().__init__()
+        self.scale, self.table = numpy.float32(1.0), numpy.array([[1.0, 2.0, 3.0]])
+        self.big = numpy.ones(ARRAY_BYTES // 8 + 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float(self.scale) * float(self.table.sum()) * self.table.shape[0] + self.big.size
+
+
+def _numpy_changes() -> Any:
+    import numpy
+
+    numbers = st.sampled_from([1.0, 2.0, 3.0])
+    return st.one_of(
+        st.tuples(st.just("scale"), numbers.map(numpy.float32)),
+        st.tuples(st.just("scale as float64"), numbers.map(numpy.float64)),
+        st.tuples(st.just("table item"), st.tuples(st.integers(0, 2), numbers)),
+        st.tuples(st.just("table reshaped"), st.sampled_from([(1, 3), (3, 1), (3,)])),
+        st.tuples(st.just("table replaced"), st.lists(numbers, min_size=3, max_size=3)),
+        st.tuples(st.just("big replaced"), st.integers(1, 2)),
+    )
+
+
+def _apply_numpy(change: tuple[str, Any], model: _NumpyRead) -> None:
+    import numpy
+
+    what, value = change
+    if what.startswith("scale"):
+        model.scale = value
+    elif what == "table item":
+        model.table.reshape(-1)[value[0]] = value[1]  # a view: the same memory
+    elif what == "table reshaped":
+        model.table.shape = value
+    elif what == "table replaced":
+        model.table = numpy.array(value)
+    else:
+        model.big = numpy.ones(ARRAY_BYTES // 8 + value)
+
+
+def _numpy_reads(model: _NumpyRead) -> tuple[Any, ...]:
+    return (
+        type(model.scale), float(model.scale), model.table.tobytes(), model.table.shape,
+        id(model.table), id(model.big),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "python"])
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_no_change_of_a_numpy_value_the_forward_reads_is_missed(native: bool, data: Any) -> None:
+    """A change of what the forward reads is seen; an equal scalar, or an item set to its own
+    value, is not a change; the C check and its Python form agree."""
+    if native and compiled_module() is None:
+        pytest.skip("no compiled check here")
+    steps = data.draw(st.lists(_numpy_changes(), max_size=4))
+    model = _NumpyRead()
+    snapshot = PythonSnapshot(model)
+    with torch.no_grad(), Reader(of=model) as reader:
+        model(torch.randn(2, 3))
+    snapshot.take()
+    watch = ValueWatch(read_values(reader, snapshot.runs[-1], (), snapshot.objects))
+    recorded = _numpy_reads(model)
+    for change in steps:
+        _apply_numpy(change, model)
+    same = watch._same() if native else watch._same_in_python()
+    assert same == watch._same_in_python()  # the C check and its Python form agree
+    assert same == (_numpy_reads(model) == recorded), (steps, watch.values)

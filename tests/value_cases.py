@@ -386,3 +386,133 @@ class GreedyPolicy(Policy):
 
     def __call__(self, observations: torch.Tensor) -> torch.Tensor:
         return self.head(torch.relu(self.body(observations)))
+
+
+def mixed(x: torch.Tensor, mix: list[float], *, scale: float, net: nn.Module) -> torch.Tensor:
+    return net(x) * scale * mix[0]
+
+
+def mix_first(mix: list[float], x: torch.Tensor, *, scale: float, net: nn.Module) -> torch.Tensor:
+    return mixed(x, mix, scale=scale, net=net)
+
+
+class HoldsStep(nn.Module):
+    """A model that calls a partial it holds (``model.fn = partial(...)``)."""
+
+    def __init__(self, fn: functools.partial[torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+
+def bound_step(change: str, device: str = "cpu") -> tuple[functools.partial[torch.Tensor], list]:
+    """A partial over a network, a scale and a list (as keywords; for a change of the list's
+    item, the list as its first argument), and that list."""
+    mix = [1.0]
+    net = nn.Linear(8, 8).requires_grad_(False).to(device)
+    if change == "list item":
+        return functools.partial(mix_first, mix, scale=1.0, net=net), mix
+    return functools.partial(mixed, mix=mix, scale=1.0, net=net), mix
+
+
+def _another_net(step: functools.partial[torch.Tensor]) -> None:
+    device = step.keywords["net"].weight.device
+    step.keywords["net"] = nn.Linear(8, 8).requires_grad_(False).to(device)
+
+
+#: What a program changes in a partial after the capture (the partial, its list). The function
+#: reads each as an argument, under no name a guard of attributes or globals keeps.
+PARTIAL_CHANGES = {
+    "keyword value": lambda step, mix: step.keywords.__setitem__("scale", 2.0),
+    "keyword module": lambda step, mix: _another_net(step),
+    "list item": lambda step, mix: mix.__setitem__(0, 3.0),
+}
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedInner:
+    factor: float
+
+
+@dataclasses.dataclass(slots=True)
+class SlottedSettings:
+    scale: float
+    mix: list[float]
+    gain: torch.Tensor
+    inner: SlottedInner  # reached only by entering the slotted object that holds it
+
+
+class SlottedModel(nn.Module):
+    """A model whose settings are a ``@dataclass(slots=True)``: no ``__dict__`` to read."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False).to(device)
+        self.settings = SlottedSettings(1.0, [1.0], torch.ones(8, device=device), SlottedInner(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        settings = self.settings
+        return self.fc(x) * settings.scale * settings.mix[0] * settings.gain * settings.inner.factor
+
+
+#: What a program changes in a SlottedModel's settings after the capture.
+SLOT_CHANGES = {
+    "slot value": lambda s: setattr(s, "scale", 2.0),
+    "list item in a slot": lambda s: s.mix.__setitem__(0, 3.0),
+    "slot rebound": lambda s: setattr(s, "mix", [0.5]),
+    "tensor in a slot replaced": lambda s: setattr(s, "gain", torch.full_like(s.gain, 2.0)),
+    "value in a slotted object in a slot": lambda s: setattr(s.inner, "factor", 2.0),
+}
+
+
+class NumpyScaled(nn.Module):
+    """Settings held as NumPy values: a scalar (``np.float32``, not a Python float) and a small
+    table whose items the forward reads."""
+
+    def __init__(self, width: int = 8, device: str = "cpu") -> None:
+        import numpy
+
+        super().__init__()
+        self.fc = nn.Linear(width, width).requires_grad_(False).to(device)
+        self.scale, self.table = numpy.float32(1.0), numpy.array([[1.0, 2.0]])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        table = self.table
+        return self.fc(x) * float(self.scale) * float(table.reshape(-1)[1]) * table.shape[0]
+
+
+def _numpy_change(kind: str) -> Any:
+    import numpy
+
+    return {
+        "scalar": lambda m: setattr(m, "scale", numpy.float32(2.0)),
+        "array item": lambda m: m.table.__setitem__((0, 1), 5.0),
+        "array reshaped in place": lambda m: setattr(m.table, "shape", (2, 1)),
+        "array made 1-D in place": lambda m: setattr(m.table, "shape", (2,)),
+        "array replaced": lambda m: setattr(m, "table", numpy.array([[1.0, 7.0]])),
+    }[kind]
+
+
+#: What a program changes in a NumpyScaled after the capture (a reshape in place changes what
+#: the forward computes with the shape, not one byte of the array).
+NUMPY_CHANGES = [
+    "scalar", "array item", "array reshaped in place", "array made 1-D in place", "array replaced"
+]  # fmt: skip
+
+
+def labels_read_under_compile(model: torch.nn.Module, x: torch.Tensor) -> list[str]:
+    """What the value guard would check after a capture of ``torch.compile(model)``: the
+    values read by the code the capture's reader counts as run."""
+    from cudagraphs.core import PythonSnapshot, Reader, read_values
+
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        compiled(x)  # compiles: the capture sees only the compiled frame
+        snapshot = PythonSnapshot(compiled)
+        with Reader(of=compiled) as reader:
+            compiled(x)
+        snapshot.take()
+    read = read_values(reader, snapshot.runs[-1], (), snapshot.objects)  # as the capture does
+    return [label for label, _, _, _ in read]

@@ -131,7 +131,8 @@ class GradientsNotRecordedError(ModeMismatchError):
 
 class FrozenStateError(CudaGraphsError):
     """The function changes a plain Python value (an int, float, bool, str, enum or a tuple of
-    these, held by a module, a cache or another object it reaches) from one run to the next.
+    these, held by a module, a cache or another object it reaches) from one run to the next,
+    or draws from the host's random generators (Python's ``random``, NumPy's global one).
 
     A recording runs the Python code once, so every later replay would repeat the branch and
     the constants of that one run. ``names`` lists what changed (``object.attribute``). Declare

@@ -104,9 +104,10 @@ class Options:
             overlap of host and GPU; ``None`` (default): no wait.
         harmless_state: names of plain Python attributes (``"calls"``, or ``"Model.calls"``)
             that may change from run to run without changing what the GPU does (a logging
-            counter): neither refused at capture nor guarded after it. Any other plain value
-            the function changes between warm-up runs raises
-            :class:`~cudagraphs.FrozenStateError` at capture.
+            counter): neither refused at capture nor guarded after it; ``"random"`` and
+            ``"numpy.random"`` name the host's global random generators. Any other plain value
+            the function changes between warm-up runs, and any draw from those generators,
+            raises :class:`~cudagraphs.FrozenStateError` at capture.
         segments: what an eager step reached while recording does (a function marked with
             :func:`cudagraphs.eager`, a module of ``eager``): ``"split"`` (default: several
             graphs with the step run eagerly between them; ``g.segments`` lists them) or

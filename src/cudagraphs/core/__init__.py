@@ -10,7 +10,9 @@ modules inside follow a graph's life, lower layers first:
 - ``writes``: tensors a function writes outside its inputs (found, restored, refused);
 - ``guards``: what a replay checks first: tensors read by address, module slots and hooks;
 - ``modes``: the modes and math settings a recording froze; gradients;
-- ``python_values``: Python values a capture must not freeze, and the ones it read;
+- ``frozen_state``: what a recording would freeze or repeat (plain values the function
+  changes, host draws, random ops in a loop body), refused at capture;
+- ``python_values``: the Python values a capture read, guarded before each replay;
 - ``launch``: launching a recording, and the input copies recorded into it;
 - ``segments``: recordings split around eager steps;
 - ``replay``: the one replay path and the output policies;
@@ -32,21 +34,14 @@ from .frames import (
     user_location,
     user_stacklevel,
 )
+from .frozen_state import HostDraws, PythonSnapshot, RandomDraws
 from .graphed import Diagnostics, Graphed, Pool, State, install_diagnostics
 from .guards import AddressGuard, closure_tensors, modules_of
 from .modes import math_settings
-from .python_values import (
-    READS_LIKE,
-    PythonSnapshot,
-    Reader,
-    ValueWatch,
-    is_plain,
-    read_values,
-)
-from .random_draws import RandomDraws
+from .python_values import READS_LIKE, Reader, ValueWatch, read_values
 from .replay import OutputsInUse, StreamOrder
 from .segments import Segments, current_eager_step, eager
-from .signature import NAMESPACE, Signature, flatten, leaf_paths, same_value
+from .signature import NAMESPACE, Signature, flatten, is_plain, leaf_paths, same_value
 from .stats import Stats
 from .writes import (
     RngState,
@@ -66,6 +61,7 @@ __all__ = [
     "AddressGuard",
     "Diagnostics",
     "Graphed",
+    "HostDraws",
     "OutputsInUse",
     "Pool",
     "PythonSnapshot",

@@ -65,9 +65,35 @@ static PyObject* same(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // Whether equality, not identity, decides that a held value is unchanged: numbers, strings,
 // bytes and tuples of plain values. A tensor (even of one element, whose == gives a bool) or
 // any other object must be the very same object: an equal new one lives at other memory.
+// Types beyond Python's own compared by value too (NumPy's scalars), set by compare_by_value.
+static PyObject* by_value_types = nullptr;
+
 static int equality_decides(PyObject* value) {
-  return PyLong_Check(value) || PyFloat_Check(value) || PyComplex_Check(value) ||
-         PyUnicode_Check(value) || PyBytes_Check(value) || PyTuple_Check(value);
+  if (PyLong_Check(value) || PyFloat_Check(value) || PyComplex_Check(value) ||
+      PyUnicode_Check(value) || PyBytes_Check(value) || PyTuple_Check(value)) {
+    return 1;
+  }
+  if (by_value_types == nullptr || PyTuple_GET_SIZE(by_value_types) == 0) return 0;
+  int found = PyObject_IsInstance(value, by_value_types);
+  if (found < 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  return found;
+}
+
+// compare_by_value(types: tuple of types) -> None: values of these types (NumPy's scalars,
+// signature.by_value_types) are compared by equality where identity fails.
+static PyObject* compare_by_value(PyObject*, PyObject* types) {
+  if (!PyTuple_Check(types)) {
+    PyErr_SetString(PyExc_TypeError, "compare_by_value(types: tuple) expected");
+    return nullptr;
+  }
+  Py_INCREF(types);
+  PyObject* previous = by_value_types;
+  by_value_types = types;
+  Py_XDECREF(previous);
+  Py_RETURN_NONE;
 }
 
 // Whether `now` is `value` or, where equality decides, an equal one of the same type
@@ -115,6 +141,57 @@ static PyObject* settings_hold(PyObject*, PyObject* calls) {
   Py_RETURN_TRUE;
 }
 
+// Whether `now` (an array, through the buffer protocol) still holds `snapshot`: (bytes, element
+// format, shape), as signature.buffer_holds. A buffer that is not C-contiguous now: no.
+static int buffer_holds(PyObject* now, PyObject* snapshot) {
+  if (!PyTuple_Check(snapshot) || PyTuple_GET_SIZE(snapshot) != 3) return 0;
+  PyObject* bytes = PyTuple_GET_ITEM(snapshot, 0);
+  PyObject* format = PyTuple_GET_ITEM(snapshot, 1);
+  PyObject* shape = PyTuple_GET_ITEM(snapshot, 2);
+  if (!PyBytes_Check(bytes) || !PyUnicode_Check(format) || !PyTuple_Check(shape)) return 0;
+  const char* wanted = PyUnicode_AsUTF8(format);
+  if (wanted == nullptr) {
+    PyErr_Clear();
+    return 0;
+  }
+  Py_buffer view;
+  if (PyObject_GetBuffer(now, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+    PyErr_Clear();
+    return 0;
+  }
+  Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
+  int same = view.len == PyBytes_GET_SIZE(bytes) && view.ndim == ndim &&
+             std::strcmp(view.format != nullptr ? view.format : "B", wanted) == 0 &&
+             std::memcmp(view.buf, PyBytes_AS_STRING(bytes), view.len) == 0;
+  for (Py_ssize_t i = 0; same && i < ndim; ++i) {
+    same = view.shape[i] == PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+  }
+  if (PyErr_Occurred()) PyErr_Clear();
+  PyBuffer_Release(&view);
+  return same;
+}
+
+// Whether what an entry's owner holds now (NULL: nothing) is what the entry recorded: absent
+// (2 items), the value or an equal one (3), or the same list with the same items or the same
+// array with the same memory (4).
+static int entry_holds(PyObject* entry, Py_ssize_t size, PyObject* now) {
+  if (size == 2) return now == nullptr;
+  if (now == nullptr) return 0;
+  PyObject* value = PyTuple_GET_ITEM(entry, 2);
+  if (size == 3) return same_object(now, value);
+  PyObject* items = PyTuple_GET_ITEM(entry, 3);
+  if (now != value) return 0;
+  if (!PyList_Check(now)) return buffer_holds(now, items);
+  if (!PyTuple_Check(items)) return 0;
+  Py_ssize_t count = PyTuple_GET_SIZE(items);
+  if (PyList_GET_SIZE(now) != count) return 0;
+  for (Py_ssize_t j = 0; j < count; ++j) {
+    if (j >= PyList_GET_SIZE(now)) return 0;  // a comparison shortened the list
+    if (!same_object(PyList_GET_ITEM(now, j), PyTuple_GET_ITEM(items, j))) return 0;
+  }
+  return 1;
+}
+
 // 1: each entry still holds (python_values.ValueWatch); 0: one changed; -1: error set. The
 // plain Python values a recording read, checked before every replay. Entries:
 //   (dict, key, value)         the dict holds value (or an equal one) under key;
@@ -123,8 +200,11 @@ static PyObject* settings_hold(PyObject*, PyObject* calls) {
 //                              before it was given another;
 //   (dict, key)                key is absent (the class's value is not shadowed);
 //   (dict, key, list, items)   the dict holds a list whose items are still items (a tuple);
+//   (dict, key, array, memory) the dict holds an array whose memory is still memory
+//                              ((bytes, format, shape): buffer_holds);
 //   (object, None, class)      the object's class is still that very class;
-//   (cell, key, value[, items]) a closure cell holds value (or, a list, those items).
+//   (cell, key, value[, items]) a closure cell holds value (or, a list, those items);
+//   (object, key, value[, items]) another object (one with __slots__) holds it as attribute key.
 static int values_hold(PyObject* held) {
   if (!PyTuple_Check(held)) {
     PyErr_SetString(PyExc_TypeError, "values: a tuple of entries expected");
@@ -141,6 +221,7 @@ static int values_hold(PyObject* held) {
     PyObject* owner = PyTuple_GET_ITEM(entry, 0);
     PyObject* key = PyTuple_GET_ITEM(entry, 1);
     PyObject* now;
+    PyObject* owned = nullptr;  // a new reference (an attribute read) to release below
     if (key == Py_None && size == 3) {
       if (reinterpret_cast<PyObject*>(Py_TYPE(owner)) != PyTuple_GET_ITEM(entry, 2)) return 0;
       continue;
@@ -152,29 +233,23 @@ static int values_hold(PyObject* held) {
       if (now == nullptr && PyErr_Occurred()) return -1;
     } else if (PyType_Check(owner) && PyUnicode_Check(key) && size == 3) {
       now = _PyType_Lookup(reinterpret_cast<PyTypeObject*>(owner), key);
+    } else if (PyUnicode_Check(key) && size >= 3) {  // a slot: read through the object
+      owned = PyObject_GetAttr(owner, key);
+      if (owned == nullptr) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+        PyErr_Clear();  // an emptied slot: the value is gone
+        return 0;
+      }
+      now = owned;
     } else {
       PyErr_SetString(PyExc_TypeError,
-                      "values: an entry's owner is a dict, a class or a cell, or its key is None");
+                      "values: an entry's owner is a dict, a class, a cell or an object with "
+                      "the attribute key, or its key is None");
       return -1;
     }
-    if (size == 2) {
-      if (now != nullptr) return 0;
-      continue;
-    }
-    PyObject* value = PyTuple_GET_ITEM(entry, 2);
-    if (now == nullptr) return 0;
-    if (size == 3) {
-      if (!same_object(now, value)) return 0;
-      continue;
-    }
-    PyObject* items = PyTuple_GET_ITEM(entry, 3);
-    if (now != value || !PyList_Check(now) || !PyTuple_Check(items)) return 0;
-    Py_ssize_t count = PyTuple_GET_SIZE(items);
-    if (PyList_GET_SIZE(now) != count) return 0;
-    for (Py_ssize_t j = 0; j < count; ++j) {
-      if (j >= PyList_GET_SIZE(now)) return 0;  // a comparison shortened the list
-      if (!same_object(PyList_GET_ITEM(now, j), PyTuple_GET_ITEM(items, j))) return 0;
-    }
+    int holds = entry_holds(entry, size, now);
+    Py_XDECREF(owned);
+    if (!holds) return 0;
   }
   return 1;
 }
@@ -343,6 +418,7 @@ static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs
 
 static PyMethodDef methods[] = {
   {"values_same", values_same, METH_O, "Does every dict still hold its recorded value?"},
+  {"compare_by_value", compare_by_value, METH_O, "Compare values of these types by equality too."},
   {"settings_hold", settings_hold, METH_O, "Does every getter still return its recorded value?"},
   {"launch_graph", (PyCFunction)(void (*)(void))launch_graph, METH_FASTCALL,
    "Launch an instantiated graph on the current stream of its device; return the cudaError_t."},

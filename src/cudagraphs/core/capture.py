@@ -11,8 +11,8 @@ stream, the allocator and Python's gc are always restored, so the process stays 
 
 Around the runs (:func:`warm_up_and_capture`): the writes to tensors outside the inputs (``writes.SideEffects``: restored
 after a warm-up on the library's own account), the plain Python values the function changes from run
-to run (``python_values``: refused;
-the values it read are guarded), the inputs the function writes in place (their version
+to run (``frozen_state``: refused;
+the values it read are guarded, ``python_values``), the inputs the function writes in place (their version
 counters), and the collectives each rank issued (``collectives``: compared across ranks, since
 ranks whose graphs differ would hang at the first replay).
 """
@@ -38,6 +38,7 @@ from ..options import Options
 from . import collectives, compat, python_values, segments, writes
 from .active_capture import capturing
 from .frames import block_hint, callable_name, classify_failure, failing_module, user_location
+from .frozen_state import HostDraws, PythonSnapshot
 from .guards import modules_of
 from .launch import CopyNodes, CopyNodesUnavailable, sources_for
 from .launch import record as record_copies
@@ -443,16 +444,18 @@ def warm_up_and_capture(
     args, kwargs = optree.tree_unflatten(signature.spec, static)
     inputs = [static[i] for i in signature.tensor_index]
     roots = [static[i] for i in signature.frozen_index]
-    plain = python_values.PythonSnapshot(fn, roots, options.harmless_state)
+    plain = PythonSnapshot(fn, roots, options.harmless_state)
+    host = HostDraws(name, options.harmless_state)
+    after_each = lambda: (plain.take(), host.take())  # noqa: E731
     if settled:
-        plain.take()
+        after_each()
     with _capture_lock:
         effects = writes.SideEffects(fn, inputs, roots, options.side_effects if warmup else "keep")
         with effects.running():
             warmup_s = warm_up(
                 fn, args, kwargs, warmup, stream,
                 checked=functools.partial(collectives.compared_across_ranks, f"{name} (warm-up)"),
-                after_each=plain.take,
+                after_each=after_each,
             )  # fmt: skip
         written = effects.finish()
         writes.report(effects, fn)
@@ -474,7 +477,7 @@ def warm_up_and_capture(
                 restore=options.side_effects != "keep",
                 copy_inputs=inputs if copy_inputs else (),
             )
-        plain.take()
+        after_each()
         values = python_values.read_values(
             reader, plain.runs[-1], options.harmless_state, plain.objects
         )
@@ -483,6 +486,7 @@ def warm_up_and_capture(
             shared.record(recording.pool_bytes)
         # Values the runs changed go back only where the runs were the library's own.
         plain.check(restore=bool(warmup) and options.side_effects == "restore")
+        host.check()
     mutated = [
         i
         for i, x, before in zip(signature.tensor_index, inputs, versions)

@@ -3,7 +3,7 @@
 Everything here is a name PyTorch does not promise to keep. Each is used only through this
 module (``tests/test_layers.py`` fails on a private torch name anywhere else), each has a
 fallback or a clear error when a PyTorch release drops it, and each says what it is for.
-Tested on torch 2.11 (the GPU machine), 2.13 and 2.14.1 (CI); ``pyproject.toml`` claims no older.
+Tested on torch 2.11 (GPU machine) and 2.11, 2.13 and the newest (CI); none older is claimed.
 """
 
 from __future__ import annotations
@@ -556,14 +556,14 @@ _BACKWARD_HOOKS = ("_backward_pre_hooks", "_backward_hooks")
 
 
 def module_hook_dicts(
-    module: torch.nn.Module, backward: bool = False
+    module: torch.nn.Module, backward: bool = False, recurse: bool = True
 ) -> list[tuple[str, dict[Any, Any]]]:
-    """``(name, hooks)`` for each forward hook dict of ``module`` and its submodules (and
-    backward hook dict, with ``backward``), empty ones too (a hook registered later lands in
-    one), read, never written."""
+    """``(name, hooks)`` for each forward hook dict of ``module`` and (``recurse``) its
+    submodules, and backward hook dict with ``backward``, empty ones too (a hook registered
+    later lands in one), read, never written."""
     kinds = _FORWARD_HOOKS + (_BACKWARD_HOOKS if backward else ())
     found = []
-    for prefix, sub in module.named_modules():
+    for prefix, sub in module.named_modules() if recurse else [("", module)]:
         base = f"{type(module).__name__}{'.' + prefix if prefix else ''}"
         for attribute in kinds:
             hooks = sub.__dict__.get(attribute)

@@ -8,12 +8,14 @@ fix.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
 import traceback
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,9 +30,11 @@ __all__ = [
     "classify_failure",
     "failing_module",
     "is_library_file",
+    "is_model_class",
     "is_model_code",
     "is_torch_file",
     "library_setting",
+    "slot_values",
     "user_frame",
     "user_location",
     "user_stacklevel",
@@ -264,3 +268,34 @@ def library_setting(location: str) -> str | None:
     if "transformers" in location and _is_moe(location):
         return LIBRARY_SETTING
     return None
+
+
+_MODEL_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def is_model_class(cls: type) -> bool:
+    """Whether ``cls`` is defined in model code (the user's, or an installed package's model
+    code such as transformers'), not in torch, this library or the standard library. Decided
+    once per class: the walk and the value guards ask for every object they meet."""
+    known = _MODEL_CLASSES.get(cls)
+    if known is None:
+        module = sys.modules.get(getattr(cls, "__module__", None) or "")
+        filename = getattr(module, "__file__", None)
+        known = filename is not None and is_model_code(filename)
+        with contextlib.suppress(TypeError):  # no weak reference: decided again next time
+            _MODEL_CLASSES[cls] = known
+    return known
+
+
+def slot_values(obj: Any) -> dict[str, Any]:
+    """What an object of model code's classes holds in ``__slots__`` (``@dataclass(slots=True)``
+    has no ``__dict__``), by name; empty for other objects and unset slots."""
+    if not is_model_class(type(obj)):
+        return {}
+    found: dict[str, Any] = {}
+    for klass in type(obj).__mro__:
+        names = getattr(klass, "__slots__", ())
+        for name in (names,) if isinstance(names, str) else names:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                found.setdefault(name, getattr(obj, name))
+    return found

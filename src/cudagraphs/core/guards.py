@@ -56,9 +56,9 @@ import torch
 from torch import nn
 
 from . import compat
-from .frames import class_names
+from .frames import class_names, is_model_class
 from .signature import CLASS_OF, held_value_still, is_plain
-from .writes import is_model_class, walk
+from .writes import walk
 
 __all__ = [
     "AddressCheck",
@@ -347,6 +347,8 @@ def compiled_module() -> Any:
             raise ImportError(f"this PyTorch does not export {_READER}")
         from . import _before_replay  # type: ignore[attr-defined]
 
+        if not hasattr(_before_replay, "compare_by_value"):  # its entries are not all ours
+            raise ImportError("the compiled check was built from an older cudagraphs")
         _before_replay.bind(reader)
         _module = _before_replay
     except ImportError as error:

@@ -1,53 +1,26 @@
-"""Plain Python values a recording freezes: refused where the function changes them, guarded
-where the program might.
+"""Plain Python values a recording read, guarded where the program might change them after
+the capture (``frozen_state`` refuses those the function itself changes).
 
-Values the function changes. A recording runs the function's Python code once: every plain
-value it read (a step counter, a "cache is full" flag, a cache's Python position) is baked into
-the kernels it launched. If the function changes such a value from run to run, every replay
-repeats the first run's choice, silently. So around warm-up and capture a
-:class:`PythonSnapshot` holds the plain values (:func:`is_plain`) in the instance dictionaries
-of every object the function reaches (``writes.walk``: the module tree, a bound method's
-``self``, closure cells, globals its code names, attributes of its plain arguments). One that
-differs between two runs after the first (which may set things up once) raises
-:class:`~cudagraphs.errors.FrozenStateError` at capture, naming it.
-
-Right::
-
-    class Counted(nn.Module):
-        def forward(self, x):
-            self.calls += 1                      # a logging counter: harmless
-            return self.net(x)
-
-    g = cg.graph(model, x, harmless_state=("calls",))
-
-Wrong::
-
-    class Stepper(nn.Module):
-        def forward(self, x):
-            self.step += 1
-            return x * 2 if self.step % 2 else x  # FrozenStateError: Stepper.step changed
-
-Values the program changes after the capture. A recording runs the function's Python code once: every plain value it read then (a module's
-``scale``, a config flag, a module-level ``GAIN``) is baked into the kernels it launched. If
-the program changes such a value after the capture, every replay would silently repeat the old
-answer. So while the capture runs, :class:`Reader` notes which code ran (every Python function
-outside torch, the standard library and this library: the user's model and third-party model
-code such as transformers) and the names that code loads (and its identifier-like string
-constants, for ``getattr(obj, "name")``); :func:`read_values` keeps what the reached objects
-and that code's module globals hold under those names (:func:`is_watched`: plain values, and by
-identity functions, modules, tensors and the reached objects themselves). :class:`ValueWatch`
-compares them before each replay (identity, then equality where it decides), and a change
+Values the program changes after the capture (a module's ``scale``, a config flag, a
+module-level ``GAIN``) would be replayed as they were, silently. So while the capture runs,
+:class:`Reader` notes which code ran (every Python function outside torch, the standard library
+and this library: the user's model and third-party model code such as transformers) and the
+names that code loads (and its identifier-like string constants, for ``getattr(obj, "name")``);
+:func:`read_values` keeps what the reached objects and that code's module globals hold under
+those names (``frozen_state.is_watched``: plain values, NumPy values, and by identity
+functions, modules, tensors and the reached objects themselves). :class:`ValueWatch` compares
+them before each replay (identity, then equality where it decides), and a change
 captures again (``on_stale="recapture"``, logged once per value) or raises
 :class:`~cudagraphs.errors.StaleGraphError` naming it (``on_stale="raise"``).
 
 A name the code loads in a branch it did not take is guarded too: a change of it may be
-harmless, and then costs a recapture, never a wrong answer. Values declared with
-``harmless_state=`` are not guarded.
+harmless, and then costs a recapture, never a wrong answer.
 
 Values read from the class rather than the instance (:func:`class_values`: a class-level
 default read as ``self.scale``, a method that ran), the class of each module and model object
-the recording reached (``module.__class__ = Other``), and the items of a list of plain values
-(``self.mix[0] = 3.0``) are guarded the same way.
+the recording reached (``module.__class__ = Other``), the items of a list of plain values
+(``self.mix[0] = 3.0``), and what a reached ``functools.partial`` binds
+(``writes.bound_arguments``) are guarded the same way.
 
 Right::
 
@@ -58,13 +31,14 @@ Right::
     model.head.__class__ = Patched  # another class, other methods: seen
     model.mask = new_mask      # a tensor attribute (not a buffer) replaced: seen, by identity
     model.activation = torch.tanh   # a held function, compared by identity: the same
+    model.fn.keywords["factor"] = 2.0   # a value bound to a held partial: the same
+    model.table[1] = 5.0       # a NumPy array read: its memory is compared (up to 64 KiB)
     y = g(x)
 
-Wrong (a value the guard cannot see)::
+Wrong::
 
-    model.fn = functools.partial(scaled, factor=1.0)
-    g = cg.graph(model, x)
-    model.fn.keywords["factor"] = 2.0   # a partial changed in place: bind a new partial
+    g = cg.graph(model, x, harmless_state=("scale",))   # names what is not guarded:
+    model.scale = 2.0                                   # the old answer
 """
 
 from __future__ import annotations
@@ -78,193 +52,21 @@ from typing import Any
 
 import torch
 
-from ..errors import FrozenStateError, explain
 from . import compat
-from .frames import callable_name, is_model_code
+from .frames import is_model_class, is_model_code
+from .frozen_state import Contents, Items, held_by, held_value, is_harmless, is_watched, short_repr
 from .guards import compiled_module
-from .signature import CLASS_OF, MISSING, held_value_now, held_value_still, is_plain
-from .writes import is_compiled, is_model_class, walk
+from .signature import CLASS_OF, MISSING, by_value_types, held_value_now, held_value_still
+from .writes import bound_arguments, is_compiled, walk
 
 __all__ = [
     "READS_LIKE",
     "Reader",
-    "PythonSnapshot",
-    "Items",
     "ValueWatch",
     "class_values",
-    "is_plain",
-    "is_watched",
     "read_values",
     "retrace_after_class_change",
 ]
-
-#: Compared by identity: callables (``self.activation = torch.relu``; an equal new partial costs
-#: a recapture, never a wrong answer), modules held outside a module (a policy's ``self.head``),
-#: and tensors that are not parameters or buffers (``self.mask = t``), read at their address.
-_BY_IDENTITY = (
-    types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
-    torch.nn.Module, torch.Tensor,
-)  # fmt: skip
-# nn.Module's own bookkeeping: not the model's state.
-_MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
-
-
-def is_watched(value: Any) -> bool:
-    """A value the guard compares before each replay: a plain value, a list of such values
-    (``self.mix = [0.5, 0.5]``: its items, which ``self.mix[0] = 0.9`` changes in place), or a
-    function, module or tensor held by identity (:data:`_BY_IDENTITY`)."""
-    return is_plain(value) or isinstance(value, _BY_IDENTITY) or _is_watched_list(value)
-
-
-def _is_watched_list(value: Any) -> bool:
-    if type(value) is not list or len(value) > 64:
-        return False
-    return all(is_plain(v, 1) or isinstance(v, _BY_IDENTITY) for v in value)
-
-
-class Items:
-    """What a guard holds for a list the recording read: the list itself and its items then."""
-
-    __slots__ = ("items", "list")
-
-    def __init__(self, held: list[Any]) -> None:
-        self.list, self.items = held, tuple(held)
-
-    def __repr__(self) -> str:
-        return repr(list(self.items))
-
-
-_Key = tuple[int, str]  # (id of the owner, attribute)
-
-
-def _slots_of(obj: Any) -> dict[str, Any] | None:
-    """Where ``obj`` keeps the values a program reads by name: an object's ``__dict__``, or a
-    plain dict itself (``self.nets["value"]``, ``self.cfg["scale"]``); ``None`` for others."""
-    if type(obj) is dict:
-        return obj if all(isinstance(k, str) for k in list(obj)[:1000]) else None
-    attributes = getattr(obj, "__dict__", None)
-    return attributes if isinstance(attributes, dict) else None
-
-
-class PythonSnapshot:
-    """The plain values ``fn`` can reach; :meth:`take` after each run, :meth:`check` at the
-    end of the capture."""
-
-    def __init__(
-        self, fn: Callable[..., Any], roots: Iterable[Any] = (), harmless: Sequence[str] = ()
-    ):
-        self.fn = fn
-        self.roots = tuple(roots)
-        self.harmless = tuple(harmless)
-        self.first = self._values()
-        self.runs: list[dict[_Key, tuple[str, Any, Any]]] = []
-
-    def _values(self) -> dict[_Key, tuple[str, Any, Any]]:
-        values: dict[_Key, tuple[str, Any, Any]] = {}
-        # The dicts the library's own objects hold (a graph's registry, its counters) are no
-        # more the user's state than those objects' attributes are. Breadth first, an owner
-        # comes before what it holds.
-        owned: set[int] = set()
-        fn = getattr(self.fn, "__func__", self.fn)  # its own closure cells are read too
-        self.objects = [(callable_name(fn), fn)] if isinstance(fn, types.FunctionType) else []
-        for name, obj in walk(self.fn, self.roots):
-            attributes = _slots_of(obj)
-            if attributes is None or id(obj) in owned:
-                continue
-            if _not_state(obj):
-                owned.update(id(v) for v in list(attributes.values())[:1000] if type(v) is dict)
-                continue
-            self.objects.append((name, obj))
-            for key, value in list(attributes.items())[:1000]:
-                if key in _MODULE_INTERNALS or not is_watched(value):
-                    continue
-                label = f"{name}[{key!r}]" if attributes is obj else f"{name}.{key}"
-                values[(id(obj), key)] = (label, value, obj)
-        return values
-
-    def take(self) -> None:
-        """After a run: what the plain values are now."""
-        self.runs.append(self._values())
-
-    def changes(self) -> list[tuple[str, Any, Any]]:
-        """``(name, was, became)`` for each value that differs between two consecutive runs
-        after the first, harmless names left out."""
-        found: dict[str, tuple[str, Any, Any]] = {}
-        for before, after in zip(self.runs, self.runs[1:]):
-            for key, (name, was, _) in before.items():
-                if key not in after or name in found or self._is_harmless(name):
-                    continue
-                if not is_plain(was):  # a held function: guarded after the capture only
-                    continue
-                now = after[key][1]
-                if not _same(now, was):
-                    found[name] = (name, was, now)
-        return list(found.values())
-
-    def _is_harmless(self, name: str) -> bool:
-        return any(name == h or name.endswith("." + h) for h in self.harmless)
-
-    def restore(self) -> None:
-        """Put back every plain value the runs changed (the library's own runs leave no
-        trace), harmless ones included."""
-        latest = self.runs[-1] if self.runs else {}
-        for key, (_, was, obj) in self.first.items():
-            now = latest.get(key)
-            if now is not None and is_plain(was) and not _same(now[1], was):
-                try:
-                    if type(obj) is dict:
-                        obj[key[1]] = was
-                    else:
-                        setattr(obj, key[1], was)
-                except (AttributeError, TypeError):  # a read-only or slotted attribute
-                    continue
-
-    def check(self, *, restore: bool) -> None:
-        """Raise :class:`FrozenStateError` if the function changes a plain value from run to
-        run (after putting values back when ``restore``)."""
-        changes = self.changes()
-        if restore or changes:
-            self.restore()
-        if not changes:
-            return
-        listed = "; ".join(f"{n} was {_short(a)}, became {_short(b)}" for n, a, b in changes[:5])
-        more = f" (and {len(changes) - 5} more)" if len(changes) > 5 else ""
-        first = changes[0][0].rsplit(".", 1)[-1]
-        raise FrozenStateError(
-            explain(
-                f"{callable_name(self.fn)} changes plain Python state from one run to the next: "
-                f"{listed}{more}",
-                "a recording runs the Python code once, so every replay would repeat the "
-                "branch, index or constant of that run while eager would use the new value",
-                "keep such state in a tensor on the device (updated in place), or move it out "
-                "of the graphed function; if the value decides nothing the GPU does (a logging "
-                f"counter), declare it with harmless_state=({first!r},)",
-            ),
-            names=[n for n, _, _ in changes],
-        )
-
-
-def _same(now: Any, was: Any) -> bool:
-    if now is was:
-        return True
-    if type(now) is not type(was):
-        return False
-    if isinstance(now, float) and now != now and was != was:  # NaN stays NaN
-        return True
-    return bool(now == was)
-
-
-def _not_state(obj: Any) -> bool:
-    """Objects whose attributes are not the user's state: Python modules (their globals) and
-    classes, and the library's own objects (a pool's capture count, a graph's counters)."""
-    if isinstance(obj, (types.ModuleType, type)):
-        return True
-    return type(obj).__module__.split(".", 1)[0] == "cudagraphs"
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 #: The attribute by which a callable that runs compiled code in place of the Python code it was
@@ -278,7 +80,6 @@ class Reader:
     """While active (one thread: the capture's), the code objects that run outside the
     libraries, with their module globals; the names they load are what :func:`read_values`
     keeps. Another profiler of this thread (a debugger, cProfile) is chained, not replaced.
-
     ``of``: the callable about to run; the code it stands in for (:data:`READS_LIKE`) counts
     as run."""
 
@@ -328,15 +129,12 @@ class Reader:
 
 
 def compiled_code(fn: Any, limit: int = 20000) -> dict[types.CodeType, dict[str, Any]]:
-    """The model code a ``torch.compile``'d ``fn`` may stand in for, with its globals.
-
-    Dynamo inlines the forwards of child modules and the helpers they call into one compiled
-    frame, so their own frames never run and a :class:`Reader` would miss the names they load
-    (``self.gain`` in a child's forward). So every function of each module class ``fn``
-    reaches (its methods, through the classes it derives from), each function ``fn`` reaches,
-    the functions their code names as globals, and the code nested in theirs, count as run.
-    More than ran: a name loaded by code that did not run is guarded too, and its change costs
-    a recapture, never a wrong answer."""
+    """The model code a ``torch.compile``'d ``fn`` may stand in for, with its globals. Dynamo
+    inlines child modules' forwards and their helpers into one frame, so a :class:`Reader`
+    would miss the names they load (``self.gain`` in a child's forward): the methods of each
+    module class ``fn`` reaches (through its bases), the functions it reaches, the functions
+    their code names as globals, and the code nested in theirs count as run. A name loaded by
+    code that did not run is guarded too: its change costs a recapture, never a wrong answer."""
     found: dict[types.CodeType, dict[str, Any]] = {}
     stack: list[Any] = []
     classes: set[type] = set()
@@ -385,32 +183,34 @@ def read_values(
     harmless: Sequence[str] = (),
     objects: Iterable[tuple[str, Any]] = (),
 ) -> list[tuple[str, Any, str, Any]]:
-    """``(label, owner, key, value)`` for each plain value the recorded code read:
-    attributes of reached objects (``reached``: ``PythonSnapshot``'s values after the
-    capture), module globals, and values the classes of the reached ``objects`` hold
-    (:func:`class_values`), under the names that code loads, harmless ones left out. The
-    owner is a dict (an instance's, a module's globals) or a class; a list's value is its
-    :class:`Items`. An object the walk reached through such a name (a config, a namespace, a
-    dict whose items the code reads) is held by identity too: another one bound in its place
-    holds values the recording never read."""
+    """``(label, owner, key, value)`` for each value the recorded code read, harmless ones
+    left out: under the names that code loads, the reached objects' attributes (``reached``:
+    ``PythonSnapshot``'s values after the capture), module globals and values of the
+    ``objects``' classes (:func:`class_values`); closure cells; what a partial binds. The
+    owner is a dict, a class or a cell; a list's value is its :class:`Items`, an array's its
+    :class:`Contents`. An object reached
+    through such a name (a config, a dict whose items the code reads) is held by identity too:
+    another one bound in its place holds values the recording never read."""
     names = reader.names
     objects = list(objects)
     holders = {id(obj) for _, obj in objects}
     found: list[tuple[str, Any, str, Any]] = []
     for (_, key), (label, value, owner) in reached.items():
-        if key in names and not _harmless(label, harmless):
-            namespace = _slots_of(owner)
-            if namespace is not None and namespace.get(key, MISSING) is value:
-                found.append((label, namespace, key, _held_value(value)))
+        if key in names and not is_harmless(label, harmless):
+            held = held_by(owner)
+            if held is not None and held_value_now(held[0], key) is value:
+                found.append((label, held[0], key, held_value(value)))
     for label, obj in objects:
-        namespace = _slots_of(obj)
-        for key, value in list(namespace.items() if namespace is not None else ())[:1000]:
+        held = held_by(obj)
+        for key, value in list(held[1].items() if held is not None else ())[:1000]:
             if key in names and id(value) in holders and not is_watched(value):
-                held = f"{label}[{key!r}]" if namespace is obj else f"{label}.{key}"
-                if not _harmless(held, harmless):
-                    found.append((held, namespace, key, value))
-    found.extend(v for v in class_values(reader, objects) if not _harmless(v[0], harmless))
-    found.extend(v for v in _cells_read(reader, objects) if not _harmless(v[0], harmless))
+                named = f"{label}[{key!r}]" if held[1] is obj else f"{label}.{key}"
+                if not is_harmless(named, harmless):
+                    found.append((named, held[0], key, value))
+    found.extend(v for v in class_values(reader, objects) if not is_harmless(v[0], harmless))
+    found.extend(v for v in _cells_read(reader, objects) if not is_harmless(v[0], harmless))
+    bound = bound_arguments(objects)  # a partial's arguments: read under no name
+    found.extend((*v[:3], held_value(v[3])) for v in bound if not is_harmless(v[0], harmless))
     seen: set[tuple[int, str]] = set()
     for code, namespace in reader.codes.items():
         module = namespace.get("__name__", "?")
@@ -424,8 +224,8 @@ def read_values(
                 continue
             seen.add((id(namespace), name))
             label = f"global {module}.{name}"
-            if not _harmless(label, harmless):
-                found.append((label, namespace, name, _held_value(value)))
+            if not is_harmless(label, harmless):
+                found.append((label, namespace, name, held_value(value)))
     return found
 
 
@@ -438,27 +238,22 @@ def _cells_read(reader: Reader, objects: list[tuple[str, Any]]) -> list[tuple[st
             for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
                 value = held_value_now(cell, "cell_contents")
                 if value is not MISSING and is_watched(value):
-                    held = _held_value(value)
+                    held = held_value(value)
                     found.append(
                         (f"{label}'s closure variable {name!r}", cell, "cell_contents", held)
                     )
     return found
 
 
-def _held_value(value: Any) -> Any:
-    return Items(value) if type(value) is list else value
-
-
 def class_values(
     reader: Reader, objects: Iterable[tuple[str, Any]]
 ) -> list[tuple[str, Any, str, Any]]:
-    """The values a recording read from the classes of model code rather than from the
-    instance: a class-level default (``class M: scale = 1.0``, read as ``self.scale``) and each
-    method that ran. Two entries guard each: the class's lookup (the class, or a base before the
-    one that held it, given another value: ``M.scale = 2.0``, ``M.forward = patched``), and,
-    per instance, the key's absence from the instance's dict (``model.scale = 2.0`` shadows
-    the class's value; ``model.forward = f`` replaces the method). Only classes of model code
-    count: torch's and the standard library's classes are not changed by a program."""
+    """The values a recording read from model code's classes rather than the instance: a
+    class-level default (``class M: scale = 1.0``, read as ``self.scale``) and each method that
+    ran. Two entries guard each: the class's lookup (the class, or a base before the one that
+    held it, given another value: ``M.scale = 2.0``, ``M.forward = patched``), and per
+    instance the key's absence from its dict (``model.scale = 2.0``, ``model.forward = f``).
+    torch's and the standard library's classes are not changed by a program."""
     names = reader.names
     found: list[tuple[str, Any, str, Any]] = []
     keys_of: dict[type, tuple[str, ...]] = {}
@@ -514,10 +309,6 @@ def _class_reads(cls: type, names: set[str], ran: dict[types.CodeType, Any]) -> 
     return tuple(keys)
 
 
-def _harmless(label: str, harmless: Iterable[str]) -> bool:
-    return any(label == h or label.endswith("." + h) for h in harmless)
-
-
 class ValueWatch:
     """The guard's watch over the plain values a recording read (see the module doc)."""
 
@@ -526,6 +317,8 @@ class ValueWatch:
         #: What a guard checks inside its one C call (``_before_replay.cpp``'s ``values_hold``).
         self.held = tuple(_entry(owner, key, value) for _, owner, key, value in values)
         compiled = compiled_module()
+        if compiled is not None:  # NumPy's scalars compare by value, as Python's numbers do
+            compiled.compare_by_value(by_value_types())
         self._same = (
             functools.partial(compiled.values_same, self.held)
             if compiled is not None and hasattr(compiled, "values_same")
@@ -579,7 +372,9 @@ class ValueWatch:
 def _words(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} at {value.data_ptr():#x}"
-    return repr(value) if is_watched(value) else f"{_short(value)} (another object)"
+    if isinstance(value, Contents) or (is_watched(value) and hasattr(value, "__array__")):
+        return short_repr(value)  # an array: its first elements
+    return repr(value) if is_watched(value) else f"{short_repr(value)} (another object)"
 
 
 def _entry(owner: Any, key: str, value: Any) -> tuple[Any, ...]:
@@ -587,6 +382,11 @@ def _entry(owner: Any, key: str, value: Any) -> tuple[Any, ...]:
         return (owner, key)
     if isinstance(value, Items):
         return (owner, key, value.list, value.items)
+    if isinstance(value, Contents):  # an array too large to copy: the same object, no more
+        snapshot = value.snapshot
+        return (
+            (owner, key, value.array) if snapshot is None else (owner, key, value.array, snapshot)
+        )
     return (owner, key, value)
 
 

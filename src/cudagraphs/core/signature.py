@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 import types
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,8 @@ __all__ = [
     "MISSING",
     "NAMESPACE",
     "Signature",
+    "buffer_holds",
+    "by_value_types",
     "flatten",
     "held_value_now",
     "held_value_still",
@@ -105,10 +108,38 @@ _PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
 
 
 def is_plain(value: Any, depth: int = 0) -> bool:
-    """An immutable plain value whose changes a recording would not see."""
+    """An immutable plain value whose changes a recording would not see: a number, string,
+    enum or ``None``, a NumPy scalar (``np.float32(2.0)``), or a tuple of such values."""
     if isinstance(value, tuple) and depth < 3 and len(value) <= 64:
         return all(is_plain(v, depth + 1) for v in value)
-    return isinstance(value, _PLAIN)
+    return isinstance(value, _PLAIN) or _is_numpy_scalar(value)
+
+
+def by_value_types() -> tuple[type, ...]:
+    """Types beyond Python's own numbers, strings and tuples whose values are compared by
+    equality: NumPy's scalars, once NumPy is imported (this library never imports it)."""
+    numpy = sys.modules.get("numpy")
+    return (numpy.generic,) if numpy is not None and hasattr(numpy, "generic") else ()
+
+
+def _is_numpy_scalar(value: Any) -> bool:
+    numpy = sys.modules.get("numpy")
+    if numpy is None or not isinstance(value, getattr(numpy, "generic", ())):
+        return False
+    # A structured scalar (numpy.void) may view an array's memory: not immutable.
+    return not isinstance(value, (numpy.void, numpy.object_))
+
+
+def buffer_holds(now: Any, snapshot: tuple[bytes, str, tuple[int, ...]]) -> bool:
+    """Whether ``now`` (a NumPy array, read through the buffer protocol) still holds the
+    ``snapshot`` of its memory: its bytes, element format and shape (the Python form of
+    ``_before_replay.cpp``'s ``buffer_holds``)."""
+    try:
+        view = memoryview(now)
+    except (TypeError, ValueError):
+        return False
+    with view:
+        return view.c_contiguous and (view.tobytes(), view.format, view.shape) == snapshot
 
 
 def same_value(given: Any, frozen: Any) -> bool:
@@ -135,8 +166,8 @@ CLASS_OF = None
 
 def held_value_now(owner: Any, key: str | None) -> Any:
     """What ``owner`` holds under ``key`` now: a dict's item, a class's attribute lookup (bases
-    in order, no descriptor run), a closure cell's contents, or its class for
-    :data:`CLASS_OF`; else :data:`MISSING`."""
+    in order, no descriptor run), a closure cell's contents, its class for :data:`CLASS_OF`,
+    or another object's attribute (a slot); else :data:`MISSING`."""
     if key is CLASS_OF:
         return type(owner)
     if isinstance(owner, types.CellType):  # a closure variable (key "cell_contents")
@@ -144,8 +175,10 @@ def held_value_now(owner: Any, key: str | None) -> Any:
             return owner.cell_contents
         except ValueError:  # an emptied cell
             return MISSING
-    if not isinstance(owner, type):
+    if isinstance(owner, dict):
         return owner.get(key, MISSING)
+    if not isinstance(owner, type):
+        return getattr(owner, key, MISSING)
     for klass in owner.__mro__:
         found = vars(klass).get(key, MISSING)
         if found is not MISSING:
@@ -165,14 +198,20 @@ def held_value_still(entry: tuple[Any, ...]) -> bool:
         return False
     if len(entry) == 3:
         return _same(now, entry[2])
+    if now is not entry[2]:
+        return False
+    if not isinstance(now, list):  # an array: the same object with the same memory
+        return buffer_holds(now, entry[3])
     items = entry[3]
-    return now is entry[2] and len(now) == len(items) and all(map(_same, now, items))
+    return len(now) == len(items) and all(map(_same, now, items))
 
 
 def _same(now: Any, was: Any) -> bool:
     """``values_hold``'s rule: the same object, or an equal one where equality decides (a
     number, string or tuple; a tensor must be the very same object)."""
-    return now is was or (isinstance(was, _BY_EQUALITY) and same_value(now, was))
+    if now is was:
+        return True
+    return (isinstance(was, _BY_EQUALITY) or _is_numpy_scalar(was)) and same_value(now, was)
 
 
 _BY_EQUALITY = (int, float, complex, str, bytes, tuple)

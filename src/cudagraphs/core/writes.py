@@ -38,10 +38,8 @@ import contextlib
 import functools
 import inspect
 import logging
-import sys
 import types
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +49,7 @@ import torch
 from ..errors import CudaGraphsWarning, StateWriteError, explain
 from . import compat
 from .compat import OPS_DISPATCH_MODE, op_name, op_returns_alias, op_schema_arguments
-from .frames import callable_name, is_model_code, user_stacklevel
+from .frames import callable_name, is_model_class, slot_values, user_stacklevel
 
 __all__ = [
     "DeferredWriteRecorder",
@@ -61,8 +59,8 @@ __all__ = [
     "Versions",
     "WriteRecorder",
     "Written",
+    "bound_arguments",
     "is_compiled",
-    "is_model_class",
     "named_roots",
     "reachable_tensors",
     "report",
@@ -423,6 +421,10 @@ def walk(fn: Callable[..., Any], roots: Iterable[Any] = ()) -> Iterator[tuple[st
         (name, value, 0) for name, value in named_roots(fn)
     )
     stack.extend((f"argument {type(r).__name__}", r, 0) for r in roots)
+    # Hooks run around every module's forward: what their closures hold is read too.
+    stack.extend(
+        (label, h, 0) for label, hooks in compat.global_hook_dicts() for h in hooks.values()
+    )
     while stack and len(seen) < _MAX_OBJECTS:
         name, obj, depth = stack.popleft()
         if isinstance(obj, _OPAQUE) or id(obj) in seen:
@@ -468,29 +470,29 @@ def is_user_object(obj: Any) -> bool:
     return hasattr(obj, "__dict__") and is_model_class(type(obj))
 
 
-_MODEL_CLASSES: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
-
-
-def is_model_class(cls: type) -> bool:
-    """Whether ``cls`` is defined in model code (the user's, or an installed package's model
-    code such as transformers'), not in torch, this library or the standard library. Decided
-    once per class: the walk and the value guards ask for every object they meet."""
-    known = _MODEL_CLASSES.get(cls)
-    if known is None:
-        module = sys.modules.get(getattr(cls, "__module__", None) or "")
-        filename = getattr(module, "__file__", None)
-        known = filename is not None and is_model_code(filename)
-        with contextlib.suppress(TypeError):  # no weak reference: decided again next time
-            _MODEL_CLASSES[cls] = known
-    return known
-
-
 def _bound(partial: functools.partial) -> Iterator[tuple[str, Any]]:
     yield ".func", partial.func
     for k, value in enumerate(partial.args):
         yield f".args[{k}]", value
     for key, value in partial.keywords.items():
         yield f".keywords[{key!r}]", value
+
+
+def bound_arguments(objects: Iterable[tuple[str, Any]]) -> list[tuple[str, dict, str, Any]]:
+    """``(label, owner, key, value)`` for what each ``functools.partial`` among ``objects``
+    binds: the function reads it as an argument, under no name a guard of attributes or
+    globals keeps. Every keyword (its dict is the owner: ``p.keywords["scale"] = 2.0``), and
+    each list bound as a positional argument, which the tuple holding it keeps as the same
+    object (its owner a dict of its own, so that the list's items are what can change)."""
+    found: list[tuple[str, dict, str, Any]] = []
+    for label, obj in objects:
+        if isinstance(obj, functools.partial):
+            for key, value in obj.keywords.items():
+                found.append((f"{label}.keywords[{key!r}]", obj.keywords, key, value))
+            for k, value in enumerate(obj.args):
+                if type(value) is list:
+                    found.append((f"{label}.args[{k}]", {"list": value}, "list", value))
+    return found
 
 
 def named_roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
@@ -509,6 +511,10 @@ def named_roots(fn: Callable[..., Any]) -> list[tuple[str, Any]]:
         ):
             roots.append((type(candidate).__name__, candidate))
     target = inspect.unwrap(getattr(fn, "__func__", fn))
+    if isinstance(target, functools.partial) and target is not fn:
+        # torch.compile(partial) wraps the partial in a function of Dynamo's: the partial, what
+        # it binds and its function are what the wrapper runs.
+        return [*roots, ("partial", target)]
     if getattr(target, "__code__", None) is None and is_user_object(fn):
         target = getattr(type(fn).__call__, "__func__", type(fn).__call__)
     code = getattr(target, "__code__", None)
@@ -538,6 +544,9 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
             yield f".{name}", t
         for name, child in obj.named_children():
             yield f".{name}", child
+        for label, hooks in compat.module_hook_dicts(obj, recurse=False):
+            kind = label.split("'s ")[-1]  # "forward hooks", "forward pre hooks"
+            yield from ((f"'s {kind}", hook) for hook in list(hooks.values()))
         values = obj.__dict__.items()
         for key, value in values:
             if not key.startswith("_") and not isinstance(value, torch.nn.Module):
@@ -556,9 +565,10 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
         for k, value in enumerate(obj[:1000]):
             yield f"[{k}]", value
         return
-    if inspect.ismodule(obj) or not hasattr(obj, "__dict__"):
+    if inspect.ismodule(obj):
         return
-    for key, value in list(vars(obj).items())[:1000]:
+    attributes = vars(obj) if hasattr(obj, "__dict__") else slot_values(obj)
+    for key, value in list(attributes.items())[:1000]:
         yield f".{key}", value
 
 

@@ -26,6 +26,7 @@ import torch
 
 from ..core import (
     NAMESPACE,
+    HostDraws,
     PythonSnapshot,
     Reader,
     RngState,
@@ -146,13 +147,15 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     # Plain Python values the runs change are found (a capture refuses them) and put back.
     leaves = flatten((args, kwargs))[0]
     plain = PythonSnapshot(fn, [x for x in leaves if not isinstance(x, torch.Tensor)])
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    host = HostDraws(name)
     reader = Reader()
     try:
         objects = _reachable_state(fn, (args, kwargs))
-        name = getattr(fn, "__qualname__", None) or type(fn).__name__
         with reader:
             first, out, inputs = _run(fn, args, kwargs, objects)
         plain.take()
+        host.take()
         findings = dict(first.findings)
         _outputs_aliasing_inputs(fn, first, out, inputs)
         findings.update(first.findings)
@@ -167,6 +170,14 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
         )
         second, _, _ = _run(fn, fresh_args, fresh_kwargs, objects)
         plain.take()
+        host.take()
+        drawn = host.drawn()
+        if drawn:
+            severity, message, fix = KINDS["host-random"]
+            findings[("host-random", *caller)] = Finding(
+                "host-random", severity, *caller,
+                message.format(what=name, where=" and ".join(drawn)), fix.format(name=drawn[0]),
+            )  # fmt: skip
         for label, was, became in plain.changes():
             key, filename, lineno = _python_state(label, was, became, reader, caller)
             findings[key] = findings.get(key) or _state_finding(
@@ -182,6 +193,7 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
             )
     finally:
         rng.restore()
+        host.restore()
         plain.restore()  # the user's attributes as they were before the doctor
     placed = [_with_setting(relocate(f, *caller)) for f in findings.values()]
     ordered = sorted(_one_per_cause(placed), key=lambda f: (f.filename, f.lineno, f.kind))

@@ -76,6 +76,14 @@ KINDS: dict[str, tuple[str, str, str]] = {
         "keep the value in a tensor on the device, updated in place, or move it out of the "
         "graphed function; a counter that decides nothing on the GPU: harmless_state=({name!r},)",
     ),
+    "host-random": (
+        "error",
+        "{what} draws from {where} at every run: a recording bakes in each number drawn on the "
+        "host, so every replay would repeat the first run's draw (capture raises "
+        "FrozenStateError)",
+        "draw on the device with torch (torch.rand((), device=x.device) < p); a draw that "
+        "decides nothing on the GPU: harmless_state=({name!r},)",
+    ),
     "state-write": (
         "warning",
         "{what} writes {where}, a tensor outside the inputs: every replay repeats this write, as "

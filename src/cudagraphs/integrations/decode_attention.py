@@ -144,7 +144,6 @@ def _decode_attention_op(
     widest = max(16, (32 * 1024) // (size * query.element_size()))
     block = min(max(16, 1 << (positions - 1).bit_length()), MAX_POSITIONS, widest)
     dependent = pdl(query.device)  # programmatic dependent launch, as the one-row products
-    extra = {"launch_pdl": True} if dependent else {}
     _kernel()[(batch * kv_heads,)](
         query, key, value, mask_arg, out, positions, kv_heads, scale,
         query.stride(0), query.stride(1), query.stride(3),
@@ -154,7 +153,7 @@ def _decode_attention_op(
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), HEAD_SIZE=size,
         BLOCK=block, HAS_MASK=has_mask, IEEE=query.dtype == torch.float32, PDL=dependent,
-        num_warps=8 if block * size >= 128 * 64 else 4, num_stages=1, **extra,
+        num_warps=8 if block * size >= 128 * 64 else 4, num_stages=1, launch_pdl=dependent,
     )  # fmt: skip
     return out
 

@@ -234,8 +234,7 @@ def _kernel() -> Any:
         dependent: bool,
     ) -> None:  # fmt: skip
         grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)  # noqa: E731
-        extra = {"launch_pdl": True} if dependent else {}
-        tuned[grid](x, weight, out, n, k, gated, dependent, **extra)
+        tuned[grid](x, weight, out, n, k, gated, dependent, launch_pdl=dependent)
 
     return launch
 
