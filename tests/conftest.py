@@ -12,6 +12,7 @@ import contextlib
 import gc
 import os
 import sys
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +40,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# The README's command deselects the slow checks (-m 'not slow' in pyproject's addopts). Under
+# pytest-xdist the workers deselect and the summary would not mention them: each worker sends
+# the ids back (xdist's workeroutput) and the controller counts and lists them.
+_DESELECTED_BY_WORKERS: set[str] = set()
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    if items and hasattr(items[0].config, "workeroutput"):
+        sent = items[0].config.workeroutput.setdefault("deselected", [])
+        sent.extend(item.nodeid for item in items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _DESELECTED_BY_WORKERS.update(getattr(node, "workeroutput", {}).get("deselected", ()))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    ids = sorted(_DESELECTED_BY_WORKERS)
+    if not ids:
+        return
+    # Entries of the summary line's count; plugins read each entry's __dict__, as of a report.
+    terminalreporter.stats.setdefault("deselected", []).extend(
+        types.SimpleNamespace(nodeid=nodeid) for nodeid in ids
+    )
+    per_file: dict[str, int] = {}
+    for nodeid in ids:
+        per_file[nodeid.split("::")[0]] = per_file.get(nodeid.split("::")[0], 0) + 1
+    terminalreporter.write_sep("=", f"{len(ids)} deselected")
+    terminalreporter.write_line(
+        f"-m {config.option.markexpr!r} leaves these out; the slow checks run with: "
+        "python -m pytest -q -m slow"
+    )
+    for path, count in per_file.items():
+        terminalreporter.write_line(f"DESELECTED [{count}] {path}")
 
 
 class _OpLog(TorchDispatchMode):

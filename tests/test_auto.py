@@ -59,6 +59,33 @@ def test_an_unknown_candidate_is_refused_naming_the_known_ones() -> None:
         cg.auto(_model(), torch.randn(4, 8), candidates=["graph", "magic"])
 
 
+@pytest.mark.parametrize(
+    "keyword, message",
+    [
+        ({"warmpu": 3}, "did you mean warmup=, an option of cg.graph"),
+        ({"verfy": True}, "did you mean verify="),
+        ({"budget": 10.0}, "did you mean budget_s="),
+        ({"warmup": 3}, "cg.auto does not take the option warmup="),
+        ({"colour": "red"}, "unknown keyword argument colour="),
+    ],
+)
+def test_a_keyword_cg_auto_and_the_model_do_not_take_is_refused(
+    keyword: dict, message: str
+) -> None:
+    # Before, each was kept as an example keyword and the report said the doctor could not run.
+    with pytest.raises(cg.ConfigError, match=message):
+        cg.auto(_model(), torch.randn(4, 8), **keyword)
+
+
+def test_an_example_keyword_the_function_takes_is_passed_to_it() -> None:
+    def scaled(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x * scale
+
+    x = torch.randn(4, 8)
+    fast = cg.auto(scaled, x, scale=3.0)
+    torch.testing.assert_close(fast(x, scale=3.0), x * 3.0)
+
+
 def test_the_decision_key_changes_with_config_parameters_shapes_and_versions(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -180,6 +180,14 @@ def test_mutated_bucketed_input_is_written_back() -> None:
         ({"buckets": cg.Buckets({"B": [2]}, pad={"args[3]": 1})}, r"pad names 'args\[3\]'"),
         ({"buckets": cg.Buckets({"B": [2]}, overflow="drop")}, "overflow must be"),  # type: ignore[arg-type]
         ({"buckets": [1, 2]}, "buckets must be a cg.Buckets"),
+        # One number is not a ladder: the error names the key and the ladder that fixes it.
+        (
+            {"buckets": {"B": 8}},
+            r"buckets\['B'\] must be a ladder .* got int 8(.|\n)*cg.powers_of_two\(8\) "
+            r"\(the sizes 1, 2, 4, 8\)",
+        ),
+        ({"buckets": {"B": None}}, r"buckets\['B'\] must be a ladder .* got NoneType"),
+        ({"buckets": {"B": [4, "8"]}}, r"sizes\['B'\] must be a non-empty list of positive ints"),
         ({"buckets": "exact", "max_graphs": 0}, "max_graphs must be an int >= 1"),
     ],
 )

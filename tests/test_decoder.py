@@ -182,6 +182,11 @@ def test_requests_it_cannot_serve_are_refused_with_the_reason(llama) -> None:
         decoder.generate(prompt, max_new_tokens=0)
     with pytest.raises(cg.ConfigError, match="eos_token_id must be"):
         decoder.generate(prompt, max_new_tokens=2, eos_token_id=[-3])
+    # A misspelt keyword names the one meant, not Python's "unexpected keyword".
+    with pytest.raises(cg.ConfigError, match="did you mean max_new_tokens="):
+        decoder.generate(prompt, max_new_token=2)
+    with pytest.raises(cg.ConfigError, match="did you mean temperature="):
+        decoder.generate(prompt, max_new_tokens=2, temprature=0.5)
 
 
 def test_models_it_cannot_graph_are_refused(llama) -> None:

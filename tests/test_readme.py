@@ -4,6 +4,8 @@ names in the docs and docstrings that must match the tree."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +15,8 @@ from script_modules import load_script
 
 import cudagraphs as cg
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
 
 
 def test_the_tour_runs_as_written_without_cuda() -> None:
@@ -267,3 +270,19 @@ def test_a_module_that_was_renamed_is_caught() -> None:
         assert _missing_files(f"the fallbacks (see cudagraphs/core/{gone}.py)", root)
         assert _missing_files(f"(``core/{gone}.py``)", root)
     assert not _missing_files("(``core/python_values.py``, ``benchmarks/decode.py``)", root)
+
+
+def test_the_readme_command_lists_the_slow_checks_it_leaves_out() -> None:
+    # Under pytest-xdist (the README's command runs two workers) the workers deselect the slow
+    # checks; the summary must still count and list them, as a serial run does.
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+         "tests/test_cli.py::test_bad_arguments_are_refused_with_usage",
+         "tests/test_cli.py::test_demo_on_gpu_prints_the_table"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    summary = run.stdout.strip().splitlines()[-1]
+    assert run.returncode == 0, run.stdout[-2000:]
+    assert "1 deselected" in summary, run.stdout[-2000:]
+    assert "DESELECTED [1] tests/test_cli.py" in run.stdout
+    assert "python -m pytest -q -m slow" in run.stdout

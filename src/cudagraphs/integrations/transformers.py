@@ -359,6 +359,7 @@ class Decoder:
         params = self.params
         return lambda logits: sample(logits, params)
 
+    @checked_keywords("Decoder.generate")
     def generate(
         self,
         input_ids: torch.Tensor,

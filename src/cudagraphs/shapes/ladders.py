@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ..errors import ConfigError, explain
 
@@ -38,8 +39,22 @@ def server_sizes(maximum: int, step: int = 8, small: Sequence[int] = (1, 2, 4)) 
 
 
 def validate_ladder(symbol: str, sizes: Sequence[int]) -> tuple[int, ...]:
-    ladder = tuple(sorted(set(sizes)))
-    if not ladder or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in ladder):
+    """The rungs of one symbol's ladder, sorted, or :class:`ConfigError` naming the symbol.
+
+    Right: ``{"B": cg.powers_of_two(8)}`` or ``{"B": [1, 2, 4, 8]}``. Wrong: ``{"B": 8}``
+    (one number is not a ladder: which smaller sizes should get a graph?)."""
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise ConfigError(
+            explain(
+                f"buckets[{symbol!r}] must be a ladder (a list of sizes), "
+                f"got {type(sizes).__name__} {sizes!r}",
+                "a ladder is the sizes a graph is captured for; a call of any size up to the "
+                "largest runs the graph of the next size up, padded",
+                _ladder_fix(sizes),
+            )
+        )
+    rungs = list(sizes)
+    if not rungs or any(not isinstance(s, int) or isinstance(s, bool) or s < 1 for s in rungs):
         raise ConfigError(
             explain(
                 f"sizes[{symbol!r}] must be a non-empty list of positive ints, got {list(sizes)!r}",
@@ -47,7 +62,14 @@ def validate_ladder(symbol: str, sizes: Sequence[int]) -> tuple[int, ...]:
                 "pass e.g. cg.powers_of_two(128) or [1, 8, 32, 128]",
             )
         )
-    return ladder
+    return tuple(sorted(set(rungs)))
+
+
+def _ladder_fix(given: Any) -> str:
+    if isinstance(given, int) and not isinstance(given, bool) and given >= 1:
+        rungs = ", ".join(map(str, powers_of_two(given)))
+        return f"pass cg.powers_of_two({given}) (the sizes {rungs}) or a list of your own"
+    return "pass cg.powers_of_two(128) or a list of positive sizes, e.g. [1, 8, 32, 128]"
 
 
 def lookup_table(ladder: tuple[int, ...]) -> list[int]:

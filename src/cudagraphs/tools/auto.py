@@ -74,6 +74,7 @@ from ..errors import CaptureError, ConfigError, CudaGraphsWarning, explain
 from ..integrations.compiled import compile_settings
 from ..integrations.dynamo import backend
 from ..integrations.saved_compile import SavedCompile, saved_steps_folder, untrusted, write_whole
+from ..options import OPTION_NAMES, split_options
 from .profile import profile
 from .timing import measure_side_by_side
 
@@ -153,6 +154,10 @@ class Auto:
         return f"<cudagraphs.Auto {self.report.function}: {self.report.chosen}>"
 
 
+#: ``cg.auto``'s own keyword parameters (the rest are the example's keyword arguments).
+_AUTO_PARAMETERS = ("candidates", "buckets", "verify", "budget_s", "reuse")
+
+
 def auto(
     fn: Callable[..., Any],
     *example_args: Any,
@@ -170,7 +175,20 @@ def auto(
     random inputs each candidate must match eager on. ``budget_s``: candidates not started
     within this many seconds are skipped (and say so). ``reuse``: use a decision saved by an
     earlier process for the same function, model, example shapes, versions and GPU.
+
+    Any other keyword is an example keyword argument of ``fn``: one ``fn`` does not take
+    raises :class:`ConfigError` with "did you mean" (``cg.auto(model, x, verfy=5)``), and so
+    does an option of ``cg.graph`` (``warmup=3``: ``cg.auto`` sets the options of what it
+    builds itself).
     """
+    _, example_kwargs = split_options(
+        fn,
+        example_kwargs,
+        allowed=(),
+        extra=_AUTO_PARAMETERS,
+        entry="cg.auto",
+        elsewhere={"cg.graph(...)": [o for o in OPTION_NAMES if o not in _AUTO_PARAMETERS]},
+    )
     unknown = [c for c in candidates if c not in CANDIDATES]
     if unknown or not candidates:
         raise ConfigError(
