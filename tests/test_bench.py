@@ -6,6 +6,7 @@ import io
 import json
 import math
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -198,6 +199,24 @@ def test_report_formats_as_table_markdown_and_json(tmp_path: Path) -> None:
     assert modes["compile"]["break_even_calls"] == "inf"  # JSON has no infinity
     assert modes["cudagraphs"]["wall"] == {"p10": 40, "median": 50, "p90": 60}
     assert data["profile"]["predicted_speedup"] == pytest.approx(100 / 35)
+
+
+@pytest.mark.parametrize("width", [60, 100])
+def test_tables_are_never_cut_on_a_narrow_page(width: int) -> None:
+    # A cell rich would end with "…" on a page narrower than the table wraps instead, so a
+    # report read in a terminal, a pipe or a file keeps every figure whole.
+    report = synthetic()
+    console = Console(file=io.StringIO(), width=width)
+    console.print(report)
+    console.print(report.profile)
+    text = console.file.getvalue()
+    assert "…" not in text
+    # Wrapped cells are split across lines inside their column: every character is still there.
+    for whole in ("50.0 [40-60]", "20,000", "failed: RuntimeError: boom"):
+        assert Counter(whole.replace(" ", "")) <= Counter(text), (whole, text)
+    wide = Console(file=io.StringIO(), width=250)
+    wide.print(report)
+    assert "50.0 [40-60]" in wide.file.getvalue()
 
 
 def test_plot_writes_a_png_and_explains_a_missing_matplotlib(tmp_path: Path, monkeypatch) -> None:

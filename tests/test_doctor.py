@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import re
 import subprocess
 import sys
 
@@ -273,3 +274,44 @@ def test_the_doctor_reports_a_draw_from_python_s_random_generator_and_puts_it_ba
     assert report.blocking and len(found) == 1, report
     assert "draws from random" in found[0].message and "torch.rand" in found[0].fix
     assert random.getstate() == state
+
+
+def test_a_batchnorm_in_eval_mode_writes_nothing_and_is_not_reported() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+    with torch.no_grad():
+        model[1].running_mean.normal_()
+    before = model[1].running_mean.clone()
+    model(torch.randn(8, 4))
+    assert torch.equal(model[1].running_mean, before)  # eager writes nothing in eval()
+    assert not [f for f in cg.doctor(model, torch.randn(8, 4)).findings if "running" in f.message]
+    # In train() the same module does update its statistics, and that is still reported (one
+    # finding per line: the first write there, its step counter, names the module).
+    found = cg.doctor(model.train(), torch.randn(8, 4)).findings
+    assert [f for f in found if f.kind == "state-write" and "Sequential.1." in f.message]
+
+
+def test_the_command_line_places_a_torch_module_s_finding_at_its_maker(tmp_path) -> None:
+    # Inside a BatchNorm's own code no frame is the user's: doctor and auto both name the
+    # line that built the model, and auto's findings are whole, not cut at a width.
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "maker_target.py"
+    path.write_text(
+        "import torch\n"
+        "\n"
+        "def make():\n"
+        "    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))\n"
+        "    return model.train(), (torch.randn(8, 4),)\n"
+    )
+    run = lambda *command: (
+        subprocess.run(  # noqa: E731
+            [sys.executable, "-m", "cudagraphs", *command], capture_output=True, text=True
+        ).stdout
+    )
+    doctor_out = run("doctor", f"{path}:make")
+    auto_out = run("auto", f"{path}:make", "--fresh")
+    assert "maker_target.py:3" in doctor_out, doctor_out
+    assert re.search(r"state-write at \S*maker_target\.py:3: ", auto_out), auto_out
+    assert "<unknown>" not in doctor_out + auto_out
+    line = next(x for x in auto_out.splitlines() if "state-write at" in x)
+    assert line.rstrip().endswith("(warm-up's writes are put back by cudagraphs)"), line

@@ -247,15 +247,15 @@ def split_options(
 
 
 def checked_keywords(entry: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate an ``__init__`` whose keyword parameters are its options: a keyword it does
-    not take raises :class:`ConfigError` with "did you mean" before Python's own error
+    """Decorate an ``__init__`` (or a method) whose keyword parameters are its options: a
+    keyword it does not take raises :class:`ConfigError` with "did you mean" before Python's own error
     (``max_lenght=32`` would otherwise be "missing argument 'max_length'")."""
 
     def decorate(init: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(init)
-        def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
             refuse_unknown_keywords(entry, kwargs, init)
-            init(self, *args, **kwargs)
+            return init(self, *args, **kwargs)
 
         return checked
 

@@ -224,7 +224,7 @@ def print_segments(recording: Any, name: str, stats: Any, console: Any = None) -
     console = console or Console()
     table = Table(title=f"segments of {name}")
     for column in ("#", "piece", "where", "why", "calls", "mean µs (host)"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for i, row in enumerate(describe_segments(recording)):
         if row["kind"] == "graph":
             table.add_row(str(i), "graph", "", "", "", "")

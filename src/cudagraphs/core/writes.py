@@ -40,7 +40,7 @@ import inspect
 import logging
 import types
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,7 +169,7 @@ class WriteRecorder(OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for index, name in written_arguments(func):
+        for index, name in written_arguments(func, args, kwargs):
             value = args[index] if index < len(args) else kwargs.get(name)
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, torch.Tensor):
@@ -225,27 +225,37 @@ class DeferredWriteRecorder(WriteRecorder):
 
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 # Ops that update running statistics in place although their schemas do not mark the arguments
-# as written (BatchNorm's eager kernels): named here so their writes are seen too.
-_UNMARKED_WRITES = {
-    "aten::native_batch_norm": (3, 4),
-    "aten::cudnn_batch_norm": (3, 4),
-    "aten::miopen_batch_norm": (3, 4),
+# as written (BatchNorm's eager kernels): the arguments they write, and the flag under which
+# they do. In eval() (``training=False``) they only read the statistics: no write to report.
+_UNMARKED_WRITES: dict[str, tuple[tuple[int, ...], int]] = {
+    "aten::native_batch_norm": ((3, 4), 5),
+    "aten::cudnn_batch_norm": ((3, 4), 5),
+    "aten::miopen_batch_norm": ((3, 4), 5),
 }
 
 
-def written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
-    """``(position, name)`` of every argument an aten op writes in place (or into, ``out=``)."""
+def written_arguments(
+    func: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None
+) -> tuple[tuple[int, str], ...]:
+    """``(position, name)`` of every argument an aten op writes in place (or into, ``out=``)
+    when called with ``args`` and ``kwargs``."""
     found = _WRITES.get(func)
     if found is None:
-        arguments = op_schema_arguments(func)
-        unmarked = _UNMARKED_WRITES.get(op_name(func), ())
         found = tuple(
             (i, a.name)
-            for i, a in enumerate(arguments)
-            if (a.alias_info is not None and a.alias_info.is_write) or i in unmarked
+            for i, a in enumerate(op_schema_arguments(func))
+            if a.alias_info is not None and a.alias_info.is_write
         )
         _WRITES[func] = found
-    return found
+    unmarked = _UNMARKED_WRITES.get(op_name(func))
+    if unmarked is None:
+        return found
+    positions, flag = unmarked
+    arguments = op_schema_arguments(func)
+    flag_name = arguments[flag].name
+    if not (args[flag] if flag < len(args) else (kwargs or {}).get(flag_name, False)):
+        return found
+    return (*found, *((i, arguments[i].name) for i in positions))
 
 
 class TensorSnapshot:

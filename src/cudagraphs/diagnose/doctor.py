@@ -14,10 +14,12 @@ optimizer state) is put back to its exact bytes afterwards, and so are the RNG s
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import inspect
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
 
@@ -45,7 +47,26 @@ from .findings import KINDS, Collector, Finding, Report
 from .verify import random_like
 from .watches import DispatchWatch, FunctionWatch, as_if_capturing, patched_calls, sync_debug
 
-__all__ = ["Finding", "Report", "doctor", "relocate"]
+__all__ = ["Finding", "Report", "doctor", "findings_located_at", "relocate"]
+
+# Where a finding goes when no frame on the stack is the user's (set by the command line, whose
+# own frames call the user's target).
+_FALLBACK_LOCATION: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar(
+    "cudagraphs_doctor_fallback_location", default=None
+)
+
+
+@contextlib.contextmanager
+def findings_located_at(filename: str, lineno: int) -> Iterator[None]:
+    """Inside, a finding with no frame of the user's (a BatchNorm's own code, reached from
+    library frames only, as from ``python -m cudagraphs doctor``/``auto``) is placed at
+    ``filename:lineno`` (the maker that built the model) instead of ``<unknown>:0``; this holds
+    for ``cg.auto``'s findings too, which come from the doctor."""
+    token = _FALLBACK_LOCATION.set((filename, lineno))
+    try:
+        yield
+    finally:
+        _FALLBACK_LOCATION.reset(token)
 
 
 def _reachable_state(fn: Callable[..., Any], args: Any) -> list[Any]:
@@ -144,6 +165,8 @@ def doctor(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     # Where a finding has no frame of the user's (a torch module's own code, called from the
     # library), it is reported at the line that called the doctor.
     caller = user_frame()
+    if caller[0] == "<unknown>":
+        caller = _FALLBACK_LOCATION.get() or caller
     # Plain Python values the runs change are found (a capture refuses them) and put back.
     leaves = flatten((args, kwargs))[0]
     plain = PythonSnapshot(fn, [x for x in leaves if not isinstance(x, torch.Tensor)])

@@ -173,7 +173,7 @@ class DispatchWatch(compat.OPS_DISPATCH_MODE):  # type: ignore[misc, valid-type]
             generator.device
         ):
             c.add("generator", name)
-        for index, argument_name in written_arguments(func):
+        for index, argument_name in written_arguments(func, args, kwargs):
             value = args[index] if index < len(args) else kwargs.get(argument_name)
             if isinstance(value, torch.Tensor):
                 key = storage_key(value)

@@ -41,7 +41,7 @@ class BucketStats:
         console = console or Console()
         table = Table(title=title)
         for column in (*symbols, "capture s", "pool MiB", "hits"):
-            table.add_column(column, justify="right")
+            table.add_column(column, justify="right", overflow="fold")
         for combo in sorted(self.capture_s, reverse=True):
             table.add_row(
                 *map(str, combo),

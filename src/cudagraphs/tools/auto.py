@@ -310,10 +310,10 @@ def _built_and_checked(
 
 
 def _one_line(error: BaseException) -> str:
-    """An exception as one short line for the report: its type and its message's first line
+    """An exception as one line for the report: its type and its message's first line, whole
     (nothing after the colon when the message is empty)."""
     lines = str(error).splitlines()
-    return f"{type(error).__name__}: {lines[0][:80] if lines else ''}"
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 def _clones(tree: Any) -> Any:
@@ -328,8 +328,9 @@ def _findings(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     try:
         report = doctor(fn, *args, **kwargs)
     except Exception as error:  # the report is advice; the candidates still decide
-        return [f"the doctor could not run: {type(error).__name__}: {str(error)[:120]}"]
-    return [f"{f.kind} at {f.location}: {f.message.splitlines()[0][:120]}" for f in report.findings]
+        return [f"the doctor could not run: {_one_line(error)}"]
+    # Whole lines: a report written to a file or read as JSON is never cut.
+    return [f"{f.kind} at {f.location}: {' '.join(f.message.split())}" for f in report.findings]
 
 
 def _build(

@@ -9,7 +9,6 @@ the user's frame; ``--traceback`` prints the whole traceback).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             commands["demo"].error("--calls and --windows must be at least 1")
         from .demo import run_demo
 
-        return run_demo(calls=args.calls, windows=args.windows)
+        return run_demo(_console(), calls=args.calls, windows=args.windows)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse refuses first
     return 2
 
@@ -131,11 +130,13 @@ def _add_auto(commands: Any) -> argparse.ArgumentParser:
 
 
 def _auto(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from ..diagnose.doctor import findings_located_at
     from .auto import auto
 
     fn, fn_args, fn_kwargs = _load_target(parser, args.target)
     try:
-        chosen = auto(fn, *fn_args, reuse=not args.fresh, **fn_kwargs)
+        with findings_located_at(*_maker_location(args.target)):
+            chosen = auto(fn, *fn_args, reuse=not args.fresh, **fn_kwargs)
     except Exception as error:
         raise UserCodeRaised(f"trying {args.target}", error) from error
     print(chosen.report.to_json() if args.json else chosen.report)
@@ -378,17 +379,16 @@ def _version() -> str:
 
 def _doctor(parser: argparse.ArgumentParser, target: str) -> int:
 
-    from ..diagnose.doctor import doctor, relocate
+    from ..diagnose.doctor import doctor, findings_located_at
 
     fn, fn_args, fn_kwargs = _load_target(parser, target)
     try:
-        report = doctor(fn, *fn_args, **fn_kwargs)
+        # A finding inside a torch module's own code (a BatchNorm's statistics) has no frame
+        # of the user's: it is the maker's, which built the module.
+        with findings_located_at(*_maker_location(target)):
+            report = doctor(fn, *fn_args, **fn_kwargs)
     except Exception as error:
         raise UserCodeRaised(f"examining {target}", error) from error
-    # A finding inside a torch module's own code (a BatchNorm's statistics) has no frame of
-    # the user's: it is the maker's, which built the module.
-    maker = _maker_location(target)
-    report = dataclasses.replace(report, findings=[relocate(f, *maker) for f in report.findings])
     console = _console()
     if report.findings:
         console.print(report)

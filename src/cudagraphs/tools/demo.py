@@ -50,7 +50,7 @@ def _safety(console: Console, model: torch.nn.Module, shape: tuple[int, ...], de
         try:
             first.sum()
         except RuntimeError as error:
-            console.print(f"  stale output read  -> {str(error)[:110]}...")
+            console.print(f"  stale output read  -> {_first_line(error)}")
     if device == "cuda":
         console.print(f"  stats: {g.stats}")
     else:
@@ -185,7 +185,9 @@ def run_demo(console: Console | None = None, *, calls: int = 30, windows: int = 
         "cg.profile says",
     ):
         summary.add_column(
-            column, justify="left" if column in ("workload", "cg.profile says") else "right"
+            column,
+            justify="left" if column in ("workload", "cg.profile says") else "right",
+            overflow="fold",
         )
     for title, mode, report in reports:
         eager, fast = report["eager"], report[mode]

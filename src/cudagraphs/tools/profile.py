@@ -103,8 +103,8 @@ class Profile:
 
     def __rich__(self) -> Table:
         table = Table(title=f"cg.profile: {self.name} on {self.device}", show_header=False)
-        table.add_column("measure")
-        table.add_column("value", justify="right")
+        table.add_column("measure", overflow="fold")
+        table.add_column("value", justify="right", overflow="fold")
         for key, value in self.rows():
             table.add_row(key, value)
         table.caption = self.recommendation

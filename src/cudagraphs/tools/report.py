@@ -149,7 +149,7 @@ class BenchReport:
         keep = [i for i in range(len(self.HEADER)) if i < 2 or any(row[i] != "-" for row in rows)]
         table = Table(title=f"cg.bench: {self.name} on {self.device}", caption=self.caption())
         for i in keep:
-            table.add_column(self.HEADER[i], justify="left" if i == 0 else "right")
+            table.add_column(self.HEADER[i], justify="left" if i == 0 else "right", overflow="fold")
         for row in rows:
             table.add_row(*(row[i] for i in keep))
         return table
