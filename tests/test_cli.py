@@ -30,6 +30,10 @@ def test_demo_without_cuda_explains_and_exits_zero() -> None:
     assert "CUDA is not available" in out
     assert "pass-through output equals eager: True" in out
     assert "InputMismatchError: args[0] has shape (64, 256)" in out
+    # It says which of its four uses ran, and why the other three did not.
+    assert "Of the demo's 4 uses, ran here: MLP 256-256-16" in out
+    assert "Not run here: transformer inference, training step, RL rollout (128 steps)" in out
+    assert "without CUDA there is no graph to time" in out
 
 
 @pytest.mark.cuda

@@ -67,8 +67,10 @@ def test_a_module_state_write_is_reported_at_the_users_line() -> None:
 @pytest.mark.slow
 @no_cuda
 def test_no_example_calls_an_eager_cpu_run_a_graph() -> None:
-    """Every example runs without a GPU (two at a time) and says so where it would graph."""
+    """Every example runs without a GPU (two at a time), says so where it would graph, and
+    prints no speed-up: without CUDA both sides of a ratio are eager runs."""
     graph_words = re.compile(r"graphed|one launch|capture of", re.IGNORECASE)
+    speedup = re.compile(r"\(\d+(\.\d+)?\s*[x×]\)|\d(\.\d+)?\s*[x×] (faster|the)", re.IGNORECASE)
 
     def run(example: Path) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -84,6 +86,8 @@ def test_no_example_calls_an_eager_cpu_run_a_graph() -> None:
         for line in proc.stdout.splitlines():
             if graph_words.search(line) and "no cuda" not in line.lower():
                 raise AssertionError(f"{example.name}: {line!r} calls an eager run a graph")
+            if speedup.search(line):
+                raise AssertionError(f"{example.name}: {line!r} shows an eager-eager speed-up")
 
 
 @pytest.mark.slow

@@ -303,11 +303,12 @@ def test_the_command_line_places_a_torch_module_s_finding_at_its_maker(tmp_path)
         "    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))\n"
         "    return model.train(), (torch.randn(8, 4),)\n"
     )
-    run = lambda *command: (
-        subprocess.run(  # noqa: E731
+
+    def run(*command: str) -> str:
+        return subprocess.run(
             [sys.executable, "-m", "cudagraphs", *command], capture_output=True, text=True
         ).stdout
-    )
+
     doctor_out = run("doctor", f"{path}:make")
     auto_out = run("auto", f"{path}:make", "--fresh")
     assert "maker_target.py:3" in doctor_out, doctor_out

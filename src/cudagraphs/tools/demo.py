@@ -60,6 +60,10 @@ def _safety(console: Console, model: torch.nn.Module, shape: tuple[int, ...], de
         )
 
 
+#: The demo's four launch-bound uses, in the order the GPU path runs them.
+USES = ("MLP 256-256-16", "transformer inference", "training step", "RL rollout (128 steps)")
+
+
 def _cpu_demo(console: Console, calls: int, windows: int) -> int:
     console.print(
         "[yellow]CUDA is not available[/yellow]: CUDA graphs need an NVIDIA GPU, so nothing "
@@ -87,6 +91,12 @@ def _cpu_demo(console: Console, calls: int, windows: int) -> int:
     console.print(report)
     console.print(f"  cg.profile says: {report.profile.recommendation if report.profile else '-'}")
     _safety(console, model, (128, 256), "cpu")
+    console.print(
+        f"\nOf the demo's {len(USES)} uses, ran here: {USES[0]} (eagerly, through the "
+        f"pass-through). Not run here: {', '.join(USES[1:])}: each one times eager against its "
+        "graph, and without CUDA there is no graph to time. Run the demo on a machine with an "
+        "NVIDIA GPU to see all of them."
+    )
     return 0
 
 
@@ -155,21 +165,21 @@ def run_demo(console: Console | None = None, *, calls: int = 30, windows: int = 
     reports: list[tuple[str, str, BenchReport]] = []
     for title, graphed, build in (
         (
-            "MLP 256-256-16",
+            USES[0],
             "cudagraphs",
             lambda: _inference(
                 "MLP 256-256-16", workloads.mlp_256, (128, 256), calls, windows, console
             ),
         ),
         (
-            "transformer inference",
+            USES[1],
             "cudagraphs",
             lambda: _inference(
                 "4-layer transformer", workloads.transformer, (8, 64, 256), calls, windows, console
             ),
         ),
-        ("training step", "cg.train_step", lambda: _training(calls, windows, console)),
-        ("RL rollout (128 steps)", "cudagraphs", lambda: _rollout(calls, windows, console)),
+        (USES[2], "cg.train_step", lambda: _training(calls, windows, console)),
+        (USES[3], "cudagraphs", lambda: _rollout(calls, windows, console)),
     ):
         report = build()
         console.print(report)
