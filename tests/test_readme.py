@@ -77,6 +77,21 @@ def test_a_decoding_row_names_the_tree_its_section_names() -> None:
     assert "a cache of 4096 positions, batch 16" in row
     assert "300.0 tokens/s, 3.00x a reduce-overhead decode loop (100.0 tokens/s)" in row
     assert row.endswith("| `reports/gpu.md` (src tree abc1234) |")
+    # The card its section's Hardware line names goes into the row too.
+    on_a_card = report.replace("Hardware: an H200", "Hardware: NVIDIA H100 80GB HBM3")
+    assert figures.decode_headline(on_a_card).endswith("(src tree abc1234, H100) |")
+
+
+def test_every_headline_figure_names_its_card() -> None:
+    start = README.index("<!-- figures:headline -->")
+    rows = [
+        line
+        for line in README[start : README.index("<!-- /figures:headline -->")].splitlines()
+        if line.startswith("| ") and not line.startswith(("| what", "|---"))
+    ]
+    assert rows
+    for row in rows:
+        assert re.search(r"\(src tree \w+, H[12]00\) \|$", row), row
 
 
 _FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s?(µs|ms|MiB|GiB|tokens/s)\b")
@@ -286,3 +301,16 @@ def test_the_readme_command_lists_the_slow_checks_it_leaves_out() -> None:
     assert "1 deselected" in summary, run.stdout[-2000:]
     assert "DESELECTED [1] tests/test_cli.py" in run.stdout
     assert "python -m pytest -q -m slow" in run.stdout
+
+
+def test_the_gpu_report_and_the_design_are_short_enough_to_read_through() -> None:
+    # The current report holds the current tree and the figures the README cites; earlier
+    # runs are in reports/archive/ unchanged.
+    assert len((ROOT / "reports" / "gpu.md").read_text().splitlines()) <= 400
+    assert len((ROOT / "DESIGN.md").read_text().splitlines()) <= 300
+
+
+def test_the_gpu_report_keeps_the_comparison_with_the_piecewise_peer() -> None:
+    report = (ROOT / "reports" / "gpu.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| piecewise-cuda-graphs |")]
+    assert rows and "| cudagraphs segments |" in report
