@@ -339,9 +339,9 @@ def test_the_front_door_check_sees_a_module_import(tmp_path: Path) -> None:
     ]
 
 
-def test_the_core_has_at_most_16_modules_and_a_front_door() -> None:
+def test_the_core_has_at_most_17_modules_and_a_front_door() -> None:
     core = [p for p in (SRC / "core").glob("*.py") if p.name != "__init__.py"]
-    assert len(core) <= 16, sorted(p.name for p in core)
+    assert len(core) <= 17, sorted(p.name for p in core)
     public = _public("cudagraphs.core.__init__")
     assert public and all(hasattr(__import__("cudagraphs.core").core, n) for n in public)
 

@@ -204,7 +204,9 @@ static int entry_holds(PyObject* entry, Py_ssize_t size, PyObject* now) {
 //                              ((bytes, format, shape): buffer_holds);
 //   (object, None, class)      the object's class is still that very class;
 //   (cell, key, value[, items]) a closure cell holds value (or, a list, those items);
-//   (object, key, value[, items]) another object (one with __slots__) holds it as attribute key.
+//   (object, key, value[, items]) another object (one with __slots__) holds it as attribute key;
+//   (list, index, value[, items]) a list (one inside a list read) holds it at index;
+//   (getter, Ellipsis, value)  a host setting's getter, called with no arguments, returns it.
 static int values_hold(PyObject* held) {
   if (!PyTuple_Check(held)) {
     PyErr_SetString(PyExc_TypeError, "values: a tuple of entries expected");
@@ -228,6 +230,17 @@ static int values_hold(PyObject* held) {
     }
     if (PyCell_Check(owner) && size >= 3) {  // a closure variable: NULL once emptied
       now = PyCell_GET(owner);
+    } else if (PyList_Check(owner) && PyLong_Check(key) && size >= 3) {  // a nested list's item
+      Py_ssize_t index = PyLong_AsSsize_t(key);
+      if (index == -1 && PyErr_Occurred()) return -1;
+      now = index >= 0 && index < PyList_GET_SIZE(owner) ? PyList_GET_ITEM(owner, index) : nullptr;
+    } else if (key == Py_Ellipsis && size == 3) {  // a host setting: what its getter returns
+      owned = PyObject_CallNoArgs(owner);
+      if (owned == nullptr) {
+        PyErr_Clear();  // a getter that raises now: a change (the slow path says which)
+        return 0;
+      }
+      now = owned;
     } else if (PyDict_Check(owner)) {
       now = PyDict_GetItemWithError(owner, key);
       if (now == nullptr && PyErr_Occurred()) return -1;
@@ -253,6 +266,8 @@ static int values_hold(PyObject* held) {
   }
   return 1;
 }
+
+static PyObject* reads_nested_lists_and_getters(PyObject*, PyObject*) { Py_RETURN_TRUE; }
 
 // values_same(held: tuple of entries) -> bool
 static PyObject* values_same(PyObject*, PyObject* held) {
@@ -418,6 +433,8 @@ static PyObject* launch_graph(PyObject*, PyObject* const* args, Py_ssize_t nargs
 
 static PyMethodDef methods[] = {
   {"values_same", values_same, METH_O, "Does every dict still hold its recorded value?"},
+  {"reads_nested_lists_and_getters", reads_nested_lists_and_getters, METH_NOARGS,
+   "A marker: values_hold reads list items by index and calls host getters"},
   {"compare_by_value", compare_by_value, METH_O, "Compare values of these types by equality too."},
   {"settings_hold", settings_hold, METH_O, "Does every getter still return its recorded value?"},
   {"launch_graph", (PyCFunction)(void (*)(void))launch_graph, METH_FASTCALL,

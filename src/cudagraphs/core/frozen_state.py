@@ -76,6 +76,8 @@ __all__ = [
     "ARRAY_BYTES",
     "Contents",
     "Items",
+    "LARGEST_HOLDER",
+    "LIST_ITEMS",
     "PythonSnapshot",
     "RandomDraws",
     "held_by",
@@ -97,8 +99,13 @@ _MODULE_INTERNALS = frozenset({"training", "_is_full_backward_hook"})
 
 
 #: The largest NumPy array whose memory a guard compares before each replay (a copy is kept);
-#: a larger one is held by identity only.
+#: a larger one read by a recording is refused at capture.
 ARRAY_BYTES = 64 * 1024
+#: The most values of one object (or dict) a walk reads, and the most a guard holds of an
+#: object that code reads under computed names.
+LARGEST_HOLDER = 1000
+#: The most items (nested lists counted through) of a list a guard compares item by item.
+LIST_ITEMS = 4096
 
 
 def is_watched(value: Any) -> bool:
@@ -120,9 +127,23 @@ def _is_array(value: Any) -> bool:
 
 
 def _is_watched_list(value: Any) -> bool:
-    if type(value) is not list or len(value) > 64:
+    """A list whose items (through nested lists, at most :data:`LIST_ITEMS` in all) are plain
+    values or held by identity."""
+    if type(value) is not list:
         return False
-    return all(is_plain(v, 1) or isinstance(v, _BY_IDENTITY) for v in value)
+    budget = LIST_ITEMS
+    stack = [value]
+    while stack:
+        items = stack.pop()
+        budget -= len(items)
+        if budget < 0:
+            return False
+        for item in items:
+            if type(item) is list:
+                stack.append(item)
+            elif not (is_plain(item, 1) or isinstance(item, _BY_IDENTITY)):
+                return False
+    return True
 
 
 class Items:
@@ -179,7 +200,7 @@ def held_by(obj: Any) -> tuple[Any, dict[str, Any]] | None:
     those values): an object's ``__dict__``, a plain dict itself (``self.cfg["scale"]``), or
     a model object's ``__slots__`` (``@dataclass(slots=True)``), read through the object."""
     if isinstance(obj, dict):  # an OrderedDict's or a defaultdict's items too
-        return (obj, obj) if all(isinstance(k, str) for k in list(obj)[:1000]) else None
+        return (obj, obj) if all(isinstance(k, str) for k in list(obj)[:LARGEST_HOLDER]) else None
     attributes = getattr(obj, "__dict__", None)
     if isinstance(attributes, dict):
         return attributes, attributes
@@ -219,10 +240,12 @@ class PythonSnapshot:
                 continue
             attributes = held[1]
             if _not_state(obj):
-                owned.update(id(v) for v in list(attributes.values())[:1000] if isinstance(v, dict))
+                owned.update(
+                    id(v) for v in list(attributes.values())[:LARGEST_HOLDER] if isinstance(v, dict)
+                )
                 continue
             self.objects.append((name, obj))
-            for key, value in list(attributes.items())[:1000]:
+            for key, value in list(attributes.items())[:LARGEST_HOLDER]:
                 if key in _MODULE_INTERNALS or not is_watched(value):
                     continue
                 label = f"{name}[{key!r}]" if attributes is obj else f"{name}.{key}"

@@ -52,9 +52,20 @@ from typing import Any
 
 import torch
 
+from ..errors import FrozenStateError, explain
 from . import compat
+from .dynamic_reads import HOST_GETTERS, computed_reads, host_getter, host_getter_label, where_read
 from .frames import is_model_class, is_model_code
-from .frozen_state import Contents, Items, held_by, held_value, is_harmless, is_watched, short_repr
+from .frozen_state import (
+    LARGEST_HOLDER,
+    Contents,
+    Items,
+    held_by,
+    held_value,
+    is_harmless,
+    is_watched,
+    short_repr,
+)
 from .guards import compiled_module
 from .signature import CLASS_OF, MISSING, by_value_types, held_value_now, held_value_still
 from .writes import bound_arguments, is_compiled, walk
@@ -89,6 +100,9 @@ class Reader:
             self.codes.update(compiled_code(of))
         self._outside: dict[str, bool] = {}  # filename -> user code?
         self._previous: Any = None
+        #: The host-setting getters the run called (``dynamic_reads.HOST_GETTERS``): a branch
+        #: on ``torch.get_num_threads()`` reads no attribute the names above could match.
+        self.getters: set[Any] = set()
 
     def __enter__(self) -> Reader:
         # Code that runs inside the recording without being called by it is not what the
@@ -106,8 +120,13 @@ class Reader:
             gc.enable()
 
     def _profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
-        if event == "call":
+        if event == "c_call":
+            if arg in HOST_GETTERS:
+                self.getters.add(arg)
+        elif event == "call":
             code = frame.f_code
+            if code in HOST_GETTERS:
+                self.getters.add(code)
             if code not in self.codes:
                 outside = self._outside.get(code.co_filename)
                 if outside is None:
@@ -195,6 +214,7 @@ def read_values(
     objects = list(objects)
     holders = {id(obj) for _, obj in objects}
     found: list[tuple[str, Any, str, Any]] = []
+    held_under: dict[int, set[str]] = {}  # reached object -> the names it is held under
     for (_, key), (label, value, owner) in reached.items():
         if key in names and not is_harmless(label, harmless):
             held = held_by(owner)
@@ -202,11 +222,14 @@ def read_values(
                 found.append((label, held[0], key, held_value(value)))
     for label, obj in objects:
         held = held_by(obj)
-        for key, value in list(held[1].items() if held is not None else ())[:1000]:
+        for key, value in list(held[1].items() if held is not None else ())[:LARGEST_HOLDER]:
+            if id(value) in holders:
+                held_under.setdefault(id(value), set()).add(key)
             if key in names and id(value) in holders and not is_watched(value):
                 named = f"{label}[{key!r}]" if held[1] is obj else f"{label}.{key}"
                 if not is_harmless(named, harmless):
                     found.append((named, held[0], key, value))
+    found.extend(_computed_reads(reader, reached, objects, held_under, harmless))
     found.extend(v for v in class_values(reader, objects) if not is_harmless(v[0], harmless))
     found.extend(v for v in _cells_read(reader, objects) if not is_harmless(v[0], harmless))
     bound = bound_arguments(objects)  # a partial's arguments: read under no name
@@ -226,13 +249,140 @@ def read_values(
             label = f"global {module}.{name}"
             if not is_harmless(label, harmless):
                 found.append((label, namespace, name, held_value(value)))
+    found.extend(
+        (
+            f"{host_getter_label(g)} (a host setting read)",
+            host_getter(g),
+            Ellipsis,
+            host_getter(g)(),
+        )
+        for g in reader.getters
+        if not is_harmless(host_getter_label(g), harmless)
+    )
+    return _refuse_unseen_arrays(_with_nested_lists(_unique(found)), reader)
+
+
+def _unique(found: list[tuple[str, Any, Any, Any]]) -> list[tuple[str, Any, Any, Any]]:
+    seen: set[tuple[int, Any]] = set()
+    kept = []
+    for entry in found:
+        key = (id(entry[1]), entry[2] if isinstance(entry[2], (str, int)) else id(entry[2]))
+        if key not in seen:
+            seen.add(key)
+            kept.append(entry)
+    return kept
+
+
+def _computed_reads(
+    reader: Reader,
+    reached: dict[Any, tuple[str, Any, Any]],
+    objects: list[tuple[str, Any]],
+    held_under: dict[int, set[str]],
+    harmless: Sequence[str],
+) -> list[tuple[str, Any, str, Any]]:
+    """Every watched value of the objects that code reading under computed names can reach:
+    ``getattr(self, f"w{i}")`` reads an attribute no name of the code gives, ``ws[key]`` an
+    item, so all of the object's (or dict's) plain values are held, not only those under the
+    code's names. Which objects: those held under a name such code loads, and, for computed
+    attribute names, every object of a model class the recording reached. An object with more
+    values than a guard compares is refused (``LARGEST_HOLDER``)."""
+    by_attribute = [c for c in reader.codes if computed_reads(c).attributes]
+    by_item = [c for c in reader.codes if computed_reads(c).items]
+    if not by_attribute and not by_item:
+        return []
+    loaded_by = lambda codes: {n for c in codes for n in c.co_names}  # noqa: E731
+    attribute_names, item_names = loaded_by(by_attribute), loaded_by(by_item)
+    targets = []
+    for label, obj in objects:
+        keys = held_under.get(id(obj), set())
+        if (
+            (by_attribute and (keys & attribute_names or _class_assignable(obj)
+                               or (isinstance(obj, torch.nn.Module) and is_model_class(type(obj)))))
+            or (by_item and isinstance(obj, dict) and keys & item_names)
+        ):  # fmt: skip
+            targets.append((label, obj))
+    found = []
+    for label, obj in targets:
+        held = held_by(obj)
+        if held is None:
+            continue
+        if len(held[1]) > LARGEST_HOLDER:
+            codes = by_attribute if not isinstance(obj, dict) else by_item
+            raise FrozenStateError(
+                explain(
+                    f"{label} holds {len(held[1])} values, and code the recording ran reads "
+                    f"it under names computed at run time (at {where_read(codes, '')})",
+                    "a graph freezes every value it read; with names built at run time, "
+                    "which ones cannot be told, and comparing all of them before every "
+                    f"replay is more than the guard's {LARGEST_HOLDER}",
+                    "pass the values the forward needs as a tensor input, or read them "
+                    f"under fixed names; if none of them changes, declare "
+                    f"harmless_state=({label.rsplit('.', 1)[-1]!r},)",
+                ),
+                names=[label],
+            )
+        for key in list(held[1]):
+            entry = reached.get((id(obj), key))
+            if entry is not None and not is_harmless(entry[0], harmless):
+                found.append((entry[0], held[0], key, held_value(entry[1])))
+    return found
+
+
+def _with_nested_lists(found: list[tuple[str, Any, Any, Any]]) -> list[tuple[str, Any, Any, Any]]:
+    """Each list inside a held list gets an entry of its own (read by index through the outer
+    list): ``self.mix[0][1] = 3.0`` keeps every item of ``self.mix`` the same object."""
+    out = list(found)
+    stack = [(label, value.list) for label, _, _, value in found if isinstance(value, Items)]
+    while stack:
+        label, outer = stack.pop()
+        for index, inner in enumerate(outer):
+            if type(inner) is list:
+                out.append((f"{label}[{index}]", outer, index, Items(inner)))
+                stack.append((f"{label}[{index}]", inner))
+    return out
+
+
+def _refuse_unseen_arrays(
+    found: list[tuple[str, Any, Any, Any]], reader: Reader
+) -> list[tuple[str, Any, Any, Any]]:
+    """A NumPy array read whose memory a guard cannot compare (over ``ARRAY_BYTES``, strided,
+    of objects) is refused at capture: held by identity only, a change in place would give
+    the recorded answer."""
+    for label, _, key, value in found:
+        if isinstance(value, Contents) and value.snapshot is None:
+            where = where_read(reader.codes, key) if isinstance(key, str) else "?"
+            raise FrozenStateError(
+                explain(
+                    f"{label} is a NumPy array of {value.array.nbytes} bytes that the recording "
+                    f"read (at {where}), too large or not C-contiguous for the guard to compare "
+                    "before every replay",
+                    "a graph freezes what it read: a change in place (table[1] = 5.0) would "
+                    "give the recorded answer, and only arrays of C-contiguous plain elements "
+                    "up to 64 KiB are compared",
+                    "keep the table in a tensor on the device (changes in place are then "
+                    "replayed), or pass it as a tensor input; if it never changes after the "
+                    f"capture, declare harmless_state=({label.rsplit('.', 1)[-1]!r},)",
+                ),
+                names=[label],
+            )
     return found
 
 
 def _cells_read(reader: Reader, objects: list[tuple[str, Any]]) -> list[tuple[str, Any, str, Any]]:
-    """The closure cells of the reached functions whose code ran (a helper's ``k``, a lambda's
-    list), held like attributes (the code loads them as free variables, not by name)."""
+    """The closure cells of the functions whose code ran (a helper's ``k``, a lambda's list, the
+    variables of the function that defined a forward), held like attributes: the code loads
+    them as free variables, not by name. The reached functions come with the walk's labels;
+    any other function whose code ran and has free variables (a module-level helper made by a
+    factory, a method of a class defined in a function) is found among the live functions."""
     found = []
+    reached = {id(fn) for _, fn in objects}
+    closed = {code for code in reader.codes if code.co_freevars}
+    if closed:
+        objects = objects + [
+            (fn.__qualname__, fn)
+            for fn in gc.get_objects()
+            if type(fn) is types.FunctionType and fn.__code__ in closed and id(fn) not in reached
+        ]  # fmt: skip
     for label, fn in objects:
         if isinstance(fn, types.FunctionType) and fn.__code__ in reader.codes:
             for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):

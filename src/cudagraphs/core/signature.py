@@ -167,7 +167,8 @@ CLASS_OF = None
 def held_value_now(owner: Any, key: str | None) -> Any:
     """What ``owner`` holds under ``key`` now: a dict's item, a class's attribute lookup (bases
     in order, no descriptor run), a closure cell's contents, its class for :data:`CLASS_OF`,
-    or another object's attribute (a slot); else :data:`MISSING`."""
+    a list's item (an ``int`` key), a host getter's result (key ``Ellipsis``), or another
+    object's attribute (a slot); else :data:`MISSING`."""
     if key is CLASS_OF:
         return type(owner)
     if isinstance(owner, types.CellType):  # a closure variable (key "cell_contents")
@@ -177,6 +178,13 @@ def held_value_now(owner: Any, key: str | None) -> Any:
             return MISSING
     if isinstance(owner, dict):
         return owner.get(key, MISSING)
+    if isinstance(owner, list) and isinstance(key, int):  # an item of a list inside a list
+        return owner[key] if 0 <= key < len(owner) else MISSING
+    if key is Ellipsis:  # a host setting: what its getter returns now
+        try:
+            return owner()
+        except Exception:  # a getter that raises now: a change
+            return MISSING
     if not isinstance(owner, type):
         return getattr(owner, key, MISSING)
     for klass in owner.__mro__:

@@ -1,0 +1,170 @@
+"""Reads that the names of the recorded code do not show, found in its bytecode and its calls.
+
+The value guard keeps what the recording's code loads by name (``python_values``). Some reads
+name nothing the guard can match: ``getattr(self, f"w{i}")`` builds the attribute's name at run
+time, ``self.ws[key]`` reads a dict under a key held in a variable, and ``torch.get_num_threads()``
+reads a host setting through a call. This module says, per code object, whether its bytecode
+makes such reads (:func:`computed_reads`), which host-setting getters a run called
+(:data:`HOST_GETTERS`, noted by ``python_values.Reader`` from the profiler's C-call events), and
+where a name is read (:func:`where_read`, for errors that name the user's line).
+
+Right::
+
+    def forward(self, x):
+        return x * getattr(self, f"w{self.index}")   # every plain attribute of self guarded
+
+Wrong (nothing to see: a value the code reaches through no object it holds)::
+
+    def forward(self, x):
+        return x * lookup_in_a_database()            # a host call's result: pass a tensor
+"""
+
+from __future__ import annotations
+
+import dis
+import functools
+import types
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "HOST_GETTERS",
+    "ComputedReads",
+    "computed_reads",
+    "host_getter",
+    "host_getter_label",
+    "where_read",
+]
+
+# The builtins that read an attribute under a name given as a value.
+_BY_NAME = frozenset({"getattr", "hasattr", "vars"})
+_CALLS = frozenset({"CALL", "CALL_FUNCTION", "CALL_FUNCTION_KW", "CALL_KW", "CALL_FUNCTION_EX"})
+_SUBSCRIPTS = frozenset({"BINARY_SUBSCR"})
+_CONSTANT_LOADS = frozenset({"LOAD_CONST", "LOAD_SMALL_INT"})
+
+
+@dataclass(frozen=True)
+class ComputedReads:
+    """What one code object reads under names or keys computed at run time."""
+
+    #: ``getattr(obj, name)`` / ``hasattr`` / ``vars(obj)`` with a name that is not a constant.
+    attributes: bool
+    #: ``container[key]`` or ``container.get(key)`` with a key that is not a constant.
+    items: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def computed_reads(code: types.CodeType) -> ComputedReads:
+    """Whether ``code`` reads attributes or items under names computed at run time. Read from
+    its bytecode once per code object: a call of ``getattr``/``hasattr`` whose name argument is
+    not a constant (the instruction that pushes it is not a constant load), ``vars(...)``, or a
+    subscript or ``.get`` whose key is not a constant."""
+    instructions = [i for i in dis.get_instructions(code) if i.opname not in ("CACHE", "PRECALL")]
+    attributes = items = False
+    for index, instruction in enumerate(instructions):
+        name = instruction.argval if isinstance(instruction.argval, str) else None
+        if instruction.opname in ("LOAD_GLOBAL", "LOAD_NAME") and name in _BY_NAME:
+            attributes = attributes or _computed_name_argument(instructions, index, name)
+        elif instruction.opname in _SUBSCRIPTS:
+            before = instructions[index - 1] if index else None
+            items = items or before is None or before.opname not in _CONSTANT_LOADS
+        elif instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and name == "get":
+            items = items or _computed_name_argument(instructions, index, "get")
+    return ComputedReads(attributes, items)
+
+
+def _computed_name_argument(instructions: list[dis.Instruction], start: int, name: str) -> bool:
+    """Whether the call that the load at ``start`` begins passes a computed name: the next call
+    instruction, with the name as the last argument (2 for ``getattr``/``hasattr``, 1 for
+    ``.get``) or the one before a one-instruction default. ``vars`` always counts."""
+    if name == "vars":
+        return True
+    for end in range(start + 1, min(start + 40, len(instructions))):
+        if instructions[end].opname in _CALLS:
+            break
+    else:
+        return True
+    arguments = instructions[start + 1 : end]
+    if instructions[end].opname not in ("CALL", "CALL_FUNCTION") or len(arguments) < 2:
+        return True
+    count = instructions[end].arg or 0
+    wanted = 1 if name == "get" else 2
+    last = arguments[-1] if count == wanted else arguments[-2] if count == wanted + 1 else None
+    return last is None or last.opname not in _CONSTANT_LOADS or not isinstance(last.argval, str)
+
+
+@functools.lru_cache(maxsize=1)
+def _getters() -> dict[Any, str]:
+    """``{getter: how a user writes the setting}``: torch's public zero-argument getters, and
+    the C getter behind each flag property of ``torch.backends``' modules (the property runs
+    it, so the profiler sees that call)."""
+    import torch.backends.cuda
+    import torch.backends.cudnn
+    import torch.backends.mkldnn
+
+    found: dict[Any, str] = {
+        torch.get_num_threads: "torch.get_num_threads()",
+        torch.get_num_interop_threads: "torch.get_num_interop_threads()",
+        torch.get_default_dtype: "torch.get_default_dtype()",
+        torch.are_deterministic_algorithms_enabled: "torch.are_deterministic_algorithms_enabled()",
+    }
+    for function in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled",
+                     "cudnn_sdp_enabled"):  # fmt: skip
+        public = getattr(torch.backends.cuda, function, None)
+        if callable(public):
+            found[public.__code__ if hasattr(public, "__code__") else public] = (
+                f"torch.backends.cuda.{function}()"
+            )
+    for module in (torch.backends.mkldnn, torch.backends.cudnn):
+        for name, prop in vars(type(module)).items():
+            getter = getattr(prop, "getter", None)
+            if isinstance(getter, types.BuiltinFunctionType):
+                found[getter] = f"{module.__name__}.{name}"
+    return found
+
+
+class _Getters:
+    """The C functions of torch that read a process-wide host setting and take no argument:
+    what a branch on ``torch.get_num_threads()`` or ``torch.backends.mkldnn.enabled`` read."""
+
+    def __contains__(self, function: Any) -> bool:
+        try:
+            return function in _getters()
+        except TypeError:  # an unhashable callable
+            return False
+
+
+#: Membership test for the host-setting getters a recording's calls are compared against.
+HOST_GETTERS = _Getters()
+
+
+def host_getter_label(function: Any) -> str:
+    """How a user writes the setting ``function`` reads (``torch.get_num_threads()``)."""
+    return _getters().get(function, getattr(function, "__name__", repr(function)))
+
+
+def host_getter(code_or_function: Any) -> Any:
+    """The callable to call again before each replay for a getter the profiler saw: the
+    function itself, or the public Python function whose code object ran."""
+    if isinstance(code_or_function, types.CodeType):
+        import torch.backends.cuda
+
+        for name in dir(torch.backends.cuda):
+            candidate = getattr(torch.backends.cuda, name, None)
+            if getattr(candidate, "__code__", None) is code_or_function:
+                return candidate
+    return code_or_function
+
+
+def where_read(codes: Any, name: str) -> str:
+    """``file:line`` of the first instruction among ``codes`` that loads ``name`` (an attribute
+    or global), or of the first code object that names it; ``"?"`` when none does."""
+    for code in codes:
+        if name not in code.co_names:
+            continue
+        for instruction in dis.get_instructions(code):
+            if instruction.argval == name and instruction.opname.startswith(("LOAD", "BINARY")):
+                line = instruction.positions.lineno if instruction.positions else None
+                return f"{code.co_filename}:{line or code.co_firstlineno}"
+        return f"{code.co_filename}:{code.co_firstlineno}"
+    return "?"

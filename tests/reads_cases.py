@@ -1,0 +1,176 @@
+"""Models whose forward reads Python values in ways the names of its code do not show: a name
+built at run time, a key held in an attribute, a helper's closure, the closure of the function
+that defined the forward, long and nested lists, host settings read through torch. The cases of
+``test_reads_seen.py`` (CPU stand-in) and its GPU twin."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class NamedAtRunTime(nn.Module):
+    """``getattr(self, f"w{i}")``: no code of the forward names ``w1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+        self.w0, self.w1, self.w2 = 1.0, 0.5, 0.25
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return sum(y * getattr(self, f"w{i}") for i in range(3))
+
+
+class KeyedAtRunTime(nn.Module):
+    """``self.ws[f"w{i}"]``: a dict read with keys built at run time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+        self.ws = {"w0": 1.0, "w1": 0.5, "w2": 0.25}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return sum(y * self.ws[f"w{i}"] for i in range(3))
+
+
+class KeyInAttribute(nn.Module):
+    """``self.settings[self.key]``: the key is a value, not a name of the code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+        self.settings = {"small": 0.5, "large": 2.0}
+        self.key = "small"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.settings[self.key]
+
+
+def _scaler() -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[float], None]]:
+    factor = 2.0
+
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * factor
+
+    def set_factor(value: float) -> None:
+        nonlocal factor
+        factor = value
+
+    return scale, set_factor
+
+
+SCALE, SET_SCALE_FACTOR = _scaler()  # a module-level helper with a closure, and its setter
+
+
+class CallsAHelper(nn.Module):
+    """A forward that calls a module-level helper whose closure holds the factor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return SCALE(self.fc(x))
+
+
+def defined_in_a_function() -> tuple[nn.Module, Callable[[float], None]]:
+    """A model class defined inside a function: its forward reads that function's variable."""
+    factor = 2.0
+
+    class Local(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * factor
+
+    def set_factor(value: float) -> None:
+        nonlocal factor
+        factor = value
+
+    return Local(), set_factor
+
+
+class LongList(nn.Module):
+    """A list of 100 floats, one of them read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+        self.weights = [1.0] * 100
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.weights[37]
+
+
+class NestedList(nn.Module):
+    """``self.mix[0][1]``: the inner list is changed in place, the outer one keeps its items."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+        self.mix = [[1.0, 0.5], [0.25, 2.0]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.mix[0][1]
+
+
+class ThreadsBranch(nn.Module):
+    """A branch on a host setting read through a torch function."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 2.0 if torch.get_num_threads() > 1 else y - 1.0
+
+
+class MkldnnBranch(nn.Module):
+    """A branch on a flag of ``torch.backends`` (a property of a module object)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 2.0 if torch.backends.mkldnn.enabled else y - 1.0
+
+
+def _set(name: str, value: Any) -> Callable[[nn.Module], None]:
+    return lambda model: setattr(model, name, value)
+
+
+def _set_item(name: str, key: Any, value: Any) -> Callable[[nn.Module], None]:
+    return lambda model: getattr(model, name).__setitem__(key, value)
+
+
+def _set_inner(model: nn.Module) -> None:
+    model.mix[0][1] = 3.0
+
+
+#: case -> (make the model, change it after the capture, a word the recapture's notice names)
+SEEN = {
+    "getattr with a name built at run time": (NamedAtRunTime, _set("w1", 3.0), "w1"),
+    "dict key built at run time": (KeyedAtRunTime, _set_item("ws", "w1", 3.0), "w1"),
+    "dict key held in an attribute": (
+        KeyInAttribute,
+        _set_item("settings", "small", 3.0),
+        "small",
+    ),
+    "closure of a module-level helper": (
+        CallsAHelper,
+        lambda model: SET_SCALE_FACTOR(3.0),
+        "factor",
+    ),
+    "list of 100 floats changed in place": (LongList, _set_item("weights", 37, 3.0), "weights"),
+    "nested list changed in place": (NestedList, _set_inner, "mix"),
+}

@@ -1,0 +1,125 @@
+"""Reads the names of the forward's code do not show, on the CPU stand-in (conftest.py), which
+replays the logged operations without running the function: a value the guard missed gives the
+recorded answer here, as in a graph. Each change after the capture must give eager's answer
+through one new capture, or the capture must be refused with a named error."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from reads_cases import SEEN, SET_SCALE_FACTOR, MkldnnBranch, ThreadsBranch, defined_in_a_function
+
+import cudagraphs as cg
+
+
+@pytest.fixture(autouse=True)
+def helper_factor_put_back() -> Iterator[None]:
+    yield
+    SET_SCALE_FACTOR(2.0)
+
+
+def _answers_as_eager_after(model: torch.nn.Module, change, name: str) -> None:
+    torch.manual_seed(0)
+    g = cg.graph(model, torch.randn(4, 8), outputs="clone")
+    fresh = torch.randn(4, 8)
+    recorded = g(fresh)
+    torch.testing.assert_close(recorded, model(fresh))
+    change(model)
+    expected = model(fresh)
+    assert not torch.allclose(expected, recorded)  # the change matters to the answer
+    torch.testing.assert_close(g(fresh), expected)
+    assert g.stats.recaptures == 1
+    assert any(name in notice for notice in g.stats.notices), g.stats.notices
+    again = torch.randn(4, 8)
+    torch.testing.assert_close(g(again), model(again))
+    assert g.stats.recaptures == 1  # the new value is the recorded one now
+
+
+@pytest.mark.parametrize("case", list(SEEN))
+def test_a_value_read_under_no_name_of_the_code_changed_after_capture_gives_eager_s_answer(
+    stand_in: None, case: str
+) -> None:
+    make, change, name = SEEN[case]
+    _answers_as_eager_after(make(), change, name)
+
+
+def test_a_variable_of_the_function_that_defined_the_forward_is_seen(stand_in: None) -> None:
+    model, set_factor = defined_in_a_function()
+    _answers_as_eager_after(model, lambda m: set_factor(3.0), "factor")
+
+
+@pytest.mark.parametrize("case", list(SEEN))
+def test_on_stale_raise_names_the_value_read_under_no_name(stand_in: None, case: str) -> None:
+    make, change, name = SEEN[case]
+    model = make()
+    g = cg.graph(model, torch.randn(4, 8), on_stale="raise")
+    g(torch.randn(4, 8))
+    change(model)
+    with pytest.raises(cg.StaleGraphError, match=name):
+        g(torch.randn(4, 8))
+
+
+def test_a_change_of_an_attribute_the_forward_never_reads_keeps_the_graph(stand_in: None) -> None:
+    # Whole objects are not guarded: a value the code cannot reach under any name (not
+    # through getattr either) changes nothing.
+    make, _, _ = SEEN["dict key held in an attribute"]
+    model = make()
+    g = cg.graph(model, torch.randn(4, 8), outputs="clone")
+    g(torch.randn(4, 8))
+    model.unrelated = 5.0
+    model.steps_logged = 3
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(g(x), model(x))
+    assert g.stats.recaptures == 0
+
+
+def test_a_branch_on_the_thread_count_is_seen(stand_in: None) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _answers_as_eager_after(
+            ThreadsBranch(), lambda m: torch.set_num_threads(1), "get_num_threads"
+        )
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_branch_on_a_torch_backends_flag_is_seen(stand_in: None) -> None:
+    with torch.backends.mkldnn.flags(enabled=True):
+        model = MkldnnBranch()
+        g = cg.graph(model, torch.randn(4, 8), outputs="clone")
+        fresh = torch.randn(4, 8)
+        recorded = g(fresh)
+        with torch.backends.mkldnn.flags(enabled=False):
+            expected = model(fresh)
+            assert not torch.allclose(expected, recorded)
+            torch.testing.assert_close(g(fresh), expected)
+        assert g.stats.recaptures == 1
+        assert any("enabled" in notice for notice in g.stats.notices), g.stats.notices
+
+
+@pytest.mark.parametrize("layout", ["large", "strided"])
+def test_a_numpy_array_too_large_or_strided_to_compare_is_refused_at_capture(
+    stand_in: None, layout: str
+) -> None:
+    np = pytest.importorskip("numpy")
+
+    class Table(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8).requires_grad_(False)
+            table = np.ones((200, 100)) if layout == "large" else np.ones((4, 8))[:, ::2]
+            self.table = table
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * float(self.table[1, 1])
+
+    model = Table()
+    with pytest.raises(cg.FrozenStateError, match=r"table(.|\n)*test_reads_seen\.py:\d+"):
+        cg.graph(model, torch.randn(4, 8))
+    # Declared harmless (the user promises not to change it): captured, held by identity.
+    g = cg.graph(model, torch.randn(4, 8), harmless_state=("table",))
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(g(x), model(x))
