@@ -385,7 +385,9 @@ def _graph_over_saved_compile(
             fn(*args)
     finally:
         state.restore()
-    read = read_values(reader, {})  # module globals only: attributes are the entry's guards
+    # Module globals only: attributes are the entry's guards, and the closures and host
+    # settings read_values also gives stay with the graph's own value guard.
+    read = [v for v in read_values(reader, {}) if v[0].startswith("global ")]
     globals_read = ValueWatch(read)
     identities = _identities(target)
     settings = compile_settings(True)
