@@ -14,7 +14,7 @@ queue is full); ``GET /metrics`` (Prometheus text), ``GET /healthz``.
     curl -s localhost:8000/embed -H 'content-type: application/json' \\
          -d '{"input_ids": [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]}'
 
-Needs the serve extra (``pip install cudagraphs[serve]``: FastAPI, uvicorn) and transformers.
+Needs the serve extra (``pip install -e '.[serve]'`` from a clone: FastAPI, uvicorn) and transformers.
 On a CPU-only machine the graphs are the eager pass-through; everything else is the same.
 """
 

@@ -62,7 +62,7 @@ def test_threads_in_the_default_output_mode_each_get_their_own_answer(stand_in: 
                 x = torch.randn(16, 64, generator=generator)
                 if not torch.allclose(g(x), model(x), atol=1e-5):
                     wrong.append(seed)
-        except BaseException as error:  # noqa: BLE001 - reported below
+        except BaseException as error:  # reported below
             errors.append(error)
 
     with pytest.warns(cg.CudaGraphsWarning, match="second thread"):

@@ -314,3 +314,17 @@ def test_the_gpu_report_keeps_the_comparison_with_the_piecewise_peer() -> None:
     report = (ROOT / "reports" / "gpu.md").read_text()
     rows = [line for line in report.splitlines() if line.startswith("| piecewise-cuda-graphs |")]
     assert rows and "| cudagraphs segments |" in report
+
+
+def test_no_page_or_message_says_to_install_the_package_from_pypi() -> None:
+    # cudagraphs is installed from a clone: `pip install cudagraphs[serve]` finds nothing.
+    from cudagraphs.errors import install_extra
+
+    wrong = re.compile(r"pip install '?cudagraphs\[")
+    pages = [p for p in _written_pages(ROOT) if p.name != "test_readme.py"]
+    found = [p.name for p in pages if wrong.search(p.read_text())]
+    assert found == []
+    assert install_extra("serve") == (
+        "pip install -e '.[serve]' from a clone of cudagraphs (it is not on PyPI)"
+    )
+    assert "pip install -e '.[docs]' && mkdocs serve" in README

@@ -37,6 +37,7 @@ __all__ = [
     "StateWriteError",
     "VerificationError",
     "explain",
+    "install_extra",
     "require_cuda",
 ]
 
@@ -44,6 +45,12 @@ __all__ = [
 def explain(what: str, why: str, fix: str) -> str:
     """Format the three parts every message in this library carries."""
     return f"{what}\n  why: {why}\n  fix: {fix}"
+
+
+def install_extra(extra: str) -> str:
+    """How to install one of the package's extras: cudagraphs is installed from a clone (it is
+    not on PyPI), so asking pip for it by name would find nothing."""
+    return f"pip install -e '.[{extra}]' from a clone of cudagraphs (it is not on PyPI)"
 
 
 def require_cuda(entry: str) -> None:

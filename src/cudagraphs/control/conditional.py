@@ -7,7 +7,7 @@ a condition value is non-zero; that value is set on the device by a one-thread k
 0-dim ``bool`` tensor, so no step involves the host. The kernels are PTX (``kernels``) loaded
 through the driver at first use; nothing is compiled or written to disk.
 
-The CUDA runtime is reached through ``cuda-bindings`` (``pip install cudagraphs[conditional]``),
+The CUDA runtime is reached through ``cuda-bindings`` (the ``conditional`` extra: ``pip install -e '.[conditional]'`` from a clone),
 imported only when a node is made. From the first body on, the caching allocator serves every
 allocation of the capture from its own pool (``core.active_capture``), so the body's memory is the
 graph's, reused on every iteration.
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..core import active_capture, compat
-from ..errors import CaptureError, ConditionalNodesUnavailable, explain
+from ..errors import CaptureError, ConditionalNodesUnavailable, explain, install_extra
 from . import kernels
 
 __all__ = ["NEEDED_CUDA", "Condition", "available", "prepare"]
@@ -57,7 +57,7 @@ def _bindings() -> tuple[Any, Any]:
                 "loops and branches on the device need the cuda-bindings package, which is "
                 "not installed",
                 "conditional nodes are made through the CUDA runtime API",
-                "pip install cudagraphs[conditional] (cuda-bindings matching your CUDA)",
+                f"{install_extra('conditional')} (cuda-bindings matching your CUDA)",
             )
         ) from error
     return driver, runtime

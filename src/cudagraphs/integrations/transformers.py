@@ -19,7 +19,7 @@ Right::
 Wrong: a decode loop calling ``model(...)`` through ``cg.graph`` with a fresh ``DynamicCache``
 per request: the cache grows (new shapes and addresses), so every token would need a capture.
 
-transformers is an optional dependency: ``pip install cudagraphs[transformers]``.
+transformers is an optional dependency: the ``transformers`` extra (``pip install -e '.[transformers]'`` from a clone).
 """
 
 from __future__ import annotations

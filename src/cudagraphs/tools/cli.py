@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..errors import install_extra
+
 __all__ = ["main"]
 
 
@@ -180,7 +182,7 @@ def _add_serve(commands: Any) -> argparse.ArgumentParser:
         help="serve the HTTP app that FILE.py:MAKE builds, with uvicorn",
         description="FILE.py:MAKE names a function that takes no arguments and returns an ASGI "
         "app (a FastAPI app, say examples/serve_http.py:make). Needs the serve extra: "
-        "pip install cudagraphs[serve].",
+        f"{install_extra('serve')}.",
     )
     command.add_argument("target", metavar="FILE.py:MAKE")
     command.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -299,7 +301,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     try:
         import uvicorn
     except ImportError:
-        parser.error("uvicorn is not installed; pip install cudagraphs[serve]")
+        parser.error(f"uvicorn is not installed; {install_extra('serve')}")
     app, name = _call_maker(parser, args.target)
     if isinstance(app, tuple) or not callable(app):
         parser.error(

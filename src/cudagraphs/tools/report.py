@@ -10,7 +10,7 @@ from typing import Any
 
 from rich.table import Table
 
-from ..errors import ConfigError, explain
+from ..errors import ConfigError, explain, install_extra
 from .profile import Profile
 
 __all__ = ["BenchReport", "ModeResult", "Spread"]
@@ -192,7 +192,7 @@ class BenchReport:
                 explain(
                     "writing a plot needs matplotlib, which is not installed",
                     "BenchReport.plot draws the chart with matplotlib",
-                    "pip install 'cudagraphs[plot]' (or pip install matplotlib)",
+                    f"{install_extra('plot')} (or pip install matplotlib)",
                 )
             ) from error
         ok = [r for r in self.results if r.ok and r.wall is not None]
