@@ -221,6 +221,22 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         return 0.0
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    # torch.compile saves and restores the CUDA generator around each trace once CUDA is
+    # "available": a CPU build has none, so the stand-in's is an empty state.
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *_: torch.empty(0, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda *_: None)
+    # compile=True: Dynamo traces and guards as on a GPU, and its graphs run as aten operations
+    # (the aot_eager backend), which the recording logs and a replay reruns; Inductor's CPU
+    # kernels would run outside the log.
+    real_compile = torch.compile
+
+    def compile_to_aten(
+        fn: Any = None, *, mode: Any = None, options: Any = None, **rest: Any
+    ) -> Any:
+        rest.pop("backend", None)
+        return real_compile(fn, backend="aot_eager", **rest)
+
+    monkeypatch.setattr(torch, "compile", compile_to_aten)
     _replace_everywhere(monkeypatch, "graphable", lambda t: True)
     monkeypatch.setattr(cg.Pool, "handle", property(lambda self: (0, 0)))
     monkeypatch.setattr(torch.cuda, "device", lambda _: contextlib.nullcontext())

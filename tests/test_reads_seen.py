@@ -20,9 +20,11 @@ def helper_factor_put_back() -> Iterator[None]:
     SET_SCALE_FACTOR(2.0)
 
 
-def _answers_as_eager_after(model: torch.nn.Module, change, name: str) -> None:
+def _answers_as_eager_after(
+    model: torch.nn.Module, change, name: str, compile: bool = False
+) -> None:
     torch.manual_seed(0)
-    g = cg.graph(model, torch.randn(4, 8), outputs="clone")
+    g = cg.graph(model, torch.randn(4, 8), outputs="clone", compile=compile)
     fresh = torch.randn(4, 8)
     recorded = g(fresh)
     torch.testing.assert_close(recorded, model(fresh))
@@ -37,17 +39,21 @@ def _answers_as_eager_after(model: torch.nn.Module, change, name: str) -> None:
     assert g.stats.recaptures == 1  # the new value is the recorded one now
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compile"])
 @pytest.mark.parametrize("case", list(SEEN))
 def test_a_value_read_under_no_name_of_the_code_changed_after_capture_gives_eager_s_answer(
-    stand_in: None, case: str
+    stand_in: None, case: str, compile: bool
 ) -> None:
     make, change, name = SEEN[case]
-    _answers_as_eager_after(make(), change, name)
+    _answers_as_eager_after(make(), change, name, compile)
 
 
-def test_a_variable_of_the_function_that_defined_the_forward_is_seen(stand_in: None) -> None:
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compile"])
+def test_a_variable_of_the_function_that_defined_the_forward_is_seen(
+    stand_in: None, compile: bool
+) -> None:
     model, set_factor = defined_in_a_function()
-    _answers_as_eager_after(model, lambda m: set_factor(3.0), "factor")
+    _answers_as_eager_after(model, lambda m: set_factor(3.0), "factor", compile)
 
 
 @pytest.mark.parametrize("case", list(SEEN))
@@ -75,21 +81,23 @@ def test_a_change_of_an_attribute_the_forward_never_reads_keeps_the_graph(stand_
     assert g.stats.recaptures == 0
 
 
-def test_a_branch_on_the_thread_count_is_seen(stand_in: None) -> None:
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compile"])
+def test_a_branch_on_the_thread_count_is_seen(stand_in: None, compile: bool) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         _answers_as_eager_after(
-            ThreadsBranch(), lambda m: torch.set_num_threads(1), "get_num_threads"
+            ThreadsBranch(), lambda m: torch.set_num_threads(1), "get_num_threads", compile
         )
     finally:
         torch.set_num_threads(threads)
 
 
-def test_a_branch_on_a_torch_backends_flag_is_seen(stand_in: None) -> None:
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compile"])
+def test_a_branch_on_a_torch_backends_flag_is_seen(stand_in: None, compile: bool) -> None:
     with torch.backends.mkldnn.flags(enabled=True):
         model = MkldnnBranch()
-        g = cg.graph(model, torch.randn(4, 8), outputs="clone")
+        g = cg.graph(model, torch.randn(4, 8), outputs="clone", compile=compile)
         fresh = torch.randn(4, 8)
         recorded = g(fresh)
         with torch.backends.mkldnn.flags(enabled=False):
