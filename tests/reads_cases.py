@@ -145,6 +145,18 @@ class MkldnnBranch(nn.Module):
         return y * 2.0 if torch.backends.mkldnn.enabled else y - 1.0
 
 
+class SdpBranch(nn.Module):
+    """A branch on a setting read through a public Python function of torch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 2.0 if torch.backends.cuda.flash_sdp_enabled() else y - 1.0
+
+
 def _set(name: str, value: Any) -> Callable[[nn.Module], None]:
     return lambda model: setattr(model, name, value)
 

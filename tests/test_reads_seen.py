@@ -9,7 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from reads_cases import SEEN, SET_SCALE_FACTOR, MkldnnBranch, ThreadsBranch, defined_in_a_function
+from reads_cases import (
+    SEEN,
+    SET_SCALE_FACTOR,
+    MkldnnBranch,
+    SdpBranch,
+    ThreadsBranch,
+    defined_in_a_function,
+)
 
 import cudagraphs as cg
 
@@ -91,6 +98,23 @@ def test_a_branch_on_the_thread_count_is_seen(stand_in: None, compile: bool) -> 
         )
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compile"])
+def test_a_branch_on_a_setting_read_through_a_python_function_of_torch_is_seen(
+    stand_in: None, compile: bool
+) -> None:
+    enabled = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(True)
+    try:
+        _answers_as_eager_after(
+            SdpBranch(),
+            lambda m: torch.backends.cuda.enable_flash_sdp(False),
+            "flash_sdp_enabled",
+            compile,
+        )
+    finally:
+        torch.backends.cuda.enable_flash_sdp(enabled)
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compile"])

@@ -94,66 +94,61 @@ def _computed_name_argument(instructions: list[dis.Instruction], start: int, nam
 
 
 @functools.lru_cache(maxsize=1)
-def _getters() -> dict[Any, str]:
-    """``{getter: how a user writes the setting}``: torch's public zero-argument getters, and
-    the C getter behind each flag property of ``torch.backends``' modules (the property runs
-    it, so the profiler sees that call)."""
+def _getters() -> dict[Any, tuple[Any, str]]:
+    """``{what the profiler sees: (the getter to call again, how a user writes the setting)}``:
+    torch's public zero-argument getters (a C function, seen by its ``c_call`` event, or a
+    Python function, seen by its code object's ``call``), and the C getter behind each flag
+    property of ``torch.backends``' modules (the property runs it, so the profiler sees it)."""
     import torch.backends.cuda
     import torch.backends.cudnn
     import torch.backends.mkldnn
 
-    found: dict[Any, str] = {
-        torch.get_num_threads: "torch.get_num_threads()",
-        torch.get_num_interop_threads: "torch.get_num_interop_threads()",
-        torch.get_default_dtype: "torch.get_default_dtype()",
-        torch.are_deterministic_algorithms_enabled: "torch.are_deterministic_algorithms_enabled()",
+    public = {
+        "torch.get_num_threads()": torch.get_num_threads,
+        "torch.get_num_interop_threads()": torch.get_num_interop_threads,
+        "torch.get_default_dtype()": torch.get_default_dtype,
+        "torch.are_deterministic_algorithms_enabled()": torch.are_deterministic_algorithms_enabled,
     }
-    for function in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled",
-                     "cudnn_sdp_enabled"):  # fmt: skip
-        public = getattr(torch.backends.cuda, function, None)
-        if callable(public):
-            found[public.__code__ if hasattr(public, "__code__") else public] = (
-                f"torch.backends.cuda.{function}()"
-            )
+    for name in ("flash_sdp_enabled", "mem_efficient_sdp_enabled", "math_sdp_enabled",
+                 "cudnn_sdp_enabled"):  # fmt: skip
+        function = vars(torch.backends.cuda).get(name)
+        if callable(function):
+            public[f"torch.backends.cuda.{name}()"] = function
+    found: dict[Any, tuple[Any, str]] = {
+        getattr(function, "__code__", function): (function, label)
+        for label, function in public.items()
+    }
     for module in (torch.backends.mkldnn, torch.backends.cudnn):
         for name, prop in vars(type(module)).items():
             getter = getattr(prop, "getter", None)
             if isinstance(getter, types.BuiltinFunctionType):
-                found[getter] = f"{module.__name__}.{name}"
+                found[getter] = (getter, f"{module.__name__}.{name}")
     return found
 
 
 class _Getters:
-    """The C functions of torch that read a process-wide host setting and take no argument:
-    what a branch on ``torch.get_num_threads()`` or ``torch.backends.mkldnn.enabled`` read."""
+    """The host-setting getters: what a branch on ``torch.get_num_threads()`` or
+    ``torch.backends.mkldnn.enabled`` read, as the profiler sees their calls."""
 
-    def __contains__(self, function: Any) -> bool:
+    def __contains__(self, seen: Any) -> bool:
         try:
-            return function in _getters()
+            return seen in _getters()
         except TypeError:  # an unhashable callable
             return False
 
 
-#: Membership test for the host-setting getters a recording's calls are compared against.
+#: Membership test for what the profiler sees of a host-setting getter's call.
 HOST_GETTERS = _Getters()
 
 
-def host_getter_label(function: Any) -> str:
-    """How a user writes the setting ``function`` reads (``torch.get_num_threads()``)."""
-    return _getters().get(function, getattr(function, "__name__", repr(function)))
+def host_getter(seen: Any) -> Any:
+    """The callable to call again before each replay for a getter the profiler saw."""
+    return _getters()[seen][0]
 
 
-def host_getter(code_or_function: Any) -> Any:
-    """The callable to call again before each replay for a getter the profiler saw: the
-    function itself, or the public Python function whose code object ran."""
-    if isinstance(code_or_function, types.CodeType):
-        import torch.backends.cuda
-
-        for name in dir(torch.backends.cuda):
-            candidate = getattr(torch.backends.cuda, name, None)
-            if getattr(candidate, "__code__", None) is code_or_function:
-                return candidate
-    return code_or_function
+def host_getter_label(seen: Any) -> str:
+    """How a user writes the setting a seen getter reads (``torch.get_num_threads()``)."""
+    return _getters()[seen][1]
 
 
 def where_read(codes: Any, name: str) -> str:
