@@ -223,7 +223,7 @@ def test_plot_writes_a_png_and_explains_a_missing_matplotlib(tmp_path: Path, mon
     path = synthetic().plot(tmp_path / "bench.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 5000
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(cg.ConfigError, match=r"pip install 'cudagraphs\[plot\]'"):
+    with pytest.raises(cg.ConfigError, match=r"pip install -e '\.\[plot\]'"):
         synthetic().plot(tmp_path / "again.png")
 
 

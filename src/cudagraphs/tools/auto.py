@@ -385,8 +385,7 @@ def _graph_over_saved_compile(
             fn(*args)
     finally:
         state.restore()
-    # Module globals only: attributes are the entry's guards, and the closures and host
-    # settings read_values also gives stay with the graph's own value guard.
+    # Globals only (attributes are the entry's guards, closures the graph's own value guard's)
     read = [v for v in read_values(reader, {}) if v[0].startswith("global ")]
     globals_read = ValueWatch(read)
     identities = _identities(target)
