@@ -28,7 +28,6 @@ from value_cases import (
 import cudagraphs as cg
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(CHANGES))
 def test_an_attribute_changed_after_capture_captures_again_for_eager_s_answer(
     stand_in: None, kind: str
