@@ -157,6 +157,36 @@ class SdpBranch(nn.Module):
         return y * 2.0 if torch.backends.cuda.flash_sdp_enabled() else y - 1.0
 
 
+def answers_as_eager_after(
+    model: nn.Module,
+    change: Callable[[nn.Module], None],
+    name: str | None = None,
+    *,
+    compile: bool = False,
+    device: str = "cpu",
+) -> None:
+    """Capture ``model``, make the change, and check that the next call gives eager's answer
+    (not the recorded one) through one new capture, whose notice names ``name`` where given,
+    and that the call after it replays that capture."""
+    import cudagraphs as cg
+
+    torch.manual_seed(0)
+    g = cg.graph(model, torch.randn(4, 8, device=device), outputs="clone", compile=compile)
+    fresh = torch.randn(4, 8, device=device)
+    recorded = g(fresh)
+    torch.testing.assert_close(recorded, model(fresh))
+    change(model)
+    expected = model(fresh)
+    assert not torch.allclose(expected, recorded)  # the change matters to the answer
+    torch.testing.assert_close(g(fresh), expected)
+    assert g.stats.recaptures == 1
+    if name is not None:
+        assert any(name in notice for notice in g.stats.notices), g.stats.notices
+    again = torch.randn(4, 8, device=device)
+    torch.testing.assert_close(g(again), model(again))
+    assert g.stats.recaptures == 1  # the new value is the recorded one now
+
+
 def _set(name: str, value: Any) -> Callable[[nn.Module], None]:
     return lambda model: setattr(model, name, value)
 

@@ -9,7 +9,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from reads_cases import SEEN, SET_SCALE_FACTOR, MkldnnBranch, ThreadsBranch, defined_in_a_function
+from reads_cases import (
+    SEEN,
+    SET_SCALE_FACTOR,
+    MkldnnBranch,
+    ThreadsBranch,
+    answers_as_eager_after,
+    defined_in_a_function,
+)
 
 import cudagraphs as cg
 
@@ -25,18 +32,7 @@ def helper_factor_put_back() -> Iterator[None]:
 def _answers_as_eager_after(
     model: torch.nn.Module, change: Callable[[torch.nn.Module], None], compile: bool
 ) -> None:
-    torch.manual_seed(0)
-    model = model.cuda()
-    g = cg.graph(model, torch.randn(4, 8, device="cuda"), outputs="clone", compile=compile)
-    fresh = torch.randn(4, 8, device="cuda")
-    recorded = g(fresh)
-    torch.testing.assert_close(recorded, model(fresh))
-    change(model)
-    expected = model(fresh)
-    assert not torch.allclose(expected, recorded)  # the change matters to the answer
-    torch.testing.assert_close(g(fresh), expected)
-    again = torch.randn(4, 8, device="cuda")
-    torch.testing.assert_close(g(again), model(again))
+    answers_as_eager_after(model.cuda(), change, compile=compile, device="cuda")
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compile"])

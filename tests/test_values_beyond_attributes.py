@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from reads_cases import answers_as_eager_after
 from value_cases import (
     BEYOND_ATTRIBUTES,
     HELD_TENSORS,
@@ -61,16 +62,7 @@ def test_a_tensor_or_module_held_outside_the_module_tree_changed_after_capture(
 def _captures_again_for(model: torch.nn.Module, change: Any, name: str) -> None:
     """Capture ``model``, make the change, and check the next call answers as eager through
     one new capture whose notice names ``name``."""
-    g = cg.graph(model, torch.randn(4, 8), outputs="clone")
-    fresh = torch.randn(4, 8)
-    recorded = g(fresh)
-    torch.testing.assert_close(recorded, model(fresh))
-    change(model)
-    expected = model(fresh)
-    assert not torch.allclose(expected, recorded)  # the change matters to the answer
-    torch.testing.assert_close(g(fresh), expected)
-    assert g.stats.recaptures == 1
-    assert any(name in notice for notice in g.stats.notices), g.stats.notices
+    answers_as_eager_after(model, change, name)
 
 
 @pytest.mark.parametrize("case", list(REBOUND_HOLDERS))
