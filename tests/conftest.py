@@ -233,6 +233,10 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     def compile_to_aten(
         fn: Any = None, *, mode: Any = None, options: Any = None, **rest: Any
     ) -> Any:
+        if torch.version.cuda is not None:
+            # A CUDA build without a GPU (CI's newest and floor runs): once CUDA reports
+            # available, Dynamo asks the driver for its current stream. The CPU build runs it.
+            pytest.skip("compile=True on the stand-in needs a CPU build of torch")
         rest.pop("backend", None)
         return real_compile(fn, backend="aot_eager", **rest)
 
