@@ -143,3 +143,20 @@ def test_a_numpy_array_too_large_or_strided_to_compare_is_refused_at_capture(
     g = cg.graph(model, torch.randn(4, 8), harmless_state=("table",))
     x = torch.randn(4, 8)
     torch.testing.assert_close(g(x), model(x))
+
+
+def test_a_dict_too_large_to_compare_read_with_computed_keys_is_refused(stand_in: None) -> None:
+    class Table(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8).requires_grad_(False)
+            self.weights = {f"w{i}": 1.0 for i in range(1001)}
+            self.index = 3
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * self.weights[f"w{self.index}"]
+
+    with pytest.raises(
+        cg.FrozenStateError, match=r"holds 1001 values(.|\n)*test_reads_seen\.py:\d+"
+    ):
+        cg.graph(Table(), torch.randn(4, 8))

@@ -249,16 +249,10 @@ def read_values(
             label = f"global {module}.{name}"
             if not is_harmless(label, harmless):
                 found.append((label, namespace, name, held_value(value)))
-    found.extend(
-        (
-            f"{host_getter_label(g)} (a host setting read)",
-            host_getter(g),
-            Ellipsis,
-            host_getter(g)(),
-        )
-        for g in reader.getters
-        if not is_harmless(host_getter_label(g), harmless)
-    )
+    for seen in reader.getters:
+        getter, label = host_getter(seen), host_getter_label(seen)
+        if not is_harmless(label, harmless):
+            found.append((f"{label} (a host setting read)", getter, Ellipsis, getter()))
     return _refuse_unseen_arrays(_with_nested_lists(_unique(found)), reader)
 
 
@@ -311,7 +305,8 @@ def _computed_reads(
             raise FrozenStateError(
                 explain(
                     f"{label} holds {len(held[1])} values, and code the recording ran reads "
-                    f"it under names computed at run time (at {where_read(codes, '')})",
+                    f"it under names computed at run time (at {codes[0].co_filename}:"
+                    f"{codes[0].co_firstlineno})",
                     "a graph freezes every value it read; with names built at run time, "
                     "which ones cannot be told, and comparing all of them before every "
                     f"replay is more than the guard's {LARGEST_HOLDER}",
