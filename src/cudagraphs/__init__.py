@@ -22,9 +22,9 @@ with warnings.catch_warnings():
     from . import api  # noqa: F401  (the core, and the torch modules it imports)
 
 from .api import graph
-from .control.flow import cond, while_loop
+from .control import cond, while_loop
 from .core import Graphed, Pool, State, Stats, eager
-from .diagnose.doctor import Finding, Report, doctor
+from .diagnose import Finding, Report, doctor
 from .errors import (
     BatcherClosed,
     BucketOverflowError,
@@ -50,36 +50,36 @@ from .errors import (
     VerificationError,
 )
 from .options import OutputPolicy
-from .serve.batcher import Batcher
-from .shapes.bucket_stats import BucketStats
-from .shapes.bucketed import Bucketed
-from .shapes.exact import ExactShapes
-from .shapes.ladders import powers_of_two, server_sizes
-from .shapes.spec import Buckets
-from .training.autograd import GraphedAutograd
-from .training.autograd_chain import graph_autograd, graph_autograd_chain
-from .training.distributed import capture_stream, ddp
-from .training.graphed_module import GraphedModule
-from .training.optimizers import make_graph_safe
-from .training.schedules import GraphSafeAdamW, GraphSafeSGD
-from .training.step import TrainStep, train_step
+from .serve import Batcher
+from .shapes import Bucketed, Buckets, BucketStats, ExactShapes, powers_of_two, server_sizes
+from .training import (
+    GraphedAutograd,
+    GraphedModule,
+    GraphSafeAdamW,
+    GraphSafeSGD,
+    TrainStep,
+    capture_stream,
+    ddp,
+    graph_autograd,
+    graph_autograd_chain,
+    make_graph_safe,
+    train_step,
+)
 
 if TYPE_CHECKING:
-    from .integrations.dynamo import backend
-    from .tools.auto import auto
-    from .tools.bench import bench
-    from .tools.profile import Profile, profile
-    from .tools.report import BenchReport, ModeResult
+    from .integrations import backend
+    from .tools import BenchReport, ModeResult, Profile, auto, bench, profile
 
 # The tools (bench, profile and their reports, which pull in rich) load on first use.
+# Loaded on first use (the tools import rich; the integrations, optional libraries).
 _LAZY = {
-    "auto": ("tools.auto", "auto"),
-    "backend": ("integrations.dynamo", "backend"),
-    "bench": ("tools.bench", "bench"),
-    "BenchReport": ("tools.report", "BenchReport"),
-    "ModeResult": ("tools.report", "ModeResult"),
-    "Profile": ("tools.profile", "Profile"),
-    "profile": ("tools.profile", "profile"),
+    "auto": "tools",
+    "backend": "integrations",
+    "bench": "tools",
+    "BenchReport": "tools",
+    "ModeResult": "tools",
+    "Profile": "tools",
+    "profile": "tools",
 }
 
 
@@ -87,8 +87,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        module, attribute = _LAZY[name]
-        value = getattr(importlib.import_module(f".{module}", __name__), attribute)
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'cudagraphs' has no attribute {name!r}")

@@ -1,5 +1,7 @@
+"""`python -m cudagraphs`: the command line (doctor, bench, profile, demo)."""
+
 import sys
 
-from .tools.cli import main
+from .tools import main
 
 sys.exit(main())

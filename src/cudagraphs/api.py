@@ -8,12 +8,10 @@ from typing import Any
 import torch
 
 from .core import Graphed, compat, install_diagnostics
-from .diagnose.hooks import LibraryDiagnostics
+from .diagnose import LibraryDiagnostics
 from .errors import ConfigError, explain
 from .options import Options, split_options
-from .shapes.bucketed import Bucketed
-from .shapes.exact import ExactShapes
-from .shapes.spec import BUCKET_OPTIONS, Buckets
+from .shapes import BUCKET_OPTIONS, Bucketed, Buckets, ExactShapes
 
 __all__ = ["graph"]
 

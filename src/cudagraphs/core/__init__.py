@@ -25,6 +25,7 @@ Nothing here imports the diagnostics, the shapes layer, training or the tools.
 from . import compat
 from .active_capture import active_capture
 from .capture import capture_call, default_stream, warm_up
+from .diagnostics import Diagnostics, install_diagnostics
 from .frames import (
     LIBRARY_SETTING,
     callable_name,
@@ -35,9 +36,10 @@ from .frames import (
     user_stacklevel,
 )
 from .frozen_state import HostDraws, PythonSnapshot, RandomDraws
-from .graphed import Diagnostics, Graphed, Pool, State, install_diagnostics
+from .graphed import Graphed, State
 from .guards import AddressGuard, closure_tensors, modules_of
 from .modes import math_settings
+from .pool import Pool
 from .python_values import READS_LIKE, Reader, ValueWatch, read_values
 from .replay import OutputsInUse, StreamOrder
 from .segments import Segments, current_eager_step, eager

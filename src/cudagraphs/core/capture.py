@@ -43,7 +43,8 @@ from .guards import modules_of
 from .launch import CopyNodes, CopyNodesUnavailable, sources_for
 from .launch import record as record_copies
 from .modes import Modes, outputs_needing_gradients, refuse_gradients
-from .replay import Counters, Replayer, detach_outputs
+from .outputs import detach_outputs
+from .replay import Counters, Replayer
 from .segments import KeptWrites, NeedsSplitting, Segments, Splitter, module_gaps
 from .signature import Signature
 from .writes import DeferredWriteRecorder, Written

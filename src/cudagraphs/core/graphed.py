@@ -1,4 +1,4 @@
-"""The graphed callable: its state machine, its memory pool, and the diagnostics it calls.
+"""The graphed callable and its state machine.
 
 ::
 
@@ -19,9 +19,8 @@ mix results.
 call, everything else it needs was precomputed at capture, and a call of positional leaves goes
 straight to :meth:`~cudagraphs.core.replay.Replayer.call` without pytree flattening.
 
-The core never imports the doctor or the verifier: the API layer hands it an object with the
-two methods of :class:`Diagnostics` once (:func:`install_diagnostics`). Without it a capture
-error carries no doctor findings, and a requested verification is refused (not skipped).
+A failed capture's findings and a new graph's verification come from the diagnostics layer,
+through :mod:`~cudagraphs.core.diagnostics` (the core never imports that layer).
 """
 
 from __future__ import annotations
@@ -36,19 +35,20 @@ from typing import Any, Generic, TypeVar
 import optree
 import torch
 
-from ..errors import CaptureError, ConfigError, Notices, StaleGraphError, VerificationError, explain
+from ..errors import CaptureError, Notices, StaleGraphError, VerificationError, explain
 from ..options import Options
 from . import capture
+from .diagnostics import installed
 from .frames import callable_name, user_stacklevel
 from .guards import AddressGuard, closure_tensors, modules_of
 from .modes import outputs_needing_gradients, refuse_gradients
 from .python_values import ValueWatch, retrace_after_class_change
-from .replay import Counters, InputsAlias, OutputsInUse, Replayer, StreamOrder
+from .replay import Counters, InputsAlias, OutputsInUse, Replayer
 from .segments import describe_segments, print_segments
 from .signature import NAMESPACE, Signature
 from .stats import Costs, Stats, snapshot
 
-__all__ = ["Diagnostics", "Graphed", "Pool", "State", "install_diagnostics"]
+__all__ = ["Graphed", "State"]
 
 log = logging.getLogger("cudagraphs")
 R = TypeVar("R")
@@ -194,7 +194,7 @@ class Graphed(Generic[R]):
             try:
                 self._capture(leaves, warmup=self.warmup if warmup is None else warmup)
             except CaptureError as error:
-                _installed.explain_capture_error(error, self.fn, args, kwargs)
+                installed().explain_capture_error(error, self.fn, args, kwargs)
                 if self.options.fallback == "raise":
                     raise
                 self._become_eager(str(error), warn=False)
@@ -239,7 +239,7 @@ class Graphed(Generic[R]):
         self.state = State.CAPTURED
         if self.options.verify:
             try:
-                _installed.verify(self, self.options.verify)
+                installed().verify(self, self.options.verify)
             except VerificationError:
                 # Never keep a graph that differs from eager: a later call captures (and
                 # verifies) again rather than replaying this one.
@@ -426,83 +426,3 @@ def _cause(reason: str) -> str:
     """A stale guard's reason without the values it reports (``... changed from 0.9 to 0.8``,
     ``... (was ..., now ...)``): what stays the same when the same thing changes again."""
     return reason.split(" changed from ")[0].split(" (was ")[0]
-
-
-class Pool:
-    """A graph memory pool that several captures share.
-
-    Graphs captured into one pool reuse each other's scratch memory, so N graphs cost little
-    more than the largest of them. The rule that makes this safe: replay them one at a time, on
-    one stream (never concurrently). Each graph's outputs stay reserved for it.
-
-    Right::
-
-        pool = cg.Pool()
-        prefill = cg.graph(model.prefill, tokens, pool=pool)
-        decode = cg.graph(model.decode, token, pool=pool)
-
-    Wrong: replaying graphs of one pool from two threads at once without a lock of your own.
-    From one call to the next, another stream is fine: the replay waits for the last one's.
-    """
-
-    def __init__(self) -> None:
-        self._handle: Any = None
-        self._order: StreamOrder | None = None
-        self.captures = 0
-        self.bytes = 0
-        # The graphs of one pool make up one thing (a decoder's rungs, a set of buckets): a
-        # warning they would each give is given once.
-        self.notices = Notices()
-
-    def stream_order(self, device: int | None) -> StreamOrder:
-        """The one stream order of this pool's graphs (see ``replay.StreamOrder``)."""
-        if self._order is None:
-            self._order = StreamOrder(device)
-        return self._order
-
-    @property
-    def handle(self) -> Any:
-        """The CUDA pool handle, created on first use (``torch.cuda.graph_pool_handle()``)."""
-        if self._handle is None:
-            self._handle = torch.cuda.graph_pool_handle()
-        return self._handle
-
-    def record(self, pool_bytes: int) -> None:
-        """Account one capture into this pool."""
-        self.captures += 1
-        self.bytes += pool_bytes
-
-    def __repr__(self) -> str:
-        return f"<cudagraphs.Pool captures={self.captures} MiB={self.bytes / 2**20:.1f}>"
-
-
-class Diagnostics:
-    """Verification of a new graph, and the doctor's findings for a failed capture."""
-
-    def verify(self, graphed: Any, rounds: int) -> None:
-        """Raise :class:`~cudagraphs.errors.VerificationError` if the graph differs from eager.
-
-        Without the diagnostics layer (the core used on its own) a requested verification
-        is refused, never skipped silently."""
-        if rounds:
-            raise ConfigError(
-                explain(
-                    f"verify={rounds} was asked for, but the verifier is not loaded",
-                    "the core does not import the diagnostics layer; cudagraphs.api installs it",
-                    "create graphs through cg.graph (import cudagraphs), or pass verify=0",
-                )
-            )
-
-    def explain_capture_error(
-        self, error: CaptureError, fn: Callable[..., Any], args: Any, kwargs: Any
-    ) -> None:
-        """Add what the doctor finds to a capture error's message."""
-
-
-_installed = Diagnostics()
-
-
-def install_diagnostics(diagnostics: Diagnostics) -> None:
-    """Called once by the API layer: verification and capture-error findings for every graph."""
-    global _installed
-    _installed = diagnostics

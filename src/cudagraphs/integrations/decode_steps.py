@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..api import graph
-from ..control.flow import while_loop
+from ..control import while_loop
 from .sampling import greedy, stop_finished
 
 __all__ = ["capture_steps", "compile_forward", "greedy_tail", "rewind"]

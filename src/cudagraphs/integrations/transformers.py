@@ -37,7 +37,7 @@ import torch
 from ..core import Pool
 from ..errors import ConfigError, explain
 from ..options import check_bool, check_positive_int, checked_keywords
-from ..shapes.ladders import powers_of_two
+from ..shapes import powers_of_two
 from .compiled import compiled_forward, compiled_tail, mark_rung_dims, step_logits
 from .decode_attention import MAX_POSITIONS
 from .decode_requests import (

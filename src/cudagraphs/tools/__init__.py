@@ -1,1 +1,57 @@
-"""Tools on top of the library: profile, bench and its report, timing, the CLI, the demo."""
+"""Tools on top of the library: profile, bench and its report, timing, the CLI, the demo,
+``cg.auto``. Each loads on first use of a name (rich is imported only then).
+
+Right: ``from cudagraphs.tools import bench``. Wrong: importing ``cudagraphs.tools.bench``
+from another package of the library: this module is the one door."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .auto import Auto, AutoReport, auto
+    from .bench import bench
+    from .cli import main
+    from .demo import run_demo
+    from .profile import Profile, profile
+    from .report import BenchReport, ModeResult
+    from .timing import measure, measure_side_by_side
+
+_WHERE = {
+    "Auto": "auto",
+    "AutoReport": "auto",
+    "BenchReport": "report",
+    "ModeResult": "report",
+    "Profile": "profile",
+    "auto": "auto",
+    "bench": "bench",
+    "main": "cli",
+    "measure": "timing",
+    "measure_side_by_side": "timing",
+    "profile": "profile",
+    "run_demo": "demo",
+}
+
+__all__ = [
+    "Auto",
+    "AutoReport",
+    "BenchReport",
+    "ModeResult",
+    "Profile",
+    "auto",
+    "bench",
+    "main",
+    "measure",
+    "measure_side_by_side",
+    "profile",
+    "run_demo",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'cudagraphs.tools' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value

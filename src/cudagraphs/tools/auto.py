@@ -68,12 +68,16 @@ from ..core import (
     reachable_tensors,
     read_values,
 )
-from ..diagnose.doctor import doctor
-from ..diagnose.verify import compare_with_eager, random_like
+from ..diagnose import compare_with_eager, doctor, random_like
 from ..errors import CaptureError, ConfigError, CudaGraphsWarning, explain
-from ..integrations.compiled import compile_settings
-from ..integrations.dynamo import backend
-from ..integrations.saved_compile import SavedCompile, saved_steps_folder, untrusted, write_whole
+from ..integrations import (
+    SavedCompile,
+    backend,
+    compile_settings,
+    saved_steps_folder,
+    untrusted,
+    write_whole,
+)
 from ..options import OPTION_NAMES, split_options
 from .profile import profile
 from .timing import measure_side_by_side

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from ..core import NAMESPACE
-from ..diagnose.verify import random_like
+from ..diagnose import random_like
 from ..errors import ConfigError, explain
 from .profile import profile as run_profile
 from .report import BenchReport, ModeResult, Spread

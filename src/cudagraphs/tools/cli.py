@@ -132,7 +132,7 @@ def _add_auto(commands: Any) -> argparse.ArgumentParser:
 
 
 def _auto(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from ..diagnose.doctor import findings_located_at
+    from ..diagnose import findings_located_at
     from .auto import auto
 
     fn, fn_args, fn_kwargs = _load_target(parser, args.target)
@@ -381,7 +381,7 @@ def _version() -> str:
 
 def _doctor(parser: argparse.ArgumentParser, target: str) -> int:
 
-    from ..diagnose.doctor import doctor, findings_located_at
+    from ..diagnose import doctor, findings_located_at
 
     fn, fn_args, fn_kwargs = _load_target(parser, target)
     try:

@@ -21,7 +21,7 @@ from rich.table import Table
 
 from ..api import graph
 from ..errors import CudaGraphsError, CudaGraphsWarning
-from ..training.step import train_step
+from ..training import train_step
 from . import workloads
 from .bench import bench
 from .report import BenchReport

@@ -7,10 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import cudagraphs as cg
+from ..core import eager
 
 
-@cg.eager
+@eager
 def flip_if_above(h: torch.Tensor, threshold: torch.Tensor) -> None:
     """The host decision: flip the sign of the hidden state if its mean is above the
     threshold (one host read, ``.item()``, so it cannot be recorded)."""
