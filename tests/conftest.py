@@ -192,7 +192,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     never the Python function, so whatever Python read at capture stays frozen, as in a
     graph."""
 
-    def capture(fn: Any, args: Any, kwargs: Any, **_: Any) -> capture_module.Recording:
+    def capture(fn: Any, args: Any, kwargs: Any, *_: Any, **__: Any) -> capture_module.Recording:
         # A real capture records kernels without running them: state the function writes
         # outside its inputs is left as it was (only the input buffers' versions move).
         inputs = [x for x in optree.tree_leaves((args, kwargs), namespace=NAMESPACE)]

@@ -161,7 +161,7 @@ def test_the_capture_names_its_pool_before_it_begins(monkeypatch) -> None:
     the function fails."""
     import contextlib
 
-    from cudagraphs.core import capture
+    from cudagraphs.core import recording
     from cudagraphs.core.active_capture import active_capture
 
     events: list[object] = []
@@ -182,7 +182,7 @@ def test_the_capture_names_its_pool_before_it_begins(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *_: 0)
     monkeypatch.setattr(torch.cuda, "stream", lambda _: contextlib.nullcontext())
     monkeypatch.setattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None, raising=False)
-    monkeypatch.setattr(capture, "_recover", lambda *_: None)
+    monkeypatch.setattr(recording, "_recover", lambda *_: None)
     routing: list[str] = []
     monkeypatch.setattr(
         torch._C, "_cuda_endAllocateToPool", lambda *_: routing.append("end"), raising=False
@@ -202,8 +202,8 @@ def test_the_capture_names_its_pool_before_it_begins(monkeypatch) -> None:
         raise ValueError("the function failed")
 
     with pytest.raises(cg.CaptureError):
-        capture.capture_call(
-            body_then_fail, (), {}, stream=stream, pool=None, capture_error_mode="global"
+        recording.capture_call(
+            body_then_fail, (), {}, recording.RecordingSetup(stream, None, "global")
         )
     assert events == [("begin", (0, 42)), "end"]
     assert routing == ["end", "begin", "end", "release"]

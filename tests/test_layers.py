@@ -349,9 +349,12 @@ def test_every_package_has_a_front_door() -> None:
     """Each package's ``__init__`` declares its public names in ``__all__``, and has them."""
     import importlib
 
-    assert sorted(
-        ["control", "core", "diagnose", "integrations", "serve", "shapes", "tools", "training"]
-    ) == PACKAGES
+    assert (
+        sorted(
+            ["control", "core", "diagnose", "integrations", "serve", "shapes", "tools", "training"]
+        )
+        == PACKAGES
+    )
     for package in PACKAGES:
         public = _public(f"cudagraphs.{package}.__init__")
         assert public, f"cudagraphs.{package} declares no __all__"

@@ -2,8 +2,8 @@
 partial breaks): a shape wrong only after its first dimension, a plain argument equal but of
 another type, the second of two outputs read after the next call, calls from threads in the
 default output mode, a list item past the first changed at capture, a mid-sized NumPy array,
-a harmless name that is only part of another, and the lazy form's warm-up calls. On the CPU
-stand-in (conftest.py), which replays like a graph."""
+a harmless name that is only part of another, the lazy form's warm-up calls, a buffer given
+new memory, and a later child module switched to training. On the CPU stand-in (conftest.py), which replays like a graph."""
 
 from __future__ import annotations
 
@@ -138,3 +138,44 @@ def test_the_lazy_form_checks_each_warm_up_call(stand_in: None) -> None:
     g(torch.randn(4, 8))  # the first call: its signature is the graph's
     with pytest.raises(cg.InputMismatchError, match=r"shape \(5, 8\)"):
         g(torch.randn(5, 8))  # still warming up: refused all the same
+
+
+class _Scaled(nn.Module):
+    """A linear layer times a buffer: the buffer is read by address, like a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+        self.register_buffer("scale", torch.full((8,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
+def test_a_buffer_given_new_memory_after_capture_is_seen(stand_in: None) -> None:
+    # The module's buffer slot still holds the same tensor: only its address tells.
+    torch.manual_seed(0)
+    model = _Scaled()
+    g = cg.graph(model, torch.randn(4, 8), outputs="clone")
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(g(x), model(x))
+    model.scale.data = torch.randn(8)
+    torch.testing.assert_close(g(x), model(x))
+    assert g.stats.recaptures == 1
+
+
+def test_a_later_child_switched_to_training_after_capture_is_seen(stand_in: None) -> None:
+    # Two BatchNorm layers: only the second is switched, so a guard that read the mode of
+    # the first child only would replay the recorded eval-mode normalization.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.BatchNorm1d(8)
+    ).requires_grad_(False)
+    model.eval()
+    g = cg.graph(model, torch.randn(4, 8), outputs="clone")
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(g(x), model(x))
+    model[3].train()
+    got = g(x)
+    torch.testing.assert_close(got, model(x))
+    assert g.stats.recaptures == 1

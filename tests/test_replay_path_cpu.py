@@ -224,7 +224,7 @@ def test_train_step_guard_recaptures_on_optimizer_and_mode_changes(
 
     call_both()  # the warm-up steps: eager; the first creates the optimizer's momentum state
     call_both()
-    assert graphed.state is cg.State.LAZY and not prepared
+    assert graphed.state is cg.State.WARMING_UP and not prepared
     # A stale gradient the capture must not accumulate into: a capture starts from gradients
     # set to None (what the twin's step leaves too).
     for p in model.parameters():

@@ -15,16 +15,19 @@ modules inside follow a graph's life, lower layers first:
 - ``python_values``: the Python values a capture read, guarded before each replay;
 - ``launch``: launching a recording, and the input copies recorded into it;
 - ``segments``: recordings split around eager steps;
-- ``replay``: the one replay path and the output policies;
-- ``capture``: warm-up, record, and the assembly of a ready replay path;
-- ``stats``, ``graphed``: the graphed callable's state machine, its pool and its numbers.
+- ``outputs``: the output policies (what a replay hands back);
+- ``replay``: the one replay path;
+- ``side_stream``: eager runs on the capture's side stream (warm-up);
+- ``recording``: recording one call into a graph, and the error a failed one raises;
+- ``capture``: a capture as one object in phases, to a ready replay path;
+- ``pool``, ``diagnostics``: the shared memory pool; the diagnostics a graph calls;
+- ``stats``, ``graphed``: the graphed callable's numbers and its state machine.
 
 Nothing here imports the diagnostics, the shapes layer, training or the tools.
 """
 
 from . import compat
 from .active_capture import active_capture
-from .capture import capture_call, default_stream, warm_up
 from .diagnostics import Diagnostics, install_diagnostics
 from .frames import (
     LIBRARY_SETTING,
@@ -41,8 +44,10 @@ from .guards import AddressGuard, closure_tensors, modules_of
 from .modes import math_settings
 from .pool import Pool
 from .python_values import READS_LIKE, Reader, ValueWatch, read_values
+from .recording import RecordingSetup, capture_call
 from .replay import OutputsInUse, StreamOrder
 from .segments import Segments, current_eager_step, eager
+from .side_stream import default_stream, warm_up
 from .signature import NAMESPACE, Signature, flatten, is_plain, leaf_paths, same_value
 from .stats import Stats
 from .writes import (
@@ -81,6 +86,7 @@ __all__ = [
     "Written",
     "active_capture",
     "callable_name",
+    "RecordingSetup",
     "capture_call",
     "closure_tensors",
     "compat",

@@ -2,13 +2,21 @@
 
 ::
 
-    cg.graph(fn, *examples):  warm-up on the examples (state restored) -> capture -> CAPTURED
-    cg.graph(fn) / @cg.graph: LAZY --the first `warmup` calls: real, eager--> capture on the
-                              next call, which is answered by its own replay -> CAPTURED
-    CAPTURED --call--> guard, check, copy-in, replay, invalidate old outputs, outputs
-       |  guard: a tensor read by address moved, or a Python value the capture read
-       |  changed -> capture again (or StaleGraphError with on_stale="raise")
-    no CUDA / CPU inputs / failed capture with fallback="eager" -> EAGER (same checks, runs fn)
+    LAZY --first call (or cg.graph's examples): its signature and device-->
+        WARMING_UP                      on one CUDA device
+        EAGER                           no CUDA, CPU inputs (same checks, runs fn)
+    WARMING_UP --call, `warmups_left` > 0: the caller's call, run eagerly--> WARMING_UP
+    WARMING_UP --next call: capture (the examples form warms up on clones first)-->
+        CAPTURED                        the call is answered by its own replay
+        EAGER                           the capture failed and fallback="eager"
+        WARMING_UP                      the new graph differs from eager (verify): raised
+    CAPTURED --call, guard holds--> replay: check, copy-in, launch, outputs
+    CAPTURED --call, a tensor read by address moved or a Python value read changed-->
+        CAPTURED                        captured again on the static inputs (recapture)
+        (StaleGraphError)               on_stale="raise": refused, the graph kept
+
+:meth:`Graphed.__call__` is the whole machine: the guard and the fast replay, then
+:meth:`Graphed._dispatch` by state, each transition one named method below it.
 
 Every call runs the function exactly once (a replay or an eager call), and the library's own
 runs (warm-up on the examples, recaptures) leave module buffers, caches and RNG states as they
@@ -38,6 +46,7 @@ import torch
 from ..errors import CaptureError, Notices, StaleGraphError, VerificationError, explain
 from ..options import Options
 from . import capture
+from .capture import Captured
 from .diagnostics import installed
 from .frames import callable_name, user_stacklevel
 from .guards import AddressGuard, closure_tensors, modules_of
@@ -56,7 +65,8 @@ _NO_KWARGS: dict[str, Any] = {}  # read only: what a positional call's explanati
 
 
 class State(enum.Enum):
-    LAZY = "lazy"  # waiting for calls: the first `warmup` run eagerly, the next captures
+    LAZY = "lazy"  # no call yet: the first one's signature and device decide
+    WARMING_UP = "warming up"  # the next `warmups_left` calls run eagerly, the one after captures
     CAPTURED = "captured"  # replaying a recorded graph
     EAGER = "eager"  # pass-through: no CUDA, CPU inputs, or a failed capture with fallback
 
@@ -66,7 +76,7 @@ class Graphed(Generic[R]):
 
     Create with :func:`cudagraphs.graph`. Call it like the function. Attributes:
 
-    - ``state``: :class:`State` (``LAZY``, ``CAPTURED``, ``EAGER``)
+    - ``state``: :class:`State` (``LAZY``, ``WARMING_UP``, ``CAPTURED``, ``EAGER``)
     - ``inputs`` / ``input_kwargs``: the graph's static input buffers, arranged like the
       example call; ``g(*g.inputs, **g.input_kwargs)`` replays with no copy
     - ``stats``: a :class:`~cudagraphs.Stats` snapshot
@@ -89,15 +99,15 @@ class Graphed(Generic[R]):
         self.state = State.LAZY
         self.fallback_reason: str | None = None
         self.pool: Any = options.pool
-        self.inputs: tuple[Any, ...] = ()
-        self.input_kwargs: dict[str, Any] = {}
         self.signature: Signature | None = None
-        # The current recording's replay path (None before capture or when eager).
+        # What the current capture made, kept whole (None before capture or when eager), and
+        # its replay path, which the hot path reads.
+        self.captured: Captured | None = None
         self.replayer: Replayer | None = None
+        self._eager_inputs: tuple[tuple[Any, ...], dict[str, Any]] = ((), {})
         # Checked before each replay (None: nothing read by address, no Python value read).
         self.guard: AddressGuard | None = None
         self._grad_sources: list[torch.Tensor] | None = None  # see gradient_sources()
-        self.mutated_inputs: tuple[int, ...] = ()  # leaf indices the function writes in place
         self.state_writes: list[str] = []
         self.device: torch.device | None = None
         self.warmup = options.warmup
@@ -107,7 +117,6 @@ class Graphed(Generic[R]):
         self._adopt_inputs = False
         self._counters = Counters()
         self._costs = Costs()
-        self.read_values: list[tuple[str, Any, str, Any]] = []  # see python_values.py
         # Warnings once per cause (shared with the other graphs of a cg.Pool); counted in stats.
         self.notices: Notices = getattr(options.pool, "notices", None) or Notices()
         self._bound: weakref.WeakKeyDictionary[Any, Graphed[Any]] | None = None
@@ -121,7 +130,7 @@ class Graphed(Generic[R]):
             try:
                 guard = self.guard
                 if guard is not None and not guard.check() and (reason := guard.stale()):
-                    self._on_stale(reason)  # the common answer, check(), is one C call
+                    self._when_stale(reason)  # the common answer, check(), is one C call
                 replayer = self.replayer
                 if (
                     replayer is not None
@@ -130,44 +139,46 @@ class Graphed(Generic[R]):
                     and not kwargs
                 ):
                     return replayer.call(args, args, _NO_KWARGS)  # positional: no flattening
-                return self._call_general(args, kwargs)
+                return self._dispatch(args, kwargs)
             except InputsAlias:
-                self.notices.warn(
-                    "answered eagerly: inputs share memory",
-                    f"cudagraphs: {callable_name(self.fn)} was called with an input it writes "
-                    "in place sharing memory with another input; a replay reads them from "
-                    "separate buffers, so this call runs eagerly (shown once; stats.notices "
-                    "counts each time). Pass separate tensors to replay.",
-                    logger=log,
-                )
+                self._warn_inputs_alias()
                 return self.answer_eagerly(args, kwargs)
             except OutputsInUse:
                 return self.answer_eagerly(args, kwargs)
 
-    def _call_general(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
-        if self.state is State.LAZY:
-            if self.signature is None:
-                self._classify(args, kwargs)
-                if self.state is State.EAGER:
-                    return self._call_general(args, kwargs)
-            else:
-                self.signature.check(args, kwargs)
+    def _dispatch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        """One call by state (the guard was checked by the caller)."""
+        state = self.state
+        if state is State.LAZY:
+            self._classify(args, kwargs)  # -> WARMING_UP or EAGER
+            return self._dispatch(args, kwargs)
+        if state is State.WARMING_UP:
+            assert self.signature is not None
+            self.signature.check(args, kwargs)
             if self.warmups_left > 0:
                 self.warmups_left -= 1
                 return self.eager_warmup_call(args, kwargs)
             self.initialize(args, kwargs, warmup=0)  # the real calls were the warm-up
-            return self._call_general(args, kwargs)
-        if self.state is State.EAGER:
-            assert self.signature is not None
-            self.signature.check(args, kwargs)
-            self._costs.eager_calls += 1
-            return self.check_output_gradients(self.fn(*args, **kwargs))
+            return self._dispatch(args, kwargs)
+        if state is State.EAGER:
+            return self._eager_call(args, kwargs)
+        return self._replay(args, kwargs)
+
+    def _replay(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        """CAPTURED, a call the fast path did not take (keywords, a pytree of arguments)."""
         leaves, spec = optree.tree_flatten((args, kwargs), namespace=NAMESPACE)
         replayer = self.replayer
         assert replayer is not None
         if spec != replayer.signature.spec:
             replayer.explain_mismatch(args, kwargs)
         return replayer.call(leaves, args, kwargs)
+
+    def _eager_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:
+        """EAGER: the pass-through, with the signature checks a graph makes."""
+        assert self.signature is not None
+        self.signature.check(args, kwargs)
+        self._costs.eager_calls += 1
+        return self.check_output_gradients(self.fn(*args, **kwargs))
 
     def initialize(
         self,
@@ -177,7 +188,8 @@ class Graphed(Generic[R]):
         warmup: int | None = None,
         adopt_inputs: bool = False,
     ) -> None:
-        """Leave LAZY: capture on these example arguments, or become an eager pass-through.
+        """Leave LAZY (or WARMING_UP): capture on these example arguments, or become an
+        eager pass-through.
 
         ``warmup`` eager runs on clones of the examples come first (default: ``self.warmup``),
         and what they write outside the inputs is put back. ``adopt_inputs``: the example
@@ -186,7 +198,7 @@ class Graphed(Generic[R]):
         """
         with self.lock:
             self._adopt_inputs = adopt_inputs
-            if self.signature is None:
+            if self.state is State.LAZY:
                 self._classify(args, kwargs)
             if self.state is State.EAGER:
                 return
@@ -197,72 +209,79 @@ class Graphed(Generic[R]):
                 installed().explain_capture_error(error, self.fn, args, kwargs)
                 if self.options.fallback == "raise":
                     raise
-                self._become_eager(str(error), warn=False)
+                self._fall_back_to_eager(str(error), warn=False)
 
     def _classify(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The first call's signature and device: graphable on one CUDA device, or eager."""
+        """LAZY -> WARMING_UP on one CUDA device, or EAGER: the first call's signature."""
         signature, leaves = Signature.of_call(args, kwargs)
         self.signature = signature
         tensors = [leaves[i] for i in signature.tensor_index]
         placed = capture.place(signature.tensor_paths(), tensors)
         if isinstance(placed, str):
             # Buffers of the example's layout so that g(*g.inputs) also works without CUDA.
-            self.inputs, self.input_kwargs = optree.tree_unflatten(
+            self._eager_inputs = optree.tree_unflatten(
                 signature.spec,
                 [x.detach().clone() if isinstance(x, torch.Tensor) else x for x in leaves],
             )
-            self._become_eager(placed, warn=True)
+            self._fall_back_to_eager(placed, warn=True)
             return
         self.device = placed
+        self.state = State.WARMING_UP
 
     def _capture(self, leaves: list[Any], *, warmup: int) -> None:
-        """LAZY (or a stale CAPTURED) -> CAPTURED: the assembly is ``capture.capture_graph``."""
+        """-> CAPTURED: a :class:`~cudagraphs.core.capture.Capture` run; a graph that fails its
+        verification is dropped (-> WARMING_UP, with nothing left to warm up)."""
         assert self.signature is not None and self.device is not None
         self.before_capture()
         with torch.cuda.device(self.device):
-            made = capture.capture_graph(
-                self.fn, self.signature, leaves, self.options, device=self.device,
-                warmup=warmup, settled=not warmup and self.warmups_left < self.warmup,
-                adopt_inputs=self._adopt_inputs, counters=self._counters,
+            made = capture.Capture(
+                self.fn, self.signature, self.options, device=self.device,
+                counters=self._counters, adopt_inputs=self._adopt_inputs,
                 grad_sources=None if self.records_gradients else self.gradient_sources(),
-            )  # fmt: skip
-        run = made.run
-        self._costs.record_capture(run, static_input_bytes=made.static_input_bytes)
-        self.read_values = run.values
-        if run.written.names:
-            self.state_writes = run.written.names
-        self.pool = run.recording.graph.pool()
-        self.inputs, self.input_kwargs = made.inputs, made.input_kwargs
-        self.replayer = made.replayer
-        self.mutated_inputs = tuple(run.mutated)
+            ).run(leaves, warmup=warmup, settled=not warmup and self.warmups_left < self.warmup)  # fmt: skip
+        self._costs.record_capture(made)
+        self.captured = made
+        self.replayer = made.replayer  # the hot path's one read
+        self.pool = made.recording.graph.pool()
+        if made.written.names:
+            self.state_writes = made.written.names
         self.guard = self.make_guard() if self.options.guard == "replay" else None
         self.state = State.CAPTURED
         if self.options.verify:
             try:
                 installed().verify(self, self.options.verify)
             except VerificationError:
-                # Never keep a graph that differs from eager: a later call captures (and
-                # verifies) again rather than replaying this one.
-                self.state, self.replayer, self.guard = State.LAZY, None, None
-                self.pool = self.options.pool  # that pool went with its graph
-                self.warmups_left = 0
+                self._drop_unverified()
                 raise
 
-    def _on_stale(self, reason: str) -> None:
-        """A guarded tensor moved or a read value changed: raise, or capture again on the
-        current static inputs."""
+    def _drop_unverified(self) -> None:
+        """CAPTURED -> WARMING_UP: never keep a graph that differs from eager; the next call
+        captures (and verifies) again rather than replaying this one."""
+        self.state, self.captured, self.replayer, self.guard = State.WARMING_UP, None, None, None
+        self.pool = self.options.pool  # that pool went with its graph
+        self.warmups_left = 0
+
+    def _when_stale(self, reason: str) -> None:
+        """A guarded tensor moved or a read value changed: refuse or recapture."""
         if self.options.on_stale == "raise":
-            raise StaleGraphError(
-                explain(
-                    f"{callable_name(self.fn)}: {reason} since the graph was captured",
-                    "the recording reads every tensor at the address it had at capture, and "
-                    "every Python value as it was then, so a replay would silently compute "
-                    "with the old ones",
-                    "update tensors in place (load_state_dict, param.copy_(...)) and leave the "
-                    "values alone to keep the graph, or pass on_stale='recapture' to capture "
-                    "again automatically",
-                )
+            self._refuse_stale(reason)
+        self._recapture(reason)
+
+    def _refuse_stale(self, reason: str) -> None:
+        raise StaleGraphError(
+            explain(
+                f"{callable_name(self.fn)}: {reason} since the graph was captured",
+                "the recording reads every tensor at the address it had at capture, and "
+                "every Python value as it was then, so a replay would silently compute "
+                "with the old ones",
+                "update tensors in place (load_state_dict, param.copy_(...)) and leave the "
+                "values alone to keep the graph, or pass on_stale='recapture' to capture "
+                "again automatically",
             )
+        )
+
+    def _recapture(self, reason: str) -> None:
+        """CAPTURED -> CAPTURED: capture again on the current static inputs."""
         self.notices.warn(
             f"capturing again: {_cause(reason)}",
             f"cudagraphs: {callable_name(self.fn)}: {reason}; capturing again (shown once; "
@@ -282,7 +301,8 @@ class Graphed(Generic[R]):
         del old
         self._costs.recaptures += 1
 
-    def _become_eager(self, reason: str, *, warn: bool) -> None:
+    def _fall_back_to_eager(self, reason: str, *, warn: bool) -> None:
+        """-> EAGER: no CUDA or CPU inputs (``warn``), or a failed capture (logged)."""
         self.state = State.EAGER
         self.fallback_reason = reason
         if warn:  # once per cause, for all the graphs of a pool (a decoder's rungs)
@@ -294,6 +314,38 @@ class Graphed(Generic[R]):
             )
         else:
             log.warning("cudagraphs: running %s eagerly: %s", callable_name(self.fn), reason)
+
+    def _warn_inputs_alias(self) -> None:
+        self.notices.warn(
+            "answered eagerly: inputs share memory",
+            f"cudagraphs: {callable_name(self.fn)} was called with an input it writes "
+            "in place sharing memory with another input; a replay reads them from "
+            "separate buffers, so this call runs eagerly (shown once; stats.notices "
+            "counts each time). Pass separate tensors to replay.",
+            logger=log,
+        )
+
+    # -- what the current capture made ------------------------------------------------------
+
+    @property
+    def inputs(self) -> tuple[Any, ...]:
+        """The static input buffers, arranged like the example call's positional arguments."""
+        return self.captured.inputs if self.captured is not None else self._eager_inputs[0]
+
+    @property
+    def input_kwargs(self) -> dict[str, Any]:
+        """The static input buffers of the example call's keyword arguments."""
+        return self.captured.input_kwargs if self.captured is not None else self._eager_inputs[1]
+
+    @property
+    def mutated_inputs(self) -> tuple[int, ...]:
+        """Leaf indices of the inputs the function writes in place."""
+        return self.captured.mutated if self.captured is not None else ()
+
+    @property
+    def read_values(self) -> list[tuple[str, Any, str, Any]]:
+        """The plain Python values the recording read (see ``python_values.py``)."""
+        return self.captured.values if self.captured is not None else []
 
     # -- for the layers above (buckets, training steps) -----------------------------------
 
@@ -353,7 +405,7 @@ class Graphed(Generic[R]):
             return False
         if prepare is not None:
             prepare()
-        self._on_stale(reason)
+        self._when_stale(reason)
         return True
 
     def eager_warmup_call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> R:

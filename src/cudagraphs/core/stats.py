@@ -20,13 +20,13 @@ class Costs:
     recaptures: int = 0
     restored_bytes: int = 0
 
-    def record_capture(self, run: Any, *, static_input_bytes: int) -> None:
-        """Account one capture's runs (``capture.Run``)."""
-        self.warmup_s = run.warmup_s
-        self.restored_bytes += run.written.nbytes
-        self.capture_s = run.recording.capture_s
-        self.pool_bytes = run.recording.pool_bytes
-        self.static_input_bytes = static_input_bytes
+    def record_capture(self, captured: Any) -> None:
+        """Account one capture (``capture.Captured``)."""
+        self.warmup_s = captured.warmup_s
+        self.restored_bytes += captured.written.nbytes
+        self.capture_s = captured.recording.capture_s
+        self.pool_bytes = captured.recording.pool_bytes
+        self.static_input_bytes = captured.static_input_bytes
 
 
 @dataclass(frozen=True)

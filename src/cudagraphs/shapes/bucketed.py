@@ -361,6 +361,8 @@ class Bucketed:
         states = {b.graphed.state for b in self._buckets.values()}
         if State.CAPTURED in states:
             return State.CAPTURED
+        if State.WARMING_UP in states:  # a bucket's graph was dropped: it captures again
+            return State.WARMING_UP
         return State.EAGER if states else State.LAZY
 
     def report(self, console: Any = None) -> None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..core import SideEffects, StreamOrder, capture_call, default_stream, warm_up
+from ..core import RecordingSetup, SideEffects, StreamOrder, capture_call, default_stream, warm_up
 from ..errors import ConfigError, explain
 from ..options import Options, split_options
 from .activations import ActivationOrder
@@ -67,9 +67,8 @@ def capture_chain(stages: list[GraphedAutograd], options: Options) -> None:
 
 
 def _record(fn: Callable[[], Any], stream: torch.cuda.Stream, pool: Any, options: Options) -> Any:
-    recording = capture_call(
-        fn, (), {}, stream=stream, pool=pool, capture_error_mode=options.capture_error_mode
-    )
+    setup = RecordingSetup(stream=stream, pool=pool, capture_error_mode=options.capture_error_mode)
+    recording = capture_call(fn, (), {}, setup)
     if hasattr(type(options.pool), "record"):
         options.pool.record(recording.pool_bytes)
     return recording
