@@ -3,7 +3,8 @@ partial breaks): a shape wrong only after its first dimension, a plain argument 
 another type, the second of two outputs read after the next call, calls from threads in the
 default output mode, a list item past the first changed at capture, a mid-sized NumPy array,
 a harmless name that is only part of another, the lazy form's warm-up calls, a buffer given
-new memory, and a later child module switched to training. On the CPU stand-in (conftest.py), which replays like a graph."""
+new memory, a later child module or a second module switched to training, and the second of
+two closure or global tensors rebound. On the CPU stand-in (conftest.py), which replays like a graph."""
 
 from __future__ import annotations
 
@@ -178,4 +179,42 @@ def test_a_later_child_switched_to_training_after_capture_is_seen(stand_in: None
     model[3].train()
     got = g(x)
     torch.testing.assert_close(got, model(x))
+    assert g.stats.recaptures == 1
+
+
+def test_the_second_of_two_modules_switched_to_training_after_capture_is_seen(
+    stand_in: None,
+) -> None:
+    # A function of two modules: both are roots of the guard, each with its own mode.
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 8).requires_grad_(False)
+    norm = nn.BatchNorm1d(8).requires_grad_(False).eval()
+    g = cg.graph(lambda x: norm(linear(x)), torch.randn(4, 8), outputs="clone")
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(g(x), norm(linear(x)))
+    norm.train()
+    torch.testing.assert_close(g(x), norm(linear(x)))
+    assert g.stats.recaptures == 1
+
+
+SCALE, SHIFT = torch.full((8,), 2.0), torch.full((8,), 0.5)
+
+
+def _scaled_and_shifted(x: torch.Tensor) -> torch.Tensor:
+    return x * SCALE + SHIFT
+
+
+@pytest.mark.parametrize("name", ["SCALE", "SHIFT"])
+def test_either_of_two_global_tensors_rebound_after_capture_is_seen(
+    stand_in: None, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    # Declared harmless, the names leave the value watch, but they are tensors read by
+    # address: a rebinding is seen by the guard's rebound-name check, for each of them.
+    g = cg.graph(
+        _scaled_and_shifted, torch.randn(4, 8), outputs="clone", harmless_state=["SCALE", "SHIFT"]
+    )
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(g(x), _scaled_and_shifted(x))
+    monkeypatch.setitem(globals(), name, torch.full((8,), -3.0))
+    torch.testing.assert_close(g(x), _scaled_and_shifted(x))
     assert g.stats.recaptures == 1
