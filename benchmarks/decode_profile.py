@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from common import RESULTS, at_bandwidth, memory_bandwidth, weight_bytes, write
-from decode import COORDINATE_DESCENT
+from decode_modes import COORDINATE_DESCENT
 from rich.console import Console
 
 #: Kernel classes by name, the first match wins (CUPTI's kernel names; on a CPU smoke run the

@@ -83,7 +83,9 @@ def dynamo_sees() -> dict[str, str]:
     )
     cases["torch.backends.cuda.flash_sdp_enabled() in a branch"] = (
         reads_cases.SdpBranch,
-        lambda model: torch.backends.cuda.enable_flash_sdp(not torch.backends.cuda.flash_sdp_enabled()),
+        lambda model: torch.backends.cuda.enable_flash_sdp(
+            not torch.backends.cuda.flash_sdp_enabled()
+        ),
     )
     seen: dict[str, str] = {}
     threads, mkldnn = torch.get_num_threads(), torch.backends.mkldnn.enabled
@@ -142,7 +144,9 @@ def dynamo_guard(model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], Any], 
     manager = entries[0].guard_manager
     frame = {"model": model, "x": x}
     assert manager.check(frame), "Dynamo's guard fails on the call it was made for"
-    count = sum(1 for line in str(manager).splitlines() if "+- " in line and "GuardManager" not in line)
+    count = sum(
+        1 for line in str(manager).splitlines() if "+- " in line and "GuardManager" not in line
+    )
     return (lambda: manager.check(frame)), count
 
 

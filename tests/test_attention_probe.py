@@ -1,4 +1,4 @@
-"""The grouped decode-attention kernel of ``benchmarks/attention_probe.py``, on the CPU under
+"""The grouped decode-attention kernel of ``benchmarks/experiments/attention_probe.py``, on the CPU under
 Triton's interpreter: the same answers as a float32 masked SDPA over ``repeat_kv``, for caches
 partly filled (rows of different lengths) and whole, split over several position blocks. The
 GPU timing is the benchmark's; this checks the arithmetic it times."""
@@ -14,7 +14,7 @@ pytestmark = needs_triton
 CHECK = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, "benchmarks")
+    sys.path.insert(0, "benchmarks/experiments")
     import torch
     import attention_probe as probe
 

@@ -1,4 +1,4 @@
-"""``benchmarks/gemv_probe.py``'s wider tuning runs the library's one-row kernel: the plain
+"""``benchmarks/experiments/gemv_probe.py``'s wider tuning runs the library's one-row kernel: the plain
 product and the gated down product (``[gate, up]`` in) equal the library's at the library's
 interpreted block sizes and the model's own operations at any block shape, masks included, so
 its timings compare the same arithmetic. Under Triton's interpreter, on the CPU."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 from triton_interpreter import LOOPS_OVER_ARGUMENTS, needs_triton, run_under_interpreter
 
 CHECK = """
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, "benchmarks/experiments")
 import triton
 from torch.nn import functional as F
 import gemv_probe

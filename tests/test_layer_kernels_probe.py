@@ -1,4 +1,4 @@
-"""The folded layer kernels of ``benchmarks/layer_kernels_probe.py``, on the CPU under Triton's
+"""The folded layer kernels of ``benchmarks/experiments/layer_kernels_probe.py``, on the CPU under Triton's
 interpreter: each gives what transformers' modules written in torch ops give (the same
 roundings), for both norms and both gated activations, output sizes that do not fill the last
 block of rows, and a whole chain of layers. The GPU timing is the benchmark's; this checks the
@@ -15,7 +15,7 @@ pytestmark = needs_triton
 CHECK = textwrap.dedent(
     """
     import sys
-    sys.path.insert(0, "benchmarks")
+    sys.path.insert(0, "benchmarks/experiments")
     import torch
     from torch.nn import functional as F
     import layer_kernels_probe as probe

@@ -43,7 +43,7 @@ __all__ = ["MAX_POSITIONS", "applies", "computed_once", "decode_attention", "fit
 
 #: The longest cache the kernel takes: one program per key/value head walks every position, so
 #: a long cache with few heads is better served by SDPA's split kernels
-#: (``benchmarks/attention_probe.py`` times both).
+#: (``benchmarks/experiments/attention_probe.py`` times both).
 MAX_POSITIONS = 256
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Decided at import: a check under torch.compile must not import Triton (Dynamo would trace it).

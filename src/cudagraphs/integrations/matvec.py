@@ -3,7 +3,7 @@
 At batch 1 a decode step multiplies one row of activations by each weight: the product reads
 the weight once and does little else, so its speed is the memory bandwidth it reaches. The
 general matrix kernels a library picks for such shapes reach a fraction of it on small weights
-(`benchmarks/gemv_probe.py` times them side by side). :func:`matvec` is a kernel for exactly
+(`benchmarks/experiments/gemv_probe.py` times them side by side). :func:`matvec` is a kernel for exactly
 that case: one program per block of output rows, each looping over the inputs, the sums kept in
 float32 per row and input column and added across columns once, after the loop.
 
@@ -148,7 +148,7 @@ def one_row_kernel() -> Any:
     ``PDL``: launched with programmatic dependent launch (``launch_pdl=True``), it waits for the
     kernel before it ahead of any load and lets the next one be scheduled at once.
 
-    For tuning it over other block sizes (``benchmarks/gemv_probe.py`` does); :func:`matvec`
+    For tuning it over other block sizes (``benchmarks/experiments/gemv_probe.py`` does); :func:`matvec`
     and :func:`gated_matvec` are the tuned products.
     """
     try:

@@ -303,7 +303,7 @@ def _built_and_checked(
     they are released, as a second process builds it from the saved decision. Why not keep the
     one that was timed: it was built among the others, often first in the process, and a graph
     captured first in a process can replay slower than the same graph captured later
-    (``benchmarks/first_graph.py``)."""
+    (``benchmarks/experiments/first_graph.py``)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CudaGraphsWarning)
         call = _build(candidate, fn, args, kwargs, buckets, key)

@@ -37,12 +37,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks' shared helpers
 from common import memory_bandwidth
 from gemv_probe import graphed_us
 from torch.nn import functional as F

@@ -27,8 +27,10 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks' shared helpers
 import common
 import torch
 from rich.console import Console

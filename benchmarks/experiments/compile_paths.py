@@ -22,11 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
-from fusion import args_modes, build, fresh_like
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks' shared helpers
+from third_party_models import args_modes, build, fresh_like
 
 import cudagraphs as cg
 from cudagraphs.tools.timing import measure_side_by_side
