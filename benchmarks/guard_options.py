@@ -14,7 +14,7 @@ Two measurements:
   entry) and, where CUDA is present, our whole guard check (``cg.graph(...).guard.check``) on
   the same models, with the number of checks each holds. Host time only.
 
-    python benchmarks/guard_options.py [--json PATH]
+    python benchmarks/guard_options.py [--json PATH] [--markdown PATH]
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ def costs(device: str) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results: dict[str, Any] = {
@@ -182,7 +183,34 @@ def main() -> int:
     }
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
+    text = "\n".join(markdown(results))
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
     return 0
+
+
+def markdown(results: dict[str, Any]) -> list[str]:
+    where = results["gpu"] or "no GPU"
+    lines = [
+        f"Hardware: {where}; host {results['host']}, Python {results['python']}, torch "
+        f"{results['torch']}.",
+        "",
+        "| case | Dynamo's guards (traced as is) after the change |",
+        "|---|---|",
+        *(f"| {case} | {seen} |" for case, seen in results["seen"].items()),
+        "",
+        "| model | Dynamo's guards | Dynamo's check ns | our checks | our check ns |",
+        "|---|---|---|---|---|",
+    ]
+    for name, row in results["costs"].items():
+        ours = (
+            f"{row['ours_checks']} | {row['ours_ns']:.0f}"
+            if "ours_ns" in row
+            else "- | - (needs CUDA)"
+        )
+        lines.append(f"| {name} | {row['dynamo_guards']} | {row['dynamo_ns']:.0f} | {ours} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import value_cases
 from torch import nn
 
 import cudagraphs as cg
-from cudagraphs.tools import auto as auto_module
+from cudagraphs.tools import choosing as auto_module
 
 
 def _model(width: int = 8) -> nn.Module:

@@ -136,7 +136,7 @@ def _built_twice(model: nn.Module, x: torch.Tensor, key: str) -> Any:
     reset): traced by the first, loaded from disk by the second, which is returned."""
     from torch._dynamo.utils import counters
 
-    from cudagraphs.tools import auto as auto_module
+    from cudagraphs.tools import choosing as auto_module
 
     for traces in (1, 0):
         torch._dynamo.reset()
@@ -198,7 +198,7 @@ def test_a_model_attribute_holding_another_function_is_not_answered_by_a_saved_c
     and ``torch.tanh`` in the second (two processes: Dynamo reset): the second does not load
     the first's saved compile, whose guards could not name the function, and answers as
     eager."""
-    from cudagraphs.tools import auto as auto_module
+    from cudagraphs.tools import choosing as auto_module
 
     monkeypatch.setenv("CUDAGRAPHS_SAVED_STEPS_DIR", str(tmp_path))
     x = torch.randn(8, 8, device="cuda")

@@ -14,9 +14,9 @@ import torch
 from rich.console import Console
 
 import cudagraphs as cg
-from cudagraphs.tools.bench import _break_even
+from cudagraphs.tools.benchmarking import _break_even
 from cudagraphs.tools.cli import main
-from cudagraphs.tools.profile import Profile
+from cudagraphs.tools.profiling import Profile
 from cudagraphs.tools.report import BenchReport, ModeResult, Spread
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only branch")

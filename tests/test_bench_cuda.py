@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 
 import cudagraphs as cg
-from cudagraphs.tools.bench import MODES
+from cudagraphs.tools.benchmarking import MODES
 from cudagraphs.tools.workloads import mlp_256
 
 pytestmark = pytest.mark.cuda

@@ -155,11 +155,11 @@ def test_the_compile_cost_benchmark_times_every_variant(tmp_path: Path) -> None:
 
 
 def test_each_decoder_mode_builds_the_decoder_it_names() -> None:
-    decode = load_benchmark("decode")
-    assert decode._compile_of("cg compile autotune") == "max-autotune-no-cudagraphs"
-    assert decode._compile_of("cg compile K=4") is True
-    assert decode._compile_of("cg K=16") is False
-    assert "cg compile autotune" in decode.ALL_MODES
+    modes = load_benchmark("decode_modes")
+    assert modes._compile_of("cg compile autotune") == "max-autotune-no-cudagraphs"
+    assert modes._compile_of("cg compile K=4") is True
+    assert modes._compile_of("cg K=16") is False
+    assert "cg compile autotune" in modes.ALL_MODES
 
 
 def test_the_startup_table_has_a_row_per_run_and_the_ratios() -> None:

@@ -1,7 +1,7 @@
 """Tools on top of the library: profile, bench and its report, timing, the CLI, the demo,
 ``cg.auto``. Each loads on first use of a name (rich is imported only then).
 
-Right: ``from cudagraphs.tools import bench``. Wrong: importing ``cudagraphs.tools.bench``
+Right: ``from cudagraphs.tools import bench``. Wrong: importing ``cudagraphs.tools.benchmarking``
 from another package of the library: this module is the one door."""
 
 from __future__ import annotations
@@ -10,26 +10,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .auto import Auto, AutoReport, auto
-    from .bench import bench
+    from .benchmarking import bench
+    from .choosing import Auto, AutoReport, auto
     from .cli import main
     from .demo import run_demo
-    from .profile import Profile, profile
+    from .profiling import Profile, profile
     from .report import BenchReport, ModeResult
     from .timing import measure, measure_side_by_side
 
 _WHERE = {
-    "Auto": "auto",
-    "AutoReport": "auto",
+    "Auto": "choosing",
+    "AutoReport": "choosing",
     "BenchReport": "report",
     "ModeResult": "report",
-    "Profile": "profile",
-    "auto": "auto",
-    "bench": "bench",
+    "Profile": "profiling",
+    "auto": "choosing",
+    "bench": "benchmarking",
     "main": "cli",
     "measure": "timing",
     "measure_side_by_side": "timing",
-    "profile": "profile",
+    "profile": "profiling",
     "run_demo": "demo",
 }
 

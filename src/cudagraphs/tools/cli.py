@@ -112,7 +112,7 @@ def _add_doctor(commands: Any) -> argparse.ArgumentParser:
 
 
 def _add_auto(commands: Any) -> argparse.ArgumentParser:
-    from .auto import CANDIDATES  # the list the help names is the one auto tries
+    from .choosing import CANDIDATES  # the list the help names is the one auto tries
 
     command = commands.add_parser(
         "auto",
@@ -133,7 +133,7 @@ def _add_auto(commands: Any) -> argparse.ArgumentParser:
 
 def _auto(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from ..diagnose import findings_located_at
-    from .auto import auto
+    from .choosing import auto
 
     fn, fn_args, fn_kwargs = _load_target(parser, args.target)
     try:
@@ -192,7 +192,7 @@ def _add_serve(commands: Any) -> argparse.ArgumentParser:
 
 def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
-    from .bench import MODES, bench
+    from .benchmarking import MODES, bench
 
     modes = None
     if args.modes is not None:

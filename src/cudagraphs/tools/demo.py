@@ -23,7 +23,7 @@ from ..api import graph
 from ..errors import CudaGraphsError, CudaGraphsWarning
 from ..training import train_step
 from . import workloads
-from .bench import bench
+from .benchmarking import bench
 from .report import BenchReport
 
 __all__ = ["run_demo"]

@@ -11,7 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from ..errors import ConfigError, explain, install_extra
-from .profile import Profile
+from .profiling import Profile
 
 __all__ = ["BenchReport", "ModeResult", "Spread"]
 

@@ -24,7 +24,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from ..core import NAMESPACE
 from ..diagnose import random_like
 from ..errors import ConfigError, explain
-from .profile import profile as run_profile
+from .profiling import profile as run_profile
 from .report import BenchReport, ModeResult, Spread
 from .timing import sync
 

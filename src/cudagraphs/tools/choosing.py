@@ -79,7 +79,7 @@ from ..integrations import (
     write_whole,
 )
 from ..options import OPTION_NAMES, split_options
-from .profile import profile
+from .profiling import profile
 from .timing import measure_side_by_side
 
 __all__ = ["CANDIDATES", "Auto", "AutoReport", "Candidate", "auto"]
@@ -199,7 +199,7 @@ def auto(
             explain(
                 f"cg.auto got candidates={list(candidates)!r}",
                 f"the ways it knows are {', '.join(CANDIDATES)}",
-                "pass a subset of cudagraphs.tools.auto.CANDIDATES, or leave it out",
+                "pass a subset of cudagraphs.tools.choosing.CANDIDATES, or leave it out",
             )
         )
     name = callable_name(fn)
