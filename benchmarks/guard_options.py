@@ -11,8 +11,10 @@ Two measurements:
   eager. A guard that missed the change gives the traced answer. Ours is tested on the same
   cases by ``tests/test_reads_seen.py`` (CPU stand-in) and ``tests/test_reads_seen_cuda.py``.
 * **What each costs per call.** Dynamo's guard check (``guard_manager.check`` of the cache
-  entry) and, where CUDA is present, our whole guard check (``cg.graph(...).guard.check``) on
-  the same models, with the number of checks each holds. Host time only.
+  entry, called with the frame's locals) and our whole guard check on the same models, with
+  the number of checks each holds. Host time only. Ours: with CUDA, ``cg.graph(...).guard``;
+  without, the same guard built as a capture builds it, from the reads of one eager call
+  (``Reader``, ``read_values``: the capture's own run reads what an eager run reads).
 
     python benchmarks/guard_options.py [--json PATH] [--markdown PATH]
 """
@@ -150,6 +152,29 @@ def dynamo_guard(model: nn.Module, x: torch.Tensor) -> tuple[Callable[[], Any], 
     return (lambda: manager.check(frame)), count
 
 
+def ours(model: nn.Module, x: torch.Tensor) -> Any:
+    """Our guard over ``model(x)`` without a GPU: the values one eager call read (as the
+    capture's recording run reads them), the module tree, in the one C check."""
+    from cudagraphs.core import AddressGuard, PythonSnapshot, Reader, ValueWatch, read_values
+
+    def fn(t: torch.Tensor) -> Any:
+        return model(t)
+
+    plain = PythonSnapshot(fn, [], ())
+    with Reader(of=fn) as reader:
+        fn(x)
+    plain.take()
+    values = read_values(reader, plain.runs[-1], (), plain.objects)
+    return AddressGuard(fn, (), watches=[ValueWatch(values)] if values else [])
+
+
+def checks(guard: Any) -> int:
+    """What our one check compares: addresses, modes, module slots and hooks, rebound names,
+    each module's class and torch modules' settings, and every value a watch holds."""
+    values = sum(len(w) for w in guard.watches if hasattr(w, "__len__"))
+    return guard.count - len(guard.watches) + values + len(guard.classes) + len(guard.settings)
+
+
 def costs(device: str) -> dict[str, Any]:
     import cudagraphs as cg
 
@@ -158,10 +183,9 @@ def costs(device: str) -> dict[str, Any]:
     for name, (model, x) in models(device).items():
         check, count = dynamo_guard(model, x)
         row: dict[str, Any] = {"dynamo_guards": count, "dynamo_ns": per_call_ns(check)}
-        if device == "cuda":
-            graph = cg.graph(lambda t, model=model: model(t), x)
-            row["ours_checks"] = graph.guard.count
-            row["ours_ns"] = per_call_ns(graph.guard.check)
+        guard = ours(model, x) if device == "cpu" else cg.graph(lambda t, m=model: m(t), x).guard
+        row["ours_checks"] = checks(guard)
+        row["ours_ns"] = per_call_ns(guard.check)
         rows[name] = row
         print(name, row, flush=True)
     return rows
