@@ -5,6 +5,8 @@ that defined the forward, long and nested lists, host settings read through torc
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -157,6 +159,22 @@ class SdpBranch(nn.Module):
         return y * 2.0 if torch.backends.cuda.flash_sdp_enabled() else y - 1.0
 
 
+#: The environment variable ``ReadsTheEnvironment`` reads; the tests set it back after each case.
+SCALE_VARIABLE = "CUDAGRAPHS_TEST_SCALE"
+
+
+class ReadsTheEnvironment(nn.Module):
+    """A branch on an environment variable (as transformers' SDPA attention reads one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 3.0 if os.environ.get(SCALE_VARIABLE, "0") == "1" else y
+
+
 def answers_as_eager_after(
     model: nn.Module,
     change: Callable[[nn.Module], None],
@@ -215,4 +233,22 @@ SEEN = {
     ),
     "list of 100 floats changed in place": (LongList, _set_item("weights", 37, 3.0), "weights"),
     "nested list changed in place": (NestedList, _set_inner, "mix"),
+    "environment variable read in a branch": (
+        ReadsTheEnvironment,
+        lambda model: os.environ.__setitem__(SCALE_VARIABLE, "1"),
+        SCALE_VARIABLE,
+    ),
 }
+
+
+class ReadsTheClock(nn.Module):
+    """A branch on the host's clock: a result no guard can compare before a replay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8).requires_grad_(False)
+        self.started = time.perf_counter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        return y * 2.0 if time.perf_counter() - self.started > 3600.0 else y

@@ -5,14 +5,17 @@ through one new capture, or the capture must be refused with a named error."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 from reads_cases import (
+    SCALE_VARIABLE,
     SEEN,
     SET_SCALE_FACTOR,
     MkldnnBranch,
+    ReadsTheClock,
     SdpBranch,
     ThreadsBranch,
     answers_as_eager_after,
@@ -26,6 +29,7 @@ import cudagraphs as cg
 def helper_factor_put_back() -> Iterator[None]:
     yield
     SET_SCALE_FACTOR(2.0)
+    os.environ.pop(SCALE_VARIABLE, None)
 
 
 def _answers_as_eager_after(
@@ -160,3 +164,38 @@ def test_a_dict_too_large_to_compare_read_with_computed_keys_is_refused(stand_in
         cg.FrozenStateError, match=r"holds 1001 values(.|\n)*test_reads_seen\.py:\d+"
     ):
         cg.graph(Table(), torch.randn(4, 8))
+
+
+def test_a_branch_on_the_clock_is_refused_at_capture_naming_the_line(stand_in: None) -> None:
+    with pytest.raises(
+        cg.FrozenStateError, match=r"time\.perf_counter\(\) at .*reads_cases\.py:\d+"
+    ):
+        cg.graph(ReadsTheClock(), torch.randn(4, 8))
+    # Declared harmless (a reading that decides nothing on the GPU), it captures.
+    g = cg.graph(ReadsTheClock(), torch.randn(4, 8), harmless_state=("time.perf_counter",))
+    assert g.stats.state == "captured"
+
+
+def test_an_environment_variable_transformers_reads_in_the_forward_is_guarded(
+    stand_in: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # transformers' SDPA attention reads TRANSFORMERS_SDPA_FORCE_GQA on every call to pick
+    # its grouped path: a change after the capture captures again.
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaModel(config).eval().requires_grad_(False)
+
+    def hidden(ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, use_cache=False).last_hidden_state
+
+    ids = torch.randint(0, 128, (1, 16))
+    g = cg.graph(hidden, ids, outputs="clone")
+    assert any("TRANSFORMERS_SDPA_FORCE_GQA" in label for label, *_ in g.read_values)
+    monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    torch.testing.assert_close(g(ids), hidden(ids))
+    assert g.stats.recaptures == 1

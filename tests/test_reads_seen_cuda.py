@@ -5,11 +5,13 @@ recorded one."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from reads_cases import (
+    SCALE_VARIABLE,
     SEEN,
     SET_SCALE_FACTOR,
     MkldnnBranch,
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.cuda
 def helper_factor_put_back() -> Iterator[None]:
     yield
     SET_SCALE_FACTOR(2.0)
+    os.environ.pop(SCALE_VARIABLE, None)
 
 
 def _answers_as_eager_after(

@@ -5,8 +5,11 @@ name nothing the guard can match: ``getattr(self, f"w{i}")`` builds the attribut
 time, ``self.ws[key]`` reads a dict under a key held in a variable, and ``torch.get_num_threads()``
 reads a host setting through a call. This module says, per code object, whether its bytecode
 makes such reads (:func:`computed_reads`), which host-setting getters a run called
-(:data:`HOST_GETTERS`, noted by ``python_values.Reader`` from the profiler's C-call events), and
-where a name is read (:func:`where_read`, for errors that name the user's line).
+(:data:`HOST_GETTERS`, noted by ``python_values.Reader`` from the profiler's C-call events),
+which environment variables it read (:data:`ENVIRON_READ`: guarded like a host setting,
+through :func:`environment_getter`), which clocks it read (:data:`CLOCKS`: a result no guard
+can compare, so the capture is refused), and where a name is read (:func:`where_read`, for
+errors that name the user's line).
 
 Right::
 
@@ -23,14 +26,21 @@ from __future__ import annotations
 
 import dis
 import functools
+import os
+import time
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "CLOCKS",
+    "ENVIRON_READ",
+    "ENVIRON_WRAPPERS",
     "HOST_GETTERS",
     "ComputedReads",
     "computed_reads",
+    "environment_getter",
     "host_getter",
     "host_getter_label",
     "where_read",
@@ -149,6 +159,31 @@ def host_getter(seen: Any) -> Any:
 def host_getter_label(seen: Any) -> str:
     """How a user writes the setting a seen getter reads (``torch.get_num_threads()``)."""
     return _getters()[seen][1]
+
+
+#: What the profiler sees of a read of the environment: the code of ``os.environ[key]``, which
+#: ``os.environ.get`` and ``os.getenv`` run too (transformers' SDPA attention reads one per
+#: layer to pick its grouped path).
+ENVIRON_READ = type(os.environ).__getitem__.__code__
+#: The files of the standard library's wrappers around that read (frozen modules, named so).
+ENVIRON_WRAPPERS = frozenset({ENVIRON_READ.co_filename, Mapping.get.__code__.co_filename})
+
+
+def environment_getter(key: str) -> Any:
+    """What a guard calls before each replay for an environment variable the recording read:
+    its value now, or None where it is unset."""
+    return functools.partial(os.environ.get, key)
+
+
+#: The clocks, as the profiler sees their C calls, and how a user writes each: a result that
+#: differs on every call, which a graph would freeze at its capture's value.
+CLOCKS: dict[Any, str] = {
+    getattr(time, name): f"time.{name}()"
+    for name in (
+        "time", "time_ns", "perf_counter", "perf_counter_ns", "monotonic", "monotonic_ns",
+        "process_time", "process_time_ns",
+    )
+}  # fmt: skip
 
 
 def where_read(codes: Any, name: str) -> str:

@@ -54,7 +54,17 @@ import torch
 
 from ..errors import FrozenStateError, explain
 from . import compat
-from .dynamic_reads import HOST_GETTERS, computed_reads, host_getter, host_getter_label, where_read
+from .dynamic_reads import (
+    CLOCKS,
+    ENVIRON_READ,
+    ENVIRON_WRAPPERS,
+    HOST_GETTERS,
+    computed_reads,
+    environment_getter,
+    host_getter,
+    host_getter_label,
+    where_read,
+)
 from .frames import is_model_class, is_model_code
 from .frozen_state import (
     LARGEST_HOLDER,
@@ -103,6 +113,10 @@ class Reader:
         #: The host-setting getters the run called (``dynamic_reads.HOST_GETTERS``): a branch
         #: on ``torch.get_num_threads()`` reads no attribute the names above could match.
         self.getters: set[Any] = set()
+        #: The environment variables model code read (``os.environ[key]``, ``.get``, ``getenv``).
+        self.environment: set[str] = set()
+        #: The clocks model code read, each with the ``file:line`` that called it first.
+        self.clocks: dict[str, str] = {}
 
     def __enter__(self) -> Reader:
         # Code that runs inside the recording without being called by it is not what the
@@ -123,10 +137,16 @@ class Reader:
         if event == "c_call":
             if arg in HOST_GETTERS:
                 self.getters.add(arg)
+            elif _hashable(arg) and arg in CLOCKS and self._from_model_code(frame):
+                self.clocks.setdefault(CLOCKS[arg], f"{frame.f_code.co_filename}:{frame.f_lineno}")
         elif event == "call":
             code = frame.f_code
             if code in HOST_GETTERS:
                 self.getters.add(code)
+            elif code is ENVIRON_READ and self._from_model_code(frame.f_back):
+                key = frame.f_locals.get("key")
+                if isinstance(key, str):
+                    self.environment.add(key)
             if code not in self.codes:
                 outside = self._outside.get(code.co_filename)
                 if outside is None:
@@ -135,6 +155,19 @@ class Reader:
                     self.codes[code] = frame.f_globals
         if self._previous is not None:
             self._previous(frame, event, arg)
+
+    def _from_model_code(self, frame: types.FrameType | None) -> bool:
+        """Whether the call was made by model code, through the standard library's own
+        wrappers (``os.environ.get`` runs ``Mapping.get``, then ``os.environ[key]``)."""
+        while frame is not None and frame.f_code.co_filename in ENVIRON_WRAPPERS:
+            frame = frame.f_back
+        if frame is None:
+            return False
+        filename = frame.f_code.co_filename
+        outside = self._outside.get(filename)
+        if outside is None:
+            outside = self._outside[filename] = is_model_code(filename)
+        return outside
 
     @property
     def names(self) -> set[str]:
@@ -253,7 +286,42 @@ def read_values(
         getter, label = host_getter(seen), host_getter_label(seen)
         if not is_harmless(label, harmless):
             found.append((f"{label} (a host setting read)", getter, Ellipsis, getter()))
+    for key in sorted(reader.environment):
+        label = f"os.environ[{key!r}]"
+        if not is_harmless(label, harmless) and not is_harmless(key, harmless):
+            getter = environment_getter(key)
+            found.append((f"{label} (an environment variable read)", getter, Ellipsis, getter()))
+    _refuse_clocks(reader, harmless)
     return _refuse_unseen_arrays(_with_nested_lists(_unique(found)), reader)
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _refuse_clocks(reader: Reader, harmless: Sequence[str]) -> None:
+    """A clock the recording's model code read is refused at capture: its result differs on
+    every call, and a replay would repeat what the capture's reading decided."""
+    for label, where in reader.clocks.items():
+        name = label.removesuffix("()")
+        if is_harmless(name, harmless) or is_harmless(label, harmless):
+            continue
+        raise FrozenStateError(
+            explain(
+                f"the recorded code read the clock {label} at {where}",
+                "a graph replays what the capture computed: whatever that reading decided (a "
+                "branch, a value on the device) is repeated on every replay, and no guard can "
+                "compare a clock before a replay",
+                "pass the time in as a tensor input, or move the reading outside the graphed "
+                f"function; if it decides nothing on the GPU (logging), declare "
+                f"harmless_state=({name!r},)",
+            ),
+            names=[label],
+        )
 
 
 def _unique(found: list[tuple[str, Any, Any, Any]]) -> list[tuple[str, Any, Any, Any]]:
