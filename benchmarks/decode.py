@@ -7,7 +7,7 @@ Modes, each greedy, ``--new`` tokens after a ``--prompt``-token prompt, random w
   reduce-overhead loop  the same loop through torch.compile(mode="reduce-overhead"), written as
                         a user would: a static cache, an eager prefill, then per token the
                         compiled forward on a clone of one position tensor advanced in place
-  cg                    cudagraphs.integrations.transformers.Decoder (graphs of eager kernels)
+  cg                    cudagraphs.decoding.decoder.Decoder (graphs of eager kernels)
   cg K=16               the same, 16 decode steps per graph launch
   cg compile            Decoder(compile=True): graphs over torch.compile'd kernels
   cg compile K=4/K=16   the same, 4 or 16 steps per launch
@@ -226,7 +226,7 @@ def rung_memory(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def rung_child(args: argparse.Namespace, only_largest: bool) -> None:
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
     from cudagraphs.tools.workloads import random_llama
 
     model = random_llama(args.model, "cuda", getattr(torch, args.dtype))

@@ -31,8 +31,8 @@ WAYS = ("cut", "marked")
 def child(args: argparse.Namespace) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
-    from cudagraphs.integrations.kv_cache import RungCaches
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
+    from cudagraphs.decoding.kv_cache import RungCaches
     from cudagraphs.tools.workloads import random_llama
 
     if args.which == "marked":

@@ -56,8 +56,8 @@ PHASES = {
 def child(args: argparse.Namespace) -> dict[str, Any]:
     from torch._dynamo.utils import counters
 
-    from cudagraphs.integrations.compiled import mark_cut_sizes, mark_rung_dims
-    from cudagraphs.integrations.kv_cache import RungCaches, cache_keyword
+    from cudagraphs.decoding.compiled import mark_cut_sizes, mark_rung_dims
+    from cudagraphs.decoding.kv_cache import RungCaches, cache_keyword
     from cudagraphs.tools.workloads import random_llama
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -78,7 +78,7 @@ class Loop:
     ):
         from transformers import StaticCache
 
-        from cudagraphs.integrations.kv_cache import cache_keyword
+        from cudagraphs.decoding.kv_cache import cache_keyword
 
         self.model, self.compiled, self.clock = model, compile_mode is not None, clock
         self.cache = StaticCache(config=model.config, max_cache_len=length)
@@ -131,7 +131,7 @@ def make_mode(
     the length was asked for with --max-length, which transformers' generate is then given)."""
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     class Tick(StoppingCriteria):  # called once per generated token; stops nothing
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:

@@ -42,7 +42,7 @@ from rich.console import Console
 #: the operators they were fused around ("..._rows_linear_rsqrt_8" is a norm, not a product).
 KERNEL_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("fused (Inductor)", ("triton_",)),
-    # "attend": the library's one-token attention kernel (integrations/decode_attention.py).
+    # "attend": the library's one-token attention kernel (decoding/attention.py).
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention", "attend")),
     ("products", ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas", "splitk", "aten::mm",
                   "aten::addmm", "aten::linear", "rows_linear", "one_row_product")),
@@ -68,7 +68,7 @@ def profile(
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
     from cudagraphs.tools.workloads import random_llama
 
     cuda = torch.cuda.is_available()
@@ -86,7 +86,7 @@ def profile(
             raise SystemExit("--option goes with --compile default or coordinate-descent")
         compile_mode = {**base, **dict(_option(o) for o in args.option)}
     if args.products == "cublas" and fuse:  # the Decoder keeps an earlier fusion's products
-        from cudagraphs.integrations.fused_projections import fuse_projections
+        from cudagraphs.decoding.fused_projections import fuse_projections
 
         fuse_projections(model)
     start = time.perf_counter()
@@ -202,7 +202,7 @@ def gqa_attention(
 
 def use_gqa_attention(model: Any) -> None:
     """The model's attention becomes :func:`gqa_attention` (with SDPA's mask function), as
-    ``integrations/grouped_attention.py`` does for its own; the Decoder then keeps it."""
+    ``decoding/grouped_attention.py`` does for its own; the Decoder then keeps it."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -339,7 +339,7 @@ def main() -> None:
         default="default",
         choices=sorted(PRODUCTS),
         help="'default': the Decoder's own fusion, every one-row product on the Triton kernel "
-        "of integrations/matvec.py (the down product with SiLU(gate) * up inside); 'cublas': "
+        "of decoding/matvec.py (the down product with SiLU(gate) * up inside); 'cublas': "
         "fuse_projections(model) before the Decoder, which keeps cuBLAS's products",
     )
     p.add_argument(

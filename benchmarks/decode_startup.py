@@ -61,7 +61,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         return {"setup_s": time.perf_counter() - start}
     from cudagraphs import powers_of_two
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     alone = args.which == "largest"
     save = args.which != "unsaved"

@@ -278,7 +278,7 @@ def moe_decode(calls: int, windows: int) -> dict[str, Any]:
     """Greedy decoding on the MoE model: whole requests of 32 + 64 tokens, batch 4."""
     import time
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     model = _mixtral(None)
     block = next(type(m) for m in model.modules() if "SparseMoe" in type(m).__name__)

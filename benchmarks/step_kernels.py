@@ -235,13 +235,13 @@ def _kind(name: str) -> str:
 
 
 def step_launches(args: argparse.Namespace, variant: str) -> dict[str, Any]:
-    from cudagraphs.integrations import grouped_attention
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
+    from cudagraphs.decoding import grouped_attention
     from cudagraphs.tools.workloads import random_llama
 
     model = random_llama(args.model, "cpu", getattr(torch, args.dtype))
     if variant == "cublas":
-        from cudagraphs.integrations.fused_projections import fuse_projections
+        from cudagraphs.decoding.fused_projections import fuse_projections
 
         fuse_projections(model)
     layers = model.config.num_hidden_layers

@@ -18,12 +18,12 @@ import warnings
 import torch
 
 import cudagraphs as cg
-from cudagraphs.integrations.kv_cache import cache_keyword
+from cudagraphs.decoding.kv_cache import cache_keyword
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding import Decoder
 except ImportError:
     raise SystemExit("this example needs transformers: pip install transformers") from None
 

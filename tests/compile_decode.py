@@ -29,7 +29,7 @@ def main() -> None:
     from torch._dynamo.utils import counters
     from transformers import StaticCache
 
-    from cudagraphs.integrations.kv_cache import cache_keyword
+    from cudagraphs.decoding.kv_cache import cache_keyword
 
     model, config = tiny_llama("cuda", hidden=hidden, layers=layers)
     prompt = torch.randint(

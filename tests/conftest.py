@@ -300,10 +300,10 @@ def fresh_compile_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
 
 @pytest.fixture
 def pdl_decided_afresh() -> Iterator[Any]:
-    """A function that makes ``integrations/matvec.py`` decide again whether kernels use
+    """A function that makes ``decoding/matvec.py`` decide again whether kernels use
     programmatic dependent launch (it decides once per process, from ``CUDAGRAPHS_PDL`` and the
     device): call it after changing either. The decision is forgotten again after the test."""
-    from cudagraphs.integrations import matvec
+    from cudagraphs.decoding import matvec
 
     def afresh() -> None:
         matvec.pdl_requested.cache_clear()

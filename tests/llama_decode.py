@@ -94,7 +94,7 @@ def graph_decode(
     does not change every later token."""
     from transformers import StaticCache
 
-    from cudagraphs.integrations.kv_cache import cache_keyword
+    from cudagraphs.decoding.kv_cache import cache_keyword
 
     cache = StaticCache(config=config, max_cache_len=prompt.shape[1] + new_tokens)
     keyword = cache_keyword(model)  # `cache` in newer transformers

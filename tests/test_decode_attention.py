@@ -1,4 +1,4 @@
-"""The one-kernel decode attention (``integrations/decode_attention.py``) on the CPU under
+"""The one-kernel decode attention (``decoding/attention.py``) on the CPU under
 Triton's interpreter: the same answers as a float32 masked SDPA over ``repeat_kv`` for masks
 with a filled prefix, holes (left padding), one mask shared by the rows, none, and a row that
 allows nothing; queries strided as transformers makes them. float32 and float16 only: the
@@ -12,13 +12,13 @@ import pytest
 import torch
 from triton_interpreter import LOOPS_OVER_ARGUMENTS, needs_triton, run_under_interpreter
 
-from cudagraphs.integrations.decode_attention import applies, decode_attention
+from cudagraphs.decoding.attention import applies, decode_attention
 
 CHECK = textwrap.dedent(
     """
     import torch
     from torch.nn import functional as F
-    from cudagraphs.integrations import decode_attention as da
+    from cudagraphs.decoding import attention as da
 
     torch.manual_seed(0)
     def reference(q, k, v, mask, scale):
@@ -80,8 +80,8 @@ DECODER = textwrap.dedent(
     import torch
     sys.path.insert(0, "tests")
     from llama_decode import tiny_llama, transformers_attention
-    from cudagraphs.integrations import decode_attention as da, grouped_attention as ga
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding import attention as da, grouped_attention as ga
+    from cudagraphs.decoding.decoder import Decoder
 
     def on_the_cpu(q, k, v, mask):  # the kernel's conditions, the device aside
         return (

@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 
 import cudagraphs as cg
-from cudagraphs.integrations.decode_attention import MAX_POSITIONS, applies, decode_attention
+from cudagraphs.decoding.attention import MAX_POSITIONS, applies, decode_attention
 
 pytestmark = pytest.mark.cuda
 

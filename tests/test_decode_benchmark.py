@@ -264,7 +264,7 @@ def test_the_profile_s_gqa_attention_equals_the_library_s_grouped_one() -> None:
     pytest.importorskip("transformers")
     from test_grouped_attention import Heads
 
-    from cudagraphs.integrations.grouped_attention import grouped_sdpa_attention
+    from cudagraphs.decoding.grouped_attention import grouped_sdpa_attention
 
     profile = load_benchmark("decode_profile")
     module = Heads(4)

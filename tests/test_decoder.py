@@ -17,9 +17,9 @@ transformers = pytest.importorskip("transformers")
 
 from llama_decode import tiny_llama, transformers_attention  # noqa: E402
 
-from cudagraphs.integrations.grouped_attention import takes_sdpa_mask  # noqa: E402
-from cudagraphs.integrations.sampling import SamplingParams, sample  # noqa: E402
-from cudagraphs.integrations.transformers import Decoder, default_batch_rungs  # noqa: E402
+from cudagraphs.decoding.decoder import Decoder, default_batch_rungs  # noqa: E402
+from cudagraphs.decoding.grouped_attention import takes_sdpa_mask  # noqa: E402
+from cudagraphs.decoding.sampling import SamplingParams, sample  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::cudagraphs.CudaGraphsWarning")
 
@@ -375,7 +375,7 @@ def test_length_rungs_through_the_captured_path(stand_in: None) -> None:
 
 
 def test_length_rung_views_share_the_one_cache(llama) -> None:
-    from cudagraphs.integrations.kv_cache import length_rungs
+    from cudagraphs.decoding.kv_cache import length_rungs
 
     model, _ = llama
     decoder = Decoder(model, max_batch=4, max_length=40, cache_lengths=[16])
@@ -397,7 +397,7 @@ def test_a_cut_rung_writes_what_the_layers_own_update_writes(llama) -> None:
     full-size tensors (``RungCaches.cut``); that write must be transformers' own: the same
     positions (the layer's count), rows and values. The counters move once, all together, at
     the step's end (``RungCaches.advance``); a layer written twice in a step writes on."""
-    from cudagraphs.integrations.kv_cache import RungCaches
+    from cudagraphs.decoding.kv_cache import RungCaches
 
     model, _ = llama
     own, cut = (RungCaches(model, [1, 2, 4], 48, [8, 16]) for _ in range(2))
@@ -428,8 +428,8 @@ def test_a_cut_step_that_raises_still_counts_what_its_layers_wrote(llama) -> Non
     """A step that fails after some layers wrote (here: the model's last norm) leaves every
     counter where transformers' own layers would have: a counter left behind would make the
     next request overwrite positions it then attends to."""
-    from cudagraphs.integrations.compiled import cut_step
-    from cudagraphs.integrations.kv_cache import RungCaches, cache_keyword
+    from cudagraphs.decoding.compiled import cut_step
+    from cudagraphs.decoding.kv_cache import RungCaches, cache_keyword
 
     model, _ = llama
     caches = RungCaches(model, [1], 24)
@@ -483,7 +483,7 @@ def test_compiled_forward_compiles_per_shape_class_not_per_rung(
     step and its rung views are marked instead."""
     from torch._dynamo.utils import counters
 
-    from cudagraphs.integrations.kv_cache import RungCaches
+    from cudagraphs.decoding.kv_cache import RungCaches
 
     model, _ = llama
     if not cut:
@@ -596,7 +596,7 @@ def test_a_static_step_attends_to_the_cache_itself_not_a_copy_of_it(
 
     from torch._inductor.utils import run_and_get_code
 
-    from cudagraphs.integrations import grouped_attention
+    from cudagraphs.decoding import grouped_attention
 
     model, _ = llama
     monkeypatch.setattr(grouped_attention, "applies", lambda q, k, v, mask: q.shape[2] == 1)
@@ -638,7 +638,7 @@ def test_a_step_whose_batch_alone_varies_attends_with_the_one_token_kernel(
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
-    from cudagraphs.integrations import decode_attention, grouped_attention
+    from cudagraphs.decoding import attention, grouped_attention
 
     model, _ = llama
     # The kernel's own checks on the inputs, on the CPU (its device check left out)

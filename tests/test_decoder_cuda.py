@@ -19,8 +19,8 @@ from llama_decode import generate_with_scores, transformers_attention  # noqa: E
 from test_decoder import left_padded  # noqa: E402
 from test_decoder import test_sampled_tokens_follow_transformers_filters as sampling_check  # noqa: E402
 
-from cudagraphs.integrations.kv_cache import cache_keyword  # noqa: E402
-from cudagraphs.integrations.transformers import Decoder  # noqa: E402
+from cudagraphs.decoding.decoder import Decoder  # noqa: E402
+from cudagraphs.decoding.kv_cache import cache_keyword  # noqa: E402
 from cudagraphs.tools.workloads import random_llama  # noqa: E402
 
 PROMPT, NEW = 16, 32

@@ -447,7 +447,7 @@ def test_verify_catches_a_frozen_counter_on_the_gpu() -> None:
 def test_doctor_on_the_decode_step_leaves_the_cache_and_lists_its_writes(llama: tuple) -> None:
     from transformers import StaticCache
 
-    from cudagraphs.integrations.kv_cache import cache_keyword
+    from cudagraphs.decoding.kv_cache import cache_keyword
 
     model, config = llama
     cache = StaticCache(config=config, max_cache_len=24)
@@ -862,7 +862,7 @@ def test_random_draws_in_a_device_loop_are_refused() -> None:
 def test_sliding_window_decoders_give_generate_tokens_past_the_window(kind: str) -> None:
     from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     torch.manual_seed(3)
     common = dict(

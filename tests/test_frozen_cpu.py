@@ -424,7 +424,7 @@ def test_sliding_window_models_decode_as_generate_does(stand_in: None, kind: str
     through the captured path, past the window, tokens equal generate's."""
     from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     torch.manual_seed(3)
     common = dict(

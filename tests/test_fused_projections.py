@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up projections (``integrations/fused_projections.py``): the same answers
+"""Fused q/k/v and gate/up projections (``decoding/fused_projections.py``): the same answers
 as the unfused model, the same parameter objects and state_dict, in-place updates seen,
 replaced parameters never read through the old buffer, refusals that say why."""
 
@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 
 from llama_decode import tiny_llama  # noqa: E402
 
-from cudagraphs.integrations.fused_projections import (  # noqa: E402
+from cudagraphs.decoding.fused_projections import (  # noqa: E402
     FusedLinear,
     fuse_projections,
     rows_linear,
@@ -194,7 +194,7 @@ def test_a_decoder_fuses_and_a_weight_update_between_requests_changes_the_next_t
     equal an unfused model's ``generate``, and ``load_state_dict`` with other weights between
     two requests gives the new weights' tokens, with no recapture (the update is in place)."""
     import cudagraphs as cg
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     model, _ = tiny_llama("cpu", hidden=64, layers=2)
     unfused = copy.deepcopy(model)

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from llama_decode import generate_with_scores  # noqa: E402
 from test_decoder_cuda import assert_same_tokens  # noqa: E402
 
-from cudagraphs.integrations.transformers import Decoder  # noqa: E402
+from cudagraphs.decoding.decoder import Decoder  # noqa: E402
 from cudagraphs.tools.workloads import random_llama  # noqa: E402
 
 PROMPT, NEW = 16, 24
@@ -68,7 +68,7 @@ def test_fusing_gives_the_old_weights_memory_back() -> None:
     what ``torch.cuda.empty_cache()`` would leave, and the live memory is the same weights.
     Without it, the old storages would stay reserved, unused. The 1.1 B Llama shape: its gate
     and up weights are large enough to hold segments of their own."""
-    from cudagraphs.integrations.fused_projections import fuse_projections
+    from cudagraphs.decoding.fused_projections import fuse_projections
 
     model = random_llama("llama-2048", "cuda", torch.bfloat16)
     torch.cuda.synchronize()

@@ -12,7 +12,7 @@ sys.path.insert(0, "benchmarks/experiments")
 import triton
 from torch.nn import functional as F
 import gemv_probe
-from cudagraphs.integrations import matvec as library
+from cudagraphs.decoding import matvec as library
 
 wide = gemv_probe.wide_matvec().tuned.fn  # the kernel under the autotuner: no timer here
 torch.manual_seed(0)

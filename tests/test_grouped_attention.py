@@ -15,13 +15,13 @@ from llama_decode import tiny_llama, transformers_attention
 from torch.nn import functional as F
 from transformers.integrations.sdpa_attention import repeat_kv
 
-from cudagraphs.integrations.grouped_attention import (
+from cudagraphs.decoding.decoder import Decoder
+from cudagraphs.decoding.grouped_attention import (
     GROUPED_KERNEL,
     GROUPED_SDPA,
     grouped_sdpa_attention,
     use_grouped_attention,
 )
-from cudagraphs.integrations.transformers import Decoder
 
 
 class Heads(torch.nn.Module):
@@ -45,7 +45,7 @@ def expanded_reference(query, key, value, mask, scaling=None):
 def packed_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
     """The query shapes of the grouped attention's own SDPA calls from now on (the packed
     path; calls handed to transformers are not counted): proof of which path ran."""
-    from cudagraphs.integrations import grouped_attention
+    from cudagraphs.decoding import grouped_attention
 
     shapes: list[tuple[int, ...]] = []
 
@@ -170,7 +170,7 @@ def test_a_decode_token_of_each_family_answers_as_transformers_sdpa_does(family:
     import transformers
     from transformers import StaticCache
 
-    from cudagraphs.integrations.kv_cache import cache_keyword
+    from cudagraphs.decoding.kv_cache import cache_keyword
 
     config_name, model_name, extra = FAMILIES[family]
     config = getattr(transformers, config_name)(

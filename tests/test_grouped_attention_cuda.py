@@ -17,11 +17,11 @@ from llama_decode import transformers_attention  # noqa: E402
 from test_grouped_attention import Heads, expanded_reference, packed_calls  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 
-from cudagraphs.integrations.grouped_attention import (  # noqa: E402
+from cudagraphs.decoding.grouped_attention import (  # noqa: E402
     grouped_sdpa_attention,
     use_grouped_attention,
 )
-from cudagraphs.integrations.kv_cache import cache_keyword  # noqa: E402
+from cudagraphs.decoding.kv_cache import cache_keyword  # noqa: E402
 from cudagraphs.tools.workloads import random_llama  # noqa: E402
 
 

@@ -25,6 +25,7 @@ LAYERS = [
     "diagnose",
     "api",
     "integrations",
+    "decoding",
     "serve",
     "tools",
 ]
@@ -236,7 +237,7 @@ def test_train_step_refuses_a_misspelt_option() -> None:
 def test_the_decoder_and_the_batcher_refuse_a_misspelt_option() -> None:
     import torch
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     with pytest.raises(cg.ConfigError, match="did you mean max_wait_ms="):
         cg.Batcher(lambda x: x, torch.ones(1, 2), max_batch=4, max_wait=5)
@@ -289,7 +290,7 @@ def test_the_core_alone_refuses_verification_instead_of_skipping_it() -> None:
 
 
 CORE = ("errors", "options", "core", "shapes", "api")
-ADD_ONS = ("training", "control", "serve", "integrations", "diagnose", "tools")
+ADD_ONS = ("training", "control", "serve", "integrations", "decoding", "diagnose", "tools")
 
 
 def _public(module: str) -> set[str] | None:
@@ -349,12 +350,8 @@ def test_every_package_has_a_front_door() -> None:
     """Each package's ``__init__`` declares its public names in ``__all__``, and has them."""
     import importlib
 
-    assert (
-        sorted(
-            ["control", "core", "diagnose", "integrations", "serve", "shapes", "tools", "training"]
-        )
-        == PACKAGES
-    )
+    every = ["control", "core", "decoding", "diagnose", "integrations", "serve", "shapes"]
+    assert [*every, "tools", "training"] == PACKAGES
     for package in PACKAGES:
         public = _public(f"cudagraphs.{package}.__init__")
         assert public, f"cudagraphs.{package} declares no __all__"
@@ -456,7 +453,7 @@ def test_every_misspelt_or_misplaced_keyword_is_refused_at_once(call, expected: 
 
 
 def test_the_decoder_names_a_misspelt_required_keyword_and_its_compile_modes() -> None:
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     with pytest.raises(cg.ConfigError, match="did you mean max_length="):
         Decoder(object(), max_batch=2, max_lenght=32)  # before Python's "missing max_length"

@@ -1,4 +1,4 @@
-"""The one-row Triton products (``integrations/matvec.py``) on the CPU: where they do not apply
+"""The one-row Triton products (``decoding/matvec.py``) on the CPU: where they do not apply
 the product is the model's own operations', a direct call says why and what to use, a fused
 model asked for them answers as before, and the kernels themselves under Triton's interpreter
 give what the model's operations give."""
@@ -14,8 +14,8 @@ import torch
 from torch.nn import functional as F
 from triton_interpreter import LOOPS_OVER_ARGUMENTS, needs_triton, run_under_interpreter
 
-from cudagraphs.integrations.fused_projections import fuse_projections, rows_linear
-from cudagraphs.integrations.matvec import applies, linear, matvec
+from cudagraphs.decoding.fused_projections import fuse_projections, rows_linear
+from cudagraphs.decoding.matvec import applies, linear, matvec
 
 
 def test_it_does_not_apply_off_the_gpu_and_the_product_is_f_linear_s() -> None:
@@ -48,7 +48,7 @@ def test_matvec_also_routes_the_output_and_down_projections_without_copying_them
     are; the model answers as before, and unfusing gives the modules back."""
     import copy
 
-    from cudagraphs.integrations.fused_projections import FusedLinear, unfuse_projections
+    from cudagraphs.decoding.fused_projections import FusedLinear, unfuse_projections
     from cudagraphs.tools.workloads import random_llama
 
     model = random_llama("llama-tiny")
@@ -88,7 +88,7 @@ def test_matvec_also_routes_the_output_and_down_projections_without_copying_them
 def test_the_gated_down_product_is_the_mlp_s_own_where_the_kernel_does_not_apply() -> None:
     """``gated_linear`` off the GPU: the MLP's three operations, bias included; a gated MLP
     whose activation or projections were changed since runs its class's own forward."""
-    from cudagraphs.integrations.fused_projections import gated_linear
+    from cudagraphs.decoding.fused_projections import gated_linear
     from cudagraphs.tools.workloads import random_llama
 
     torch.manual_seed(2)
@@ -115,8 +115,8 @@ def test_a_decoder_routes_every_product_and_a_user_s_earlier_fusion_keeps_its_ow
     up inside the down product; a model the user fused with ``fuse_projections(model)`` first
     keeps its single projections and MLPs as they were (cuBLAS's products on a GPU)."""
     pytest.importorskip("transformers")
-    from cudagraphs.integrations.fused_projections import FusedLinear
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
+    from cudagraphs.decoding.fused_projections import FusedLinear
     from cudagraphs.tools.workloads import random_llama
 
     routed = random_llama("llama-tiny")
@@ -208,7 +208,7 @@ def test_a_compiled_decoder_of_a_model_on_the_one_row_kernel_gives_generate_s_to
     pytest.importorskip("transformers")
     from llama_decode import reference_tokens, tiny_llama
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     model, _ = tiny_llama("cpu")
     reference = copy.deepcopy(model)
@@ -225,7 +225,7 @@ INTERPRETED = textwrap.dedent(
     """
     import torch
     from torch.nn import functional as F
-    from cudagraphs.integrations import matvec as mv
+    from cudagraphs.decoding import matvec as mv
 
     torch.manual_seed(0)
     dtype = torch.float16  # the interpreter multiplies bfloat16 blocks wrongly
@@ -256,7 +256,7 @@ def test_programmatic_dependent_launch_is_on_for_hopper_gpus_unless_turned_off(
 ) -> None:
     """On by default where the GPU has it (compute capability 9 and later), off with
     ``CUDAGRAPHS_PDL=0``, never on the CPU nor on an older GPU."""
-    from cudagraphs.integrations import matvec as mv
+    from cudagraphs.decoding import matvec as mv
 
     capability = {"value": (9, 0)}
     monkeypatch.setattr(

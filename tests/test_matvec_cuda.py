@@ -11,8 +11,8 @@ from torch.nn import functional as F
 
 pytestmark = pytest.mark.cuda
 
-from cudagraphs.integrations.fused_projections import fuse_projections  # noqa: E402
-from cudagraphs.integrations.matvec import applies, applies_gated, gated_matvec, matvec  # noqa: E402
+from cudagraphs.decoding.fused_projections import fuse_projections  # noqa: E402
+from cudagraphs.decoding.matvec import applies, applies_gated, gated_matvec, matvec  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -67,8 +67,8 @@ def test_a_fused_llama_asked_for_matvec_is_as_close_to_float32_as_the_plain_one(
 PDL_CHAIN = """
 import torch
 from torch.nn import functional as F
-from cudagraphs.integrations import matvec as mv
-from cudagraphs.integrations.decode_attention import decode_attention
+from cudagraphs.decoding import matvec as mv
+from cudagraphs.decoding.attention import decode_attention
 
 if not mv.pdl(torch.device("cuda")):
     print("skip: programmatic dependent launch needs compute capability 9 or later")

@@ -254,7 +254,7 @@ def test_a_citation_of_a_part_the_report_lacks_is_caught() -> None:
 
 _PACKAGES = "core|control|shapes|training|diagnose|integrations|serve|tools"
 # A module, benchmark, test, example or script named in prose or a docstring:
-# ``core/guards.py``, ``src/cudagraphs/integrations/matvec.py``, ``benchmarks/decode.py``.
+# ``core/guards.py``, ``src/cudagraphs/decoding/matvec.py``, ``benchmarks/decode.py``.
 _FILE_NAMED = re.compile(
     rf"(?<![\w/.-])((?:src/)?(?:cudagraphs/)?(?:{_PACKAGES})/\w+\.(?:py|cpp)"
     r"|(?:benchmarks|tests|examples|scripts)/[\w-]+(?:\.py)?)\b"

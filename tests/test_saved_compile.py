@@ -14,10 +14,10 @@ from llama_decode import tiny_llama, transformers_attention
 pytest.importorskip("transformers")
 
 from cudagraphs.core import compat
+from cudagraphs.decoding.compiled import compile_settings
+from cudagraphs.decoding.decoder import Decoder
 from cudagraphs.errors import ConfigError
-from cudagraphs.integrations.compiled import compile_settings
 from cudagraphs.integrations.saved_compile import SavedCompile, compile_key
-from cudagraphs.integrations.transformers import Decoder
 
 
 def generate(model, prompt: torch.Tensor, new: int) -> torch.Tensor:

@@ -207,7 +207,7 @@ def test_decoder_with_eager_moe_blocks_equals_generate() -> None:
     transformers = pytest.importorskip("transformers")
     from llama_decode import reference_tokens
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     model = _tiny_mixtral(transformers, positions=128, seed=7)
     moe = next(type(m) for m in model.modules() if "SparseMoe" in type(m).__name__)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from script_modules import load_benchmark
 
-from cudagraphs.integrations.compiled import STEP_OPTIONS, step_settings
+from cudagraphs.decoding.compiled import STEP_OPTIONS, step_settings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_step_compiles_with_combo_kernels_and_pdl_unless_the_caller_says_otherwise(
     monkeypatch: pytest.MonkeyPatch, pdl_decided_afresh: Any
 ) -> None:
-    from cudagraphs.integrations import matvec
+    from cudagraphs.decoding import matvec
 
     monkeypatch.delenv(matvec.PDL_VARIABLE, raising=False)
     pdl_decided_afresh()

@@ -189,7 +189,7 @@ def _ways(valid: torch.Tensor) -> dict[str, Callable[..., torch.Tensor]]:
         )
 
     def one_kernel(q: Any, k: Any, v: Any) -> torch.Tensor:
-        from cudagraphs.integrations.decode_attention import decode_attention as library_kernel
+        from cudagraphs.decoding.attention import decode_attention as library_kernel
 
         mask = torch.arange(k.shape[2], device=k.device)[None, :] < valid[:, None]
         return library_kernel(q, k, v, mask[:, None, None, :])

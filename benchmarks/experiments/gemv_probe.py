@@ -11,7 +11,7 @@ that model (the fused q/k/v and gate/up, o, down, the vocabulary head), in bf16:
                 serves with its gemv kernels instead of a matrix-matrix tile
   inductor-cd   ``torch.compile`` of the same with ``coordinate_descent_tuning``: Inductor turns
                 a one-row product into a reduction and tunes its blocks
-  triton        the library's matrix-vector kernel (``integrations/matvec.py``: one program per
+  triton        the library's matrix-vector kernel (``decoding/matvec.py``: one program per
                 block of output rows, looping over the inputs), autotuned over its block
                 sizes, launched as any kernel (the library's launch with ``CUDAGRAPHS_PDL=0``)
   triton-pdl    the library's kernel and blocks, each call launched with programmatic
@@ -106,7 +106,7 @@ def wide_matvec(
     returned function's ``tuned`` is Triton's autotuner."""
     import triton
 
-    from cudagraphs.integrations.matvec import one_row_kernel, tune
+    from cudagraphs.decoding.matvec import one_row_kernel, tune
 
     tuned = tune(one_row_kernel(), blocks)
     extra = {"launch_pdl": True} if dependent else {}
@@ -134,7 +134,7 @@ def main() -> int:
     chosen = {"cublas", *args.ways.split(",")}
     if not torch.cuda.is_available():
         raise SystemExit("gemv_probe.py needs a CUDA GPU")
-    from cudagraphs.integrations.matvec import BLOCKS
+    from cudagraphs.decoding.matvec import BLOCKS
 
     torch.manual_seed(0)
     compiled = torch.compile(

@@ -67,7 +67,7 @@ def decoder_step(device: str) -> Any:
     """One captured decode step (batch 1) of a Decoder over a small Llama (random weights)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     config = LlamaConfig(
         vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,

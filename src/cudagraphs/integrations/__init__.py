@@ -1,10 +1,11 @@
-"""Integrations with other libraries, each an optional extra imported on first use of a name:
-``Decoder`` (LLM decoding with captured decode steps, transformers), ``backend`` (a
-``torch.compile`` backend), saved compiled steps, fused projections.
+"""Bridges to other libraries, each imported on first use of a name: ``backend`` (a
+``torch.compile`` backend that graphs what Dynamo traces) and saved compiled steps
+(``torch.compile``'s ``aot_compile``, written to and loaded from a folder of one's own).
+LLM decoding over transformers is :mod:`cudagraphs.decoding`.
 
-Right: ``from cudagraphs.integrations import Decoder`` (transformers loads then).
-Wrong: reaching into ``cudagraphs.integrations.transformers`` from another package of the
-library: this module is the one door."""
+Right: ``from cudagraphs.integrations import backend``. Wrong: reaching into
+``cudagraphs.integrations.dynamo`` from another package of the library: this module is the
+one door."""
 
 from __future__ import annotations
 
@@ -12,41 +13,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .compiled import compile_settings
     from .dynamo import backend
-    from .fused_projections import FusionReport, fuse_projections, unfuse_projections
-    from .sampling import SamplingParams
-    from .saved_compile import SavedCompile, saved_steps_folder, untrusted, write_whole
-    from .transformers import Decoder, DecodeStats, default_batch_rungs
+    from .saved_compile import SavedCompile, compile_key, saved_steps_folder, untrusted, write_whole
 
 _WHERE = {
-    "DecodeStats": "transformers",
-    "Decoder": "transformers",
-    "FusionReport": "fused_projections",
-    "SamplingParams": "sampling",
     "SavedCompile": "saved_compile",
     "backend": "dynamo",
-    "compile_settings": "compiled",
-    "default_batch_rungs": "transformers",
-    "fuse_projections": "fused_projections",
+    "compile_key": "saved_compile",
     "saved_steps_folder": "saved_compile",
-    "unfuse_projections": "fused_projections",
     "untrusted": "saved_compile",
     "write_whole": "saved_compile",
 }
 
 __all__ = [
-    "DecodeStats",
-    "Decoder",
-    "FusionReport",
-    "SamplingParams",
     "SavedCompile",
     "backend",
-    "compile_settings",
-    "default_batch_rungs",
-    "fuse_projections",
+    "compile_key",
     "saved_steps_folder",
-    "unfuse_projections",
     "untrusted",
     "write_whole",
 ]

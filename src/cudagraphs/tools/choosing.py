@@ -68,16 +68,10 @@ from ..core import (
     reachable_tensors,
     read_values,
 )
+from ..decoding import compile_settings
 from ..diagnose import compare_with_eager, doctor, random_like
 from ..errors import CaptureError, ConfigError, CudaGraphsWarning, explain
-from ..integrations import (
-    SavedCompile,
-    backend,
-    compile_settings,
-    saved_steps_folder,
-    untrusted,
-    write_whole,
-)
+from ..integrations import SavedCompile, backend, saved_steps_folder, untrusted, write_whole
 from ..options import OPTION_NAMES, split_options
 from .profiling import profile
 from .timing import measure_side_by_side

@@ -11,7 +11,7 @@ only every ``check_every`` tokens, to stop once every sequence has ended.
 
 Right::
 
-    from cudagraphs.integrations.transformers import Decoder
+    from cudagraphs.decoding.decoder import Decoder
 
     decoder = Decoder(model, max_batch=16, max_length=512)     # captures every rung now
     out = decoder.generate(input_ids, max_new_tokens=128)      # == model.generate(...) greedy
@@ -36,11 +36,17 @@ import torch
 
 from ..core import Pool
 from ..errors import ConfigError, explain
+from ..integrations import SavedCompile
 from ..options import check_bool, check_positive_int, checked_keywords
 from ..shapes import powers_of_two
+from .attention import MAX_POSITIONS
 from .compiled import compiled_forward, compiled_tail, mark_rung_dims, step_logits
-from .decode_attention import MAX_POSITIONS
-from .decode_requests import (
+from .fused_projections import fuse_projections
+from .grouped_attention import use_grouped_attention
+from .kv_cache import RungCaches, cache_keyword, length_rungs
+from .prefill import Prefills, run_prefill
+from .prefill import prefill_lengths as prefill_lengths_of
+from .requests import (
     MAX_EOS,
     check_attention,
     check_compile,
@@ -51,14 +57,8 @@ from .decode_requests import (
     stop_ids,
     trim_finished,
 )
-from .decode_steps import capture_steps, compile_forward, greedy_tail, rewind
-from .fused_projections import fuse_projections
-from .grouped_attention import use_grouped_attention
-from .kv_cache import RungCaches, cache_keyword, length_rungs
-from .prefill import Prefills, run_prefill
-from .prefill import prefill_lengths as prefill_lengths_of
 from .sampling import SamplingParams, greedy, sample
-from .saved_compile import SavedCompile
+from .steps import capture_steps, compile_forward, greedy_tail, rewind
 
 __all__ = ["DecodeStats", "Decoder", "default_batch_rungs"]
 
@@ -134,28 +134,28 @@ class Decoder:
         prefill_lengths: the prompt-length rungs whose prefill is recorded, one graph per
             (batch rung, prompt-length rung) captured on first use (default: powers of two from
             16 to 256); a prompt is right-padded to the next rung. Longer or left-padded prompts
-            prefill eagerly, as all do with ``[]`` (``integrations/prefill.py``).
+            prefill eagerly, as all do with ``[]`` (``decoding/prefill.py``).
         save_compile: under ``compile``, write the compiled steps next to Inductor's on-disk
             cache, so that a later process loads them instead of tracing the model again
             (``integrations/saved_compile.py`` says when a file is used; ``stats`` counts
             the loads and saves). ``False``: ``torch.compile`` only, a few seconds less at a
             cold start and a full trace in every process.
         fuse: compute each layer's q, k and v, and gate and up, as one product each
-            (``integrations/fused_projections.py``): the model's parameters become views of
+            (``decoding/fused_projections.py``): the model's parameters become views of
             one buffer per group, in place, so in-place weight updates are seen by the next
             token. ``stats.unfused`` lists the groups that did not match, and why. A product
             of one row (batch 1, half or bfloat16, on a GPU with Triton) runs the one-row
-            Triton kernel (``integrations/matvec.py``), the MLP's SiLU(gate) * up inside its
+            Triton kernel (``decoding/matvec.py``), the MLP's SiLU(gate) * up inside its
             down product; other batches run ``F.linear``. A model fused with
             ``fuse_projections(model)`` beforehand keeps that fusion's products.
         grouped_attention: one token's attention over grouped key/value heads reads the cache
             as it is, instead of copying each key/value head over its query heads
-            (``integrations/grouped_attention.py``: the model's attention becomes that
+            (``decoding/grouped_attention.py``: the model's attention becomes that
             function, registered with transformers; other calls go to its SDPA attention).
             For models whose attention is ``"sdpa"``; ``stats.attention`` says which ran.
         attention_kernel: with ``grouped_attention``, one token's attention over a cache of at
             most ``decode_attention.MAX_POSITIONS`` positions runs as one Triton kernel
-            (``integrations/decode_attention.py``) instead of SDPA's kernels, where the
+            (``decoding/attention.py``) instead of SDPA's kernels, where the
             compiled step has one cache length (or without ``compile``); ``False``: SDPA
             always.
     """

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from ..core import compat
+from ..integrations import SavedCompile, compile_key
 from .matvec import pdl_requested
-from .saved_compile import SavedCompile, compile_key
 
 __all__ = [
     "STEP_OPTIONS",

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from .decode_attention import applies, computed_once, decode_attention
+from .attention import applies, computed_once, decode_attention
 
 __all__ = [
     "GROUPED_KERNEL",

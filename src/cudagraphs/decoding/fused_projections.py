@@ -45,7 +45,7 @@ state, as transformers' attention and MLP layers do; a projection called on anot
 computes its own rows afresh. Models whose layers already hold one projection per group (Phi-3's
 ``qkv_proj`` and ``gate_up_proj``) have nothing to fuse.
 
-With ``matvec=True`` a product of one row runs the Triton kernel of ``integrations/matvec.py``,
+With ``matvec=True`` a product of one row runs the Triton kernel of ``decoding/matvec.py``,
 and the output and down projections, which stay one product each, are routed through the same
 operator for one row (their weights not copied): one launch each where cuBLAS may launch two.
 An MLP of SiLU(gate) times up (Llama, Qwen, Mistral) gets a class of its own whose forward,
@@ -123,7 +123,7 @@ def rows_linear(
 ) -> torch.Tensor:
     """``cat([linear(x, w_i, b_i)], -1)``: one product where the weights (and biases) lie back
     to back in one buffer, one per weight otherwise. ``biases``: one per weight, or none.
-    ``matvec``: the one product of one row by the Triton kernel (``integrations/matvec.py``)
+    ``matvec``: the one product of one row by the Triton kernel (``decoding/matvec.py``)
     where it applies."""
     weight = _back_to_back(weights)
     bias = _back_to_back(biases) if biases else None
@@ -253,7 +253,7 @@ def _why_not(members: Sequence[Any]) -> str:
 def fuse_projections(model: nn.Module, matvec: bool = False) -> FusionReport:
     """Fuse every q/k/v and gate/up group of ``model``'s layers in place (see the module doc);
     the report lists what was fused and what was not, and why. ``matvec``: a product of one
-    row (batch-1 decoding) runs the Triton kernel of ``integrations/matvec.py`` where it
+    row (batch-1 decoding) runs the Triton kernel of ``decoding/matvec.py`` where it
     applies, the output and down projections' too (:data:`SINGLES`, ``report.one_row``);
     groups fused by an earlier call keep their own setting, and a module whose group an
     earlier call fused without the kernel keeps its single projection and activation as they

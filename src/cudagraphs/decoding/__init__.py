@@ -1,0 +1,54 @@
+"""LLM decoding on graphs: the :class:`Decoder` (transformers models, captured decode steps per
+batch and length rung over one static cache), its sampling settings, and the kernels and model
+rewrites it uses (one-row products, decode attention, fused projections). Each name loads on
+first use (transformers and Triton are optional).
+
+Right: ``from cudagraphs.decoding import Decoder``. Wrong: reaching into
+``cudagraphs.decoding.decoder`` from another package of the library: this module is the one
+door."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .compiled import compile_settings
+    from .decoder import Decoder, DecodeStats, default_batch_rungs
+    from .fused_projections import FusionReport, fuse_projections, unfuse_projections
+    from .grouped_attention import grouped_sdpa_attention, use_grouped_attention
+    from .sampling import SamplingParams
+
+_WHERE = {
+    "DecodeStats": "decoder",
+    "Decoder": "decoder",
+    "FusionReport": "fused_projections",
+    "SamplingParams": "sampling",
+    "compile_settings": "compiled",
+    "default_batch_rungs": "decoder",
+    "fuse_projections": "fused_projections",
+    "grouped_sdpa_attention": "grouped_attention",
+    "unfuse_projections": "fused_projections",
+    "use_grouped_attention": "grouped_attention",
+}
+
+__all__ = [
+    "DecodeStats",
+    "Decoder",
+    "FusionReport",
+    "SamplingParams",
+    "compile_settings",
+    "default_batch_rungs",
+    "fuse_projections",
+    "grouped_sdpa_attention",
+    "unfuse_projections",
+    "use_grouped_attention",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'cudagraphs.decoding' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value
+    return value
