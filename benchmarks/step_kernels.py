@@ -235,8 +235,8 @@ def _kind(name: str) -> str:
 
 
 def step_launches(args: argparse.Namespace, variant: str) -> dict[str, Any]:
-    from cudagraphs.decoding.decoder import Decoder
     from cudagraphs.decoding import grouped_attention
+    from cudagraphs.decoding.decoder import Decoder
     from cudagraphs.tools.workloads import random_llama
 
     model = random_llama(args.model, "cpu", getattr(torch, args.dtype))
