@@ -638,6 +638,7 @@ def test_a_step_whose_batch_alone_varies_attends_with_the_one_token_kernel(
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
+    from cudagraphs.decoding import attention as decode_attention
     from cudagraphs.decoding import grouped_attention
 
     model, _ = llama
