@@ -152,3 +152,17 @@ def weight_bytes(model: Any) -> int:
     embed = model.get_input_embeddings().weight
     tied = embed is model.get_output_embeddings().weight
     return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed or tied)
+
+
+def per_call_ns(fn: Callable[[], Any], calls: int = 20000, repeats: int = 7) -> float:
+    """Median over ``repeats`` of the mean ns per call of ``fn`` in a tight loop (host time)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter_ns() - start) / calls)
+    return statistics.median(times)

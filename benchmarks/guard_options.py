@@ -24,28 +24,16 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import per_call_ns
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-
-def per_call_ns(fn: Callable[[], Any], calls: int = 20000, repeats: int = 7) -> float:
-    """Median over ``repeats`` of the mean ns per call of ``fn``."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter_ns() - start) / calls)
-    return statistics.median(times)
 
 
 def as_traced(gm: torch.fx.GraphModule, example: Any) -> Callable[..., Any]:

@@ -16,6 +16,7 @@ import cudagraphs as cg
 SRC = Path(__file__).resolve().parents[1] / "src" / "cudagraphs"
 # Each layer may import only the layers before it.
 LAYERS = [
+    "lazy",
     "errors",
     "options",
     "core",

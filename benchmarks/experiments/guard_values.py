@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,19 +22,12 @@ from typing import Any
 import torch
 
 import cudagraphs as cg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks' shared helpers
+from common import per_call_ns
+
 from cudagraphs.core.python_values import ValueWatch
 from cudagraphs.tools.workloads import MODELS
-
-
-def per_call_ns(fn: Callable[[], Any], calls: int = 20000, repeats: int = 7) -> float:
-    """Median over ``repeats`` of the mean ns per call of ``fn``."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter_ns() - start) / calls)
-    return statistics.median(times)
 
 
 def gpt2(device: str) -> tuple[Any, tuple[Any, ...]]:

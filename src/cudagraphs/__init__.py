@@ -13,7 +13,7 @@ See :func:`graph` for the options, and the README for when graphs help and when 
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 with warnings.catch_warnings():
     # numpy is optional: torch warns "Failed to initialize NumPy" when the modules our core
@@ -49,6 +49,7 @@ from .errors import (
     StateWriteError,
     VerificationError,
 )
+from .lazy import first_use
 from .options import OutputPolicy
 from .serve import Batcher
 from .shapes import Bucketed, Buckets, BucketStats, ExactShapes, powers_of_two, server_sizes
@@ -83,15 +84,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'cudagraphs' has no attribute {name!r}")
-
+__getattr__ = first_use(__name__, _LAZY)
 
 __version__ = "0.1.0"
 

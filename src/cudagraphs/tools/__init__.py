@@ -6,8 +6,9 @@ from another package of the library: this module is the one door."""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import first_use
 
 if TYPE_CHECKING:
     from .benchmarking import bench
@@ -49,9 +50,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _WHERE:
-        raise AttributeError(f"module 'cudagraphs.tools' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = first_use(__name__, _WHERE)
