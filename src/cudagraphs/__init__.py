@@ -26,6 +26,7 @@ from .control import cond, while_loop
 from .core import Graphed, Pool, State, Stats, eager
 from .diagnose import Finding, Report, doctor
 from .errors import (
+    BadRequestError,
     BatcherClosed,
     BucketOverflowError,
     CaptureError,
@@ -43,10 +44,12 @@ from .errors import (
     Overloaded,
     RandomInLoopError,
     ReplayTimeoutError,
+    RequestCancelled,
     SegmentError,
     StaleGraphError,
     StaleOutputError,
     StateWriteError,
+    StepFailedError,
     VerificationError,
 )
 from .lazy import first_use
@@ -89,6 +92,7 @@ __getattr__ = first_use(__name__, _LAZY)
 __version__ = "0.1.0"
 
 __all__ = [
+    "BadRequestError",
     "Batcher",
     "BatcherClosed",
     "BenchReport",
@@ -123,11 +127,13 @@ __all__ = [
     "RandomInLoopError",
     "ReplayTimeoutError",
     "Report",
+    "RequestCancelled",
     "SegmentError",
     "StaleGraphError",
     "StaleOutputError",
     "State",
     "StateWriteError",
+    "StepFailedError",
     "Stats",
     "TrainStep",
     "VerificationError",

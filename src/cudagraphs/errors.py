@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 __all__ = [
+    "BadRequestError",
     "BatcherClosed",
     "BucketOverflowError",
     "CaptureError",
@@ -29,12 +30,14 @@ __all__ = [
     "InputMismatchError",
     "Notices",
     "Overloaded",
+    "RequestCancelled",
     "ReplayTimeoutError",
     "SegmentError",
     "DeadlineExceeded",
     "StaleGraphError",
     "StaleOutputError",
     "StateWriteError",
+    "StepFailedError",
     "VerificationError",
     "explain",
     "install_extra",
@@ -208,8 +211,28 @@ class ReplayTimeoutError(CudaGraphsError):
 
 
 class Overloaded(CudaGraphsError):
-    """A batcher's queue is full: the request is refused at once instead of waiting without
-    bound (back-pressure). Retry later, or raise ``max_queue``."""
+    """A batcher's or an engine's queue is full: the request is refused at once instead of
+    waiting without bound (back-pressure), and nothing of it was queued. Retry later (after
+    ``retry_after_s``), or raise ``max_queue``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class BadRequestError(InputMismatchError):
+    """A request to an LLM engine cannot be served as given (a prompt too long for the cache,
+    ids outside the vocabulary, a wrong dtype, settings out of range). It is refused alone,
+    before it is queued: the requests already running are not touched."""
+
+
+class RequestCancelled(CudaGraphsError):
+    """The request was cancelled (by its caller, or its client went away) before it ended."""
+
+
+class StepFailedError(CudaGraphsError):
+    """A step of an LLM engine raised: the requests in that step failed with this error (its
+    ``__cause__`` is the step's exception), and the engine went on serving the others."""
 
 
 class DeadlineExceeded(CudaGraphsError):
@@ -217,7 +240,7 @@ class DeadlineExceeded(CudaGraphsError):
 
 
 class BatcherClosed(CudaGraphsError):
-    """A batcher was shut down: it takes no new requests, and without draining it fails the
+    """A batcher (or an LLM engine) was shut down: it takes no new requests, and without draining it fails the
     ones still queued with this error."""
 
 

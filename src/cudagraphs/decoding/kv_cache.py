@@ -20,7 +20,14 @@ import torch
 from ..core import compat
 from ..errors import ConfigError, explain
 
-__all__ = ["RungCaches", "cache_keyword", "checked_rungs", "full_length_layers", "length_rungs"]
+__all__ = [
+    "RungCaches",
+    "allocate_rows",
+    "cache_keyword",
+    "checked_rungs",
+    "full_length_layers",
+    "length_rungs",
+]
 
 _ROWS = ("keys", "values")  # per-layer tensors with a batch dimension first
 
@@ -47,7 +54,7 @@ class RungCaches:
         # length a dynamic dimension) instead of a contiguous tensor and views of it.
         self.base = StaticCache(config=model.config, max_cache_len=max_length + 1)
         full_length_layers(self.base, max_length + 1)
-        _initialize(model, self.base, largest)
+        allocate_rows(model, self.base, largest)
         self.largest = largest
         self.caches: dict[tuple[int, int], Any] = {}
         for n in rungs:
@@ -205,7 +212,7 @@ def cache_keyword(model: Any) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
-def _initialize(model: Any, cache: Any, batch: int) -> None:
+def allocate_rows(model: Any, cache: Any, batch: int) -> None:
     """Allocate the cache's tensors the way the model itself would: one token through it."""
     device = next(model.parameters()).device
     token = torch.zeros(batch, 1, dtype=torch.long, device=device)

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ConfigError, explain
 
-__all__ = ["SamplingParams", "greedy", "sample", "stop_finished"]
+__all__ = ["SamplingParams", "filtered", "greedy", "sample", "stop_finished"]
 
 
 @dataclass
@@ -87,19 +87,27 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """One token per row of ``logits`` ``[batch, vocab]``, ``[batch, 1]``; see the module doc."""
-    scores = logits.float() / params.temperature
-    ranked, order = scores.sort(dim=-1, descending=True)
-    rank = torch.arange(ranked.shape[-1], device=ranked.device)
-    keep = rank < params.top_k  # top-k by rank: [vocab], the same for every row
-    ranked = ranked.masked_fill(~keep, float("-inf"))
-    probs = ranked.softmax(dim=-1)
-    mass_above = probs.cumsum(dim=-1) - probs
-    keep = (mass_above < params.top_p) & keep
-    keep[..., 0] = True  # the most likely token always stays
-    probs = ranked.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    probs, order = filtered(logits.float() / params.temperature, params.top_k, params.top_p)
     race = torch.empty_like(probs).exponential_()
     choice = (probs / race).argmax(dim=-1, keepdim=True)
     return order.gather(-1, choice)
+
+
+def filtered(
+    scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probabilities of ``scores`` (``[batch, vocab]``, already divided by the
+    temperature) ranked from the most likely, after top-k then top-p (``[1]`` for every row,
+    or ``[batch, 1]`` one per row), and the vocabulary index of each rank."""
+    ranked, order = scores.sort(dim=-1, descending=True)
+    rank = torch.arange(ranked.shape[-1], device=ranked.device)
+    keep = rank < top_k  # top-k by rank
+    ranked = ranked.masked_fill(~keep, float("-inf"))
+    probs = ranked.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    keep = (mass_above < top_p) & keep
+    keep[..., 0] = True  # the most likely token always stays
+    return ranked.masked_fill(~keep, float("-inf")).softmax(dim=-1), order
 
 
 def stop_finished(

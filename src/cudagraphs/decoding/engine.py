@@ -1,0 +1,489 @@
+"""Continuous batching on graphs: requests join and leave a running batch between steps.
+
+:class:`Engine` holds one cache of ``max_batch`` rows (slots), each row at a length of its own
+(``slot_cache.py``), and one captured decode step per (batch rung, cache-length rung, mode)
+(``slot_steps.py``). Requests are submitted at any time, from any thread or coroutine, and
+each gets a :class:`~.completions.Completion` that streams its tokens. One worker thread runs
+the loop; at every step boundary:
+
+1. cancelled requests leave; requests waiting in the queue take the free slots (in order);
+2. prompts go in, in chunks of at most ``prefill_chunk`` tokens per boundary over all
+   joining requests, so a long prompt holds the running rows back one chunk at a time, not
+   for its whole length; a request whose prompt is in emits its first token;
+3. one decode step runs for the slots in use, on the smallest batch rung that holds them and
+   the shortest cache-length rung that holds the longest row; each live row emits a token;
+4. rows that ended leave, and the last slot in use moves into the hole, so the slots in use
+   stay at the front and the batch moves down the rung ladder as it empties.
+
+Failures stay where they happen: a bad request is refused at :meth:`Engine.submit`; a full
+queue refuses at once (:class:`~cudagraphs.Overloaded`); a prompt chunk that raises fails its
+request; a decode step that raises fails the requests in that step
+(:class:`~cudagraphs.StepFailedError`) and the engine goes on with the queue.
+
+Right::
+
+    engine = Engine(model, max_batch=16, max_length=1024)
+    completion = engine.submit(prompt_ids, max_new_tokens=128)        # from any thread
+    for token in completion: ...                                      # or: async for
+    engine.close()
+
+Wrong: one ``Decoder.generate`` per request from many threads: the calls take turns on the
+decoder's lock, each a batch of one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..core import Pool
+from ..errors import BatcherClosed, Overloaded, StepFailedError, explain
+from ..options import check_positive_int, checked_keywords
+from ..shapes import powers_of_two
+from .completions import Completion, cancelled
+from .engine_metrics import EngineMetrics, EngineRecorder, engine_prometheus
+from .kv_cache import cache_keyword, checked_rungs, length_rungs
+from .prompts import EngineRequest, check_engine_request
+from .requests import check_attention, check_model
+from .row_sampling import choose
+from .slot_cache import SlotCache
+from .slot_steps import SlotState, capture_slot_step
+
+__all__ = ["Engine", "EngineStats"]
+
+MODES = ("greedy", "mixed")
+
+
+@dataclass
+class EngineStats:
+    """What the engine's graphs have done."""
+
+    setup_s: float = 0.0
+    graphs: int = 0  # decode steps captured (or, without CUDA, eager pass-throughs)
+    replays: dict[str, int] = field(default_factory=dict)  # steps per graph
+    recaptures: int = 0
+    prefill_chunks: int = 0
+    moves: int = 0  # rows moved into the hole a finished request left
+    graph_bytes: int = 0  # growth of torch.cuda.memory_reserved() over the captures
+    cache_bytes: int = 0
+
+
+@dataclass
+class _Row:
+    """A request in a slot: its host-side view (the device holds the rest)."""
+
+    request: EngineRequest
+    completion: Completion
+    length: int = 0  # cache positions written: the prompt so far, then one per token fed
+    decoding: bool = False  # prompt done, first token emitted, not ended
+
+
+class Engine:
+    """Continuous batching of a transformers causal LM over captured decode steps; see the
+    module doc.
+
+    Args:
+        model: a transformers causal LM in eval mode, SDPA attention, on one device.
+        max_batch: slots: requests decoding at once (the largest batch rung).
+        max_length: cache positions per slot: the longest prompt plus new tokens.
+        batch_sizes: the batch rungs (default: powers of two up to ``max_batch``, and it).
+        cache_lengths: the cache-length rungs a step attends to (default as ``Decoder``'s).
+        max_queue: requests that may wait for a slot; one more is refused at once
+            (:class:`~cudagraphs.Overloaded`).
+        prefill_chunk: prompt tokens put in per step boundary, over all joining requests.
+        warmup: eager steps before each capture.
+        do_sample: also capture the steps of batches with sampled rows now (else on the first
+            such request).
+        name: the engine's name in its metrics.
+    """
+
+    @checked_keywords("Engine")
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_batch: int,
+        max_length: int,
+        batch_sizes: Sequence[int] | None = None,
+        cache_lengths: Sequence[int] | None = None,
+        max_queue: int = 1024,
+        prefill_chunk: int = 256,
+        warmup: int = 2,
+        do_sample: bool = False,
+        name: str = "engine",
+    ):
+        start = time.perf_counter()
+        check_model(model)
+        check_attention(model)
+        for key, value in (
+            ("max_batch", max_batch),
+            ("max_length", max_length),
+            ("max_queue", max_queue),
+            ("prefill_chunk", prefill_chunk),
+            ("warmup", warmup),
+        ):
+            check_positive_int(key, value, "it sizes the cache, the queue or the steps")
+        self.model, self.name = model, name
+        self.max_batch, self.max_length = max_batch, max_length
+        self.max_queue, self.prefill_chunk, self.warmup = max_queue, prefill_chunk, warmup
+        self.cache_arg = cache_keyword(model)
+        self.device = next(model.parameters()).device
+        self.rungs = checked_rungs(
+            "batch_sizes", batch_sizes or sorted({*powers_of_two(max_batch), max_batch}),
+            max_batch, "a step of n slots runs on the smallest rung that holds them",
+            f"pass e.g. batch_sizes=[1, 4, {max_batch}], or leave it out",
+        )  # fmt: skip
+        if self.rungs[-1] != max_batch:
+            self.rungs.append(max_batch)
+        self.lengths = length_rungs(max_length, cache_lengths)
+        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.cache = SlotCache(model, max_batch, max_length)
+        self.state = SlotState.make(self.cache, model.config.vocab_size)
+        self.stats = EngineStats(cache_bytes=self.cache.bytes)
+        self.pool = Pool()
+        self.graphs: dict[tuple[int, int, str], Any] = {}
+        self.recorder = EngineRecorder(max_batch)
+        self.rows: list[_Row] = []  # slot k holds rows[k]: the slots in use are the first
+        self._queue: deque[tuple[EngineRequest, Completion]] = deque()
+        self._wake = threading.Condition()
+        self._closing = False
+        self._drain = True
+        self._next_id = 0
+        # The worker captures the steps before it serves (a graph is replayed by the thread
+        # that captured it); a failure there is raised here.
+        self._modes = MODES[: 2 if do_sample else 1]
+        self._ready = threading.Event()
+        self._setup_error: BaseException | None = None
+        self._worker = threading.Thread(target=self._serve, name=f"cudagraphs-{name}", daemon=True)
+        self._worker.start()
+        self._ready.wait()
+        if self._setup_error is not None:
+            raise self._setup_error
+        self.stats.setup_s = time.perf_counter() - start
+
+    # -- the public surface --------------------------------------------------------------------
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the steps replay captured graphs (``False``: eager, no CUDA here)."""
+        return self.device.type == "cuda" and torch.cuda.is_available()
+
+    @checked_keywords("Engine.submit")
+    def submit(
+        self,
+        prompt: Sequence[int] | torch.Tensor,
+        *,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_id: int | Sequence[int] | None = -1,
+    ) -> Completion:
+        """Queue one request and return its :class:`~.completions.Completion` at once.
+
+        Greedy unless ``do_sample`` (then ``temperature``, ``top_k``, ``top_p`` as
+        ``generate``'s, and ``seed``: the same seed gives the same tokens whatever else is in
+        the batch). ``eos_token_id``: the model's generation config's by default, ``None`` to
+        decode ``max_new_tokens`` always. Raises :class:`~cudagraphs.BadRequestError` for a
+        request that cannot be served, :class:`~cudagraphs.Overloaded` when ``max_queue``
+        requests wait already, :class:`~cudagraphs.BatcherClosed` after :meth:`close`."""
+        request = check_engine_request(
+            prompt, max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, model=self.model,
+            max_length=self.max_length,
+        )  # fmt: skip
+        with self._wake:
+            if self._closing:
+                self.recorder.error("BatcherClosed")
+                raise BatcherClosed(f"engine {self.name!r} is closed: it takes no new requests")
+            if len(self._queue) >= self.max_queue:
+                self.recorder.error("Overloaded")
+                raise Overloaded(
+                    explain(
+                        f"engine {self.name!r} has {len(self._queue)} requests waiting, its "
+                        f"max_queue",
+                        "a bounded queue refuses at once instead of letting waits grow without "
+                        "bound; nothing of this request was queued",
+                        "retry after a moment, or build the engine with a larger max_queue",
+                    ),
+                    retry_after_s=1.0,
+                )
+            completion = Completion(self._next_id, request.prompt, request.max_new_tokens)
+            self._next_id += 1
+            self._queue.append((request, completion))
+            self.recorder.submitted(completion.submitted)
+            self._wake.notify()
+        return completion
+
+    def generate(self, prompt: Sequence[int] | torch.Tensor, **settings: Any) -> list[int]:
+        """:meth:`submit` and wait: the new tokens (``settings`` as :meth:`submit`'s)."""
+        return self.submit(prompt, **settings).result()
+
+    def metrics(self) -> EngineMetrics:
+        """A snapshot of the engine's counters (``engine_metrics.py``)."""
+        with self._wake:
+            waiting, running = len(self._queue), len(self.rows)
+        return self.recorder.snapshot(waiting, running)
+
+    def prometheus(self) -> str:
+        """:meth:`metrics` as Prometheus text."""
+        return engine_prometheus(self.metrics(), self.name)
+
+    def health(self) -> dict[str, Any]:
+        """What a health check reports: running or not, graphs or eager, and where."""
+        alive = self._worker is not None and self._worker.is_alive()
+        return {
+            "status": "ok" if alive and not self._closing else "closing" if alive else "stopped",
+            "graphs": self.graphed,
+            "why_eager": None if self.graphed else "no CUDA device: the steps run eagerly",
+            "device": str(self.device),
+            "captured_steps": sum(1 for g in self.graphs.values() if _captured(g)),
+            "slots": self.max_batch,
+            "max_length": self.max_length,
+        }
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Take no new requests; with ``drain`` finish the queued and running ones first,
+        else fail them (:class:`~cudagraphs.BatcherClosed`). Returns once the worker stopped
+        (or after ``timeout`` seconds)."""
+        with self._wake:
+            self._closing, self._drain = True, drain
+            self._wake.notify()
+        if self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join(timeout)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _prepare(self, mode: str) -> None:
+        """Capture every rung's step of ``mode`` (``"greedy"``, ``"mixed"``), warmed up on
+        slots with no live row: before the worker serves."""
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_reserved(self.device) if cuda else 0
+        saved = self.state.snapshot()
+        self.state.active.zero_()  # no live row: the warm-up steps change nothing read later
+        for n in reversed(self.rungs):  # the largest first: the pool grows once
+            for length in self.lengths:
+                if (n, length, mode) in self.graphs:
+                    continue
+                g = capture_slot_step(
+                    self.model, self.cache_arg, self.cache, self.state, n, length, mode,
+                    pool=self.pool, warmup=self.warmup,
+                )  # fmt: skip
+                for _ in range(self.warmup + 1):  # the eager calls, then the capture
+                    g()
+                self.graphs[n, length, mode] = g
+        self.state.restore(saved)
+        self.stats.graphs = len(self.graphs)
+        if cuda:
+            self.stats.graph_bytes += torch.cuda.memory_reserved(self.device) - before
+
+    def __repr__(self) -> str:
+        return (
+            f"<cudagraphs Engine {type(self.model).__name__} slots={self.max_batch} "
+            f"rungs={self.rungs} lengths={self.lengths} running={len(self.rows)}>"
+        )
+
+    # -- the worker ----------------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        with torch.no_grad():
+            try:
+                for mode in self._modes:
+                    self._prepare(mode)
+            except BaseException as error:
+                self._setup_error = error
+                return
+            finally:
+                self._ready.set()
+            while self._next_boundary():
+                self._leave_cancelled()
+                self._prefill()
+                if any(row.decoding for row in self.rows):
+                    self._decode()
+
+    def _next_boundary(self) -> bool:
+        """Wait for work; admit queued requests into free slots. False: stop."""
+        with self._wake:
+            while not self._queue and not self.rows and not self._closing:
+                self._wake.wait()
+            if self._closing and not self._drain:
+                self._fail_all(BatcherClosed(f"engine {self.name!r} was closed without draining"))
+                return False
+            if self._closing and not self._queue and not self.rows:
+                return False
+            joining = []
+            while self._queue and len(self.rows) + len(joining) < self.max_batch:
+                joining.append(self._queue.popleft())
+        for request, completion in joining:
+            if completion.cancel_requested:
+                self._end(completion, "cancelled", cancelled(completion.id))
+                continue
+            self._join(request, completion)
+        return True
+
+    def _join(self, request: EngineRequest, completion: Completion) -> None:
+        slot, state = len(self.rows), self.state
+        self.rows.append(_Row(request, completion))
+        state.lengths[slot] = 0
+        state.active[slot] = False
+        state.finished[slot] = False
+        state.left[slot] = request.max_new_tokens - 1  # the first comes from the prompt
+        state.eos[slot] = -1
+        if request.eos:
+            state.eos[slot, : len(request.eos)] = torch.tensor(request.eos)
+        state.settings.set(
+            slot, temperature=request.temperature, top_k=request.top_k,
+            top_p=request.top_p, seed=request.seed,
+        )  # fmt: skip
+
+    def _leave_cancelled(self) -> None:
+        for row in [row for row in self.rows if row.completion.cancel_requested]:
+            self._leave(row, "cancelled", cancelled(row.completion.id))
+
+    def _prefill(self) -> None:
+        """Put prompt chunks in, at most ``prefill_chunk`` tokens over all joining rows."""
+        budget = self.prefill_chunk
+        for row in [row for row in self.rows if not row.decoding]:
+            if budget == 0:
+                return
+            take = min(budget, len(row.request.prompt) - row.length)
+            budget -= take
+            try:
+                self._prefill_chunk(row, take)
+            except Exception as error:  # this request alone: the running rows are untouched
+                failure = StepFailedError(
+                    f"the prompt of request {row.completion.id} failed to prefill: {error}"
+                )
+                failure.__cause__ = error
+                self._leave(row, "error", failure)
+
+    def _prefill_chunk(self, row: _Row, take: int) -> None:
+        slot, start, prompt = self.rows.index(row), row.length, row.request.prompt
+        length = next(size for size in self.lengths if size >= start + take)
+        ids = torch.tensor([prompt[start : start + take]], device=self.device)
+        positions = torch.arange(start, start + take, device=self.device)
+        extra = {"logits_to_keep": 1} if self.keeps_logits else {}
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions[None],
+            cache_position=positions,
+            attention_mask=self.cache.chunk_mask(slot, start, take, length),
+            use_cache=True,
+            **{self.cache_arg: self.cache.prefill(slot, length)},
+            **extra,
+        )
+        row.length += take
+        self.state.lengths[slot] = row.length
+        self.stats.prefill_chunks += 1
+        if row.length < len(prompt):
+            return
+        live = torch.ones(1, dtype=torch.bool, device=self.device)
+        first = choose(out.logits[:, -1, :], self.state.settings, slice(slot, slot + 1), live)
+        token = int(first)
+        self.state.tokens[slot] = token
+        row.decoding = True
+        self._emit(row, token, ended=token in row.request.eos or row.request.max_new_tokens == 1)
+        if row.decoding:
+            self.state.active[slot] = True
+
+    def _decode(self) -> None:
+        count = len(self.rows)
+        n = next(r for r in self.rungs if r >= count)
+        longest = max(row.length for row in self.rows if row.decoding) + 1
+        length = next(size for size in self.lengths if size >= longest)
+        sampled = any(row.decoding and row.request.temperature > 0 for row in self.rows)
+        mode = MODES[sampled]
+        decoding = [row for row in self.rows if row.decoding]
+        try:
+            if (n, length, mode) not in self.graphs:
+                self._capture_now(n, length, mode)
+            graphed = self.graphs[n, length, mode]
+            saved: list[torch.Tensor] = []
+            if graphed.refresh(prepare=lambda: saved.extend(self.state.snapshot())):
+                self.state.restore(saved)  # a recapture's warm-up ran steps on the live rows
+                self.stats.recaptures += 1
+            graphed()
+            emitted = self.state.emitted[:count].tolist()
+        except Exception as error:  # the rows of this step fail; the engine goes on
+            failure = StepFailedError(
+                explain(
+                    f"the decode step of {len(decoding)} requests (batch rung {n}, cache "
+                    f"length {length}) raised {type(error).__name__}: {error}",
+                    "the requests in a failed step may hold a partly written cache row",
+                    "the engine serves the other requests; resubmit these, and see the cause",
+                )
+            )
+            failure.__cause__ = error
+            for row in decoding:
+                self._leave(row, "error", failure)
+            return
+        key = f"{mode} batch {n} length {length}"
+        self.stats.replays[key] = self.stats.replays.get(key, 0) + 1
+        self.recorder.step(len(decoding), n)
+        # By slot at the step: a row that leaves moves another into its slot.
+        stepped = [(row, emitted[k]) for k, row in enumerate(self.rows) if row.decoding]
+        for row, _ in stepped:  # before any row leaves: a move copies a row's whole length
+            row.length += 1
+        for row, (token, ended) in stepped:
+            self._emit(row, token, ended=bool(ended))
+
+    def _capture_now(self, n: int, length: int, mode: str) -> None:
+        """A mode not prepared up front: its warm-up and capture are real steps of the live
+        rows, so capture by calling it (each call one step) and keep the emitted tokens."""
+        self.graphs[n, length, mode] = capture_slot_step(
+            self.model, self.cache_arg, self.cache, self.state, n, length, mode,
+            pool=self.pool, warmup=self.warmup,
+        )  # fmt: skip
+        self.stats.graphs = len(self.graphs)
+
+    def _emit(self, row: _Row, token: int, ended: bool) -> None:
+        completion = row.completion
+        completion.add([token])
+        self.recorder.tokens(completion.submitted, completion.token_times, 1)
+        if ended:
+            reason = "stop" if token in row.request.eos else "length"
+            self._leave(row, reason, None)
+
+    def _leave(self, row: _Row, reason: Any, error: BaseException | None) -> None:
+        """End ``row``'s request and free its slot: the last slot in use moves into it."""
+        slot, last = self.rows.index(row), len(self.rows) - 1
+        self._end(row.completion, reason, error)
+        row.decoding = False
+        if slot != last:
+            moving = self.rows[last]
+            self.cache.move(last, slot, moving.length)
+            self.state.move(last, slot)
+            self.rows[slot] = moving
+            self.stats.moves += 1
+        self.rows.pop()
+        self.state.active[last] = False
+
+    def _end(self, completion: Completion, reason: Any, error: BaseException | None) -> None:
+        completion.end(reason, error)
+        self.recorder.ended(reason)
+        if error is not None:
+            self.recorder.error(type(error).__name__)
+
+    def _fail_all(self, error: BaseException) -> None:
+        while self._queue:
+            _, completion = self._queue.popleft()
+            self._end(completion, "error", error)
+        for row in list(self.rows):
+            self._leave(row, "error", error)
+
+
+def _captured(graphed: Any) -> bool:
+    return getattr(getattr(graphed, "stats", None), "state", None) == "captured"

@@ -1,0 +1,181 @@
+"""One KV cache of fixed rows (slots), each row at a length of its own: what lets requests at
+different positions decode in one captured step.
+
+A ``StaticCache`` writes every row of a step at the same position. Here each slot keeps its
+own length in a device tensor (``lengths[slot]``: the positions written so far, so the next
+write goes there), and the layers write a step's one new key and value per row at that row's
+length (an indexed write, no host read). A step attends through a prepared boolean mask, row
+``r`` to positions ``[0, lengths[r]]``, so a row never sees another request's positions or
+its own slot's stale ones. A prompt is written into one slot at a time (:meth:`SlotCache.prefill`),
+in chunks, at that slot's length.
+
+The views a step runs on (:meth:`SlotCache.decode`) hold the first ``n`` slots and the first
+``length`` positions: a step of 3 requests on a 16-slot cache runs on the 4-row rung, and a
+step whose longest row holds 200 positions attends to a 256-position prefix. The slots in use
+are kept at the front (:meth:`SlotCache.move` fills the hole a finished request leaves).
+
+Right::
+
+    cache = SlotCache(model, slots=16, max_length=1024)
+    view = cache.decode(4, 256)         # rows 0..3, positions 0..255, written at lengths[:4]
+
+Wrong: giving the model ``cache_position`` to place the rows: every row would be written at
+that one position, and a row that joined later would overwrite an older row's past.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError, explain
+from .kv_cache import allocate_rows, full_length_layers
+
+__all__ = ["SlotCache"]
+
+_ROWS = ("keys", "values")
+
+
+class SlotCache:
+    """``slots`` rows of ``max_length`` positions, each row's length in :attr:`lengths`."""
+
+    def __init__(self, model: Any, slots: int, max_length: int):
+        from transformers import StaticCache
+
+        window = getattr(model.config, "sliding_window", None)
+        if isinstance(window, int) and window < max_length:
+            raise ConfigError(
+                explain(
+                    f"the model attends within a sliding window of {window} positions, "
+                    f"shorter than max_length={max_length}",
+                    "rows at different lengths are given one prepared mask of every position "
+                    "each row may see, which has no window",
+                    f"pass max_length={window} or less, or decode this model with Decoder",
+                )
+            )
+        self.base = StaticCache(config=model.config, max_cache_len=max_length)
+        full_length_layers(self.base, max_length)
+        allocate_rows(model, self.base, slots)
+        self.slots = slots
+        self.max_length = max_length
+        device = self.base.layers[0].keys.device
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
+        self.columns = torch.arange(max_length, device=device)
+        self._decode_views: dict[tuple[int, int], Any] = {}
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the keys and values of every slot."""
+        return sum(
+            getattr(layer, name).numel() * getattr(layer, name).element_size()
+            for layer in self.base.layers
+            for name in _ROWS
+        )
+
+    def decode(self, n: int, length: int) -> Any:
+        """The cache a step of the first ``n`` slots runs on: each layer holds their first
+        ``length`` positions and writes the step's one new position per row at
+        ``lengths[row]``. The same object for the same rung (a graph reads it by address)."""
+        key = (n, length)
+        if key not in self._decode_views:
+            self._decode_views[key] = self._view(
+                _DecodeLayer, slice(0, n), length, at=self.lengths[:n]
+            )
+        return self._decode_views[key]
+
+    def decode_mask(self, n: int, length: int) -> torch.Tensor:
+        """Which positions each of the first ``n`` rows attends to in a step:
+        ``[n, 1, 1, length]``, row ``r`` up to and with its new position ``lengths[r]``."""
+        return (self.columns[:length] <= self.lengths[:n, None])[:, None, None, :]
+
+    def prefill(self, slot: int, length: int) -> Any:
+        """The cache a prompt chunk of one request runs on: slot ``slot``'s first ``length``
+        positions, written from ``lengths[slot]`` on."""
+        return self._view(
+            _ChunkLayer, slice(slot, slot + 1), length, at=self.lengths[slot : slot + 1]
+        )
+
+    def chunk_mask(self, slot: int, start: int, tokens: int, length: int) -> torch.Tensor:
+        """The causal mask of a chunk of ``tokens`` positions from ``start`` in ``slot``:
+        ``[1, 1, tokens, length]``."""
+        rows = torch.arange(start, start + tokens, device=self.columns.device)
+        return (self.columns[:length] <= rows[:, None])[None, None]
+
+    def move(self, source: int, target: int, positions: int) -> None:
+        """Copy slot ``source``'s first ``positions`` keys and values into slot ``target``
+        (the slot a finished request left), on the device. Its length moves with the rest of
+        the slot's state (``SlotState.move``)."""
+        for layer in self.base.layers:
+            for name in _ROWS:
+                rows = getattr(layer, name)
+                rows[target, :, :positions].copy_(rows[source, :, :positions])
+
+    def _view(self, kind: type, rows: slice, length: int, at: torch.Tensor) -> Any:
+        cache = copy.copy(self.base)
+        cache.layers = [_layer_view(kind, layer, rows, length, at) for layer in self.base.layers]
+        return cache
+
+
+def _layer_view(kind: type, layer: Any, rows: slice, length: int, at: torch.Tensor) -> Any:
+    view = object.__new__(_subclass(kind, type(layer)))
+    view.__dict__.update(vars(layer))
+    view.__dict__.pop("max_cache_len", None)
+    for name in _ROWS:  # [slots, heads, positions, head_dim]
+        setattr(view, name, getattr(layer, name)[rows, :, :length])
+    view.at = at
+    return view
+
+
+class _DecodeLayer:
+    """A layer of a decode step: one new position per row, at that row's length."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    at: torch.Tensor
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *_: Any, **__: Any) -> Any:
+        n, heads = keys.shape[:2]
+        where = (
+            torch.arange(n, device=keys.device)[:, None],
+            torch.arange(heads, device=keys.device)[None, :],
+            self.at[:, None],
+        )
+        self.keys.index_put_(where, keys[:, :, 0])
+        self.values.index_put_(where, values[:, :, 0])
+        return self.keys, self.values
+
+
+class _ChunkLayer:
+    """A layer of a prompt chunk: one slot, the chunk's positions from the slot's length."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    at: torch.Tensor
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, *_: Any, **__: Any) -> Any:
+        positions = self.at + torch.arange(keys.shape[2], device=keys.device)
+        self.keys.index_copy_(2, positions, keys)
+        self.values.index_copy_(2, positions, values)
+        return self.keys, self.values
+
+
+@functools.cache
+def _subclass(kind: type, layer_class: type) -> type:
+    """``layer_class`` with ``kind``'s ``update`` and a length read from the view's shape."""
+
+    def max_cache_len(self: Any) -> int:
+        return self.keys.shape[2]
+
+    def ignore(self: Any, value: int) -> None:  # the view's shape is its length
+        pass
+
+    attributes = {
+        "update": kind.update,
+        "max_cache_len": property(max_cache_len, ignore),
+        "__module__": __name__,
+    }
+    name = f"{kind.__name__.lstrip('_')}{layer_class.__name__}"
+    return type(name, (layer_class,), attributes)

@@ -1,0 +1,146 @@
+"""The captured decode step of an engine's running batch: rows at their own lengths, each with
+its own settings, one graph per (batch rung, cache-length rung, mode).
+
+Everything a step needs is a device tensor of one entry per slot (:class:`SlotState`), read
+and written in place, so the host changes who is in the batch between steps by writing a few
+entries, never by capturing again. In one step, for the first ``n`` slots:
+
+- a row is *live* when it is decoding and has not ended (``active & ~finished``); the others
+  (a slot whose prompt is still going in, a free slot under the rung) run along and are
+  ignored: their length, token and draw count do not move, and what they emit is not read;
+- each live row's token goes into the cache at that row's length and attends to its own
+  positions (``SlotCache.decode_mask``), with position id its length;
+- the next token is chosen per row (``"greedy"``: the argmax for all; ``"mixed"``: each row's
+  settings, ``row_sampling.choose``); a row ends on one of its end-of-sequence ids or its last
+  allowed token;
+- ``emitted[:n]`` holds each row's token and whether it ended: the one thing the host reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from ..api import graph
+from .requests import MAX_EOS
+from .row_sampling import RowSettings, choose
+from .slot_cache import SlotCache
+
+__all__ = ["SlotState", "capture_slot_step", "slot_step"]
+
+
+@dataclass
+class SlotState:
+    """The per-slot device state of a running batch (see the module doc)."""
+
+    lengths: torch.Tensor  # [slots] positions in the cache (``SlotCache.lengths``, shared)
+    tokens: torch.Tensor  # [slots, 1] the token each row feeds next
+    active: torch.Tensor  # [slots] bool: decoding (prompt done, not left)
+    finished: torch.Tensor  # [slots] bool: ended (end-of-sequence id or last token)
+    left: torch.Tensor  # [slots] tokens each row may still emit
+    eos: torch.Tensor  # [slots, MAX_EOS] end-of-sequence ids, -1 unused
+    emitted: torch.Tensor  # [slots, 2] the step's token and whether the row ended
+    settings: RowSettings
+
+    @classmethod
+    def make(cls, cache: SlotCache, vocab_size: int) -> SlotState:
+        slots, device = cache.slots, cache.lengths.device
+        long = {"dtype": torch.long, "device": device}
+        return cls(
+            lengths=cache.lengths,
+            tokens=torch.zeros(slots, 1, **long),
+            active=torch.zeros(slots, dtype=torch.bool, device=device),
+            finished=torch.zeros(slots, dtype=torch.bool, device=device),
+            left=torch.zeros(slots, **long),
+            eos=torch.full((slots, MAX_EOS), -1, **long),
+            emitted=torch.zeros(slots, 2, **long),
+            settings=RowSettings.make(slots, vocab_size, device),
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every per-slot tensor (the settings' too)."""
+        plain = [getattr(self, f.name) for f in fields(self) if f.name != "settings"]
+        return [*plain, *self.settings.tensors()]
+
+    def move(self, source: int, target: int) -> None:
+        """Slot ``source``'s state into slot ``target``, on the device."""
+        for tensor in self.tensors():
+            tensor[target].copy_(tensor[source])
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.tensors()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for tensor, copy in zip(self.tensors(), saved):
+            tensor.copy_(copy)
+
+
+def slot_step(
+    model: Any, cache_arg: str, cache: SlotCache, state: SlotState, n: int, length: int, mode: str
+) -> Callable[[], None]:
+    """One decode step of the first ``n`` slots on ``length`` cache positions (see the module
+    doc), as a function of no arguments: it reads and writes ``state`` and ``cache``."""
+    view = cache.decode(n, length)
+    lengths, tokens, active, finished = state.lengths[:n], state.tokens[:n], state.active[:n], state.finished[:n]  # fmt: skip
+    left, eos, emitted, settings = state.left[:n], state.eos[:n], state.emitted[:n], state.settings
+    rows = slice(0, n)
+
+    def step() -> None:
+        live = active & ~finished
+        out = model(
+            input_ids=tokens,
+            position_ids=lengths[:, None],
+            cache_position=lengths[:1],  # unused: the mask is prepared and the cache places rows
+            attention_mask=cache.decode_mask(n, length),
+            use_cache=True,
+            **{cache_arg: view},
+        )
+        logits = out.logits[:, -1, :]
+        if mode == "greedy":
+            chosen = logits.float().argmax(dim=-1, keepdim=True)
+        else:
+            chosen = choose(logits, settings, rows, live)
+        ended = live & ((chosen == eos).any(dim=-1) | (left <= 1))
+        moved = live.long()
+        lengths.add_(moved)
+        left.sub_(moved)
+        finished.logical_or_(ended)
+        tokens.copy_(torch.where(live[:, None], chosen, tokens))
+        emitted[:, 0] = chosen[:, 0]
+        emitted[:, 1] = ended.long()
+
+    step.__qualname__ = step.__name__ = f"engine_{mode}_batch{n}_len{length}"
+    return step
+
+
+def capture_slot_step(
+    model: Any,
+    cache_arg: str,
+    cache: SlotCache,
+    state: SlotState,
+    n: int,
+    length: int,
+    mode: str,
+    *,
+    pool: Any,
+    warmup: int,
+) -> Any:
+    """:func:`slot_step` as a graph (``cg.graph``'s lazy form: its first ``warmup`` calls run
+    eagerly, the next one captures). Each call is one real step: the caller warms it up on
+    slots with no live row, where a step changes nothing a later step reads."""
+    step = slot_step(model, cache_arg, cache, state, n, length, mode)
+    return graph(
+        step,
+        pool=pool,
+        warmup=warmup,
+        # The step reaches the model through a closure: name it, so the guard sees a
+        # parameter moved to new memory (and captures again) before a replay.
+        modules=[model],
+        # The engine owns the cache and the state and keeps them consistent itself: what a
+        # step writes for a row that is not live lies where that row's next real write goes.
+        side_effects="keep",
+        outputs="alias",
+    )
