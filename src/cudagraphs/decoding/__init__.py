@@ -1,7 +1,9 @@
 """LLM decoding on graphs: the :class:`Decoder` (transformers models, captured decode steps per
-batch and length rung over one static cache), its sampling settings, and the kernels and model
-rewrites it uses (one-row products, decode attention, fused projections). Each name loads on
-first use (transformers and Triton are optional).
+batch and length rung over one static cache), the :class:`Engine` (continuous batching: requests
+join and leave a running batch between captured steps, each streamed as a :class:`Completion`),
+their sampling settings, and the kernels and model rewrites they use (one-row products, decode
+attention, fused projections). Each name loads on first use (transformers and Triton are
+optional).
 
 Right: ``from cudagraphs.decoding import Decoder``. Wrong: reaching into
 ``cudagraphs.decoding.decoder`` from another package of the library: this module is the one
@@ -15,14 +17,21 @@ from ..lazy import first_use
 
 if TYPE_CHECKING:
     from .compiled import compile_settings
+    from .completions import Completion
     from .decoder import Decoder, DecodeStats, default_batch_rungs
+    from .engine import Engine, EngineStats
+    from .engine_metrics import EngineMetrics
     from .fused_projections import FusionReport, fuse_projections, unfuse_projections
     from .grouped_attention import grouped_sdpa_attention, use_grouped_attention
     from .sampling import SamplingParams
 
 _WHERE = {
+    "Completion": "completions",
     "DecodeStats": "decoder",
     "Decoder": "decoder",
+    "Engine": "engine",
+    "EngineMetrics": "engine_metrics",
+    "EngineStats": "engine",
     "FusionReport": "fused_projections",
     "SamplingParams": "sampling",
     "compile_settings": "compiled",
@@ -34,8 +43,12 @@ _WHERE = {
 }
 
 __all__ = [
+    "Completion",
     "DecodeStats",
     "Decoder",
+    "Engine",
+    "EngineMetrics",
+    "EngineStats",
     "FusionReport",
     "SamplingParams",
     "compile_settings",

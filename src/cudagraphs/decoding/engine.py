@@ -33,6 +33,7 @@ decoder's lock, each a batch of one.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -44,14 +45,15 @@ from typing import Any
 import torch
 
 from ..core import Pool
-from ..errors import BatcherClosed, Overloaded, StepFailedError, explain
+from ..errors import BatcherClosed, ConfigError, Overloaded, StepFailedError, explain
 from ..options import check_positive_int, checked_keywords
 from ..shapes import powers_of_two
 from .completions import Completion, cancelled
 from .engine_metrics import EngineMetrics, EngineRecorder, engine_prometheus
+from .grouped_attention import takes_sdpa_mask
 from .kv_cache import cache_keyword, checked_rungs, length_rungs
 from .prompts import EngineRequest, check_engine_request
-from .requests import check_attention, check_model
+from .requests import check_model
 from .row_sampling import choose
 from .slot_cache import SlotCache
 from .slot_steps import SlotState, capture_slot_step
@@ -121,7 +123,17 @@ class Engine:
     ):
         start = time.perf_counter()
         check_model(model)
-        check_attention(model)
+        if not takes_sdpa_mask(model):
+            raise ConfigError(
+                explain(
+                    f"Engine needs the model's SDPA attention, it uses "
+                    f"{getattr(model.config, '_attn_implementation', None)!r}",
+                    "rows at different lengths share one step, each given the positions it "
+                    "attends to as a prepared boolean mask, as SDPA reads it",
+                    "load the model with attn_implementation='sdpa', or call "
+                    "model.set_attn_implementation('sdpa')",
+                )
+            )
         for key, value in (
             ("max_batch", max_batch),
             ("max_length", max_length),
@@ -299,7 +311,9 @@ class Engine:
     # -- the worker ----------------------------------------------------------------------------
 
     def _serve(self) -> None:
-        with torch.no_grad():
+        # The steps take no tensor argument: they are captured on the current device.
+        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else None
+        with torch.no_grad(), on_device or contextlib.nullcontext():
             try:
                 for mode in self._modes:
                     self._prepare(mode)

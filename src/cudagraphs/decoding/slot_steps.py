@@ -7,7 +7,7 @@ entries, never by capturing again. In one step, for the first ``n`` slots:
 
 - a row is *live* when it is decoding and has not ended (``active & ~finished``); the others
   (a slot whose prompt is still going in, a free slot under the rung) run along and are
-  ignored: their length, token and draw count do not move, and what they emit is not read;
+  ignored: their length and draw count do not move, and what they emit is not read;
 - each live row's token goes into the cache at that row's length and attends to its own
   positions (``SlotCache.decode_mask``), with position id its length;
 - the next token is chosen per row (``"greedy"``: the argmax for all; ``"mixed"``: each row's
@@ -108,7 +108,7 @@ def slot_step(
         lengths.add_(moved)
         left.sub_(moved)
         finished.logical_or_(ended)
-        tokens.copy_(torch.where(live[:, None], chosen, tokens))
+        tokens.copy_(chosen)  # a row that is not live is given its token when it goes live
         emitted[:, 0] = chosen[:, 0]
         emitted[:, 1] = ended.long()
 

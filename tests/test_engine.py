@@ -1,0 +1,424 @@
+"""The LLM engine's scheduler on the CPU: requests join and leave a running batch, each one's
+greedy tokens equal its own ``model.generate`` whatever else runs beside it, seeded draws do
+not depend on the neighbours, and every failure stays with its request (bad input, overload,
+cancel, a step that raises). With ``stand_in`` the steps are recordings replayed without
+running Python, as graphs are (conftest.py); the same checks run on a GPU in
+``test_engine_cuda.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import cudagraphs as cg
+
+transformers = pytest.importorskip("transformers")
+
+from llama_decode import tiny_llama  # noqa: E402
+
+from cudagraphs.decoding import Engine  # noqa: E402
+from cudagraphs.decoding.row_sampling import RowSettings, choose, seeded_uniform  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::cudagraphs.CudaGraphsWarning")
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+@pytest.fixture
+def engine(model: Any) -> Iterator[Engine]:
+    engine = Engine(model, max_batch=4, max_length=64, prefill_chunk=8)
+    yield engine
+    engine.close(drain=False)
+
+
+def reference(model: Any, prompt: list[int], new: int, eos: Any = None) -> list[int]:
+    """``model.generate``'s greedy new tokens (all ``new`` of them where ``eos`` is None)."""
+    ids = torch.tensor([prompt])
+    extra = {"min_new_tokens": new} if eos is None else {"eos_token_id": eos}
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+            pad_token_id=0, **extra,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+LENGTHS = [5, 11, 3, 17, 9, 2, 20]
+NEW = [10, 20, 7, 15, 12, 30, 4]
+
+
+def check_against_generate(model: Any, engine: Engine) -> None:
+    asked = prompts(3, LENGTHS)
+    completions = [
+        engine.submit(p, max_new_tokens=n, eos_token_id=None) for p, n in zip(asked, NEW)
+    ]
+    for completion, prompt, new in zip(completions, asked, NEW):
+        assert completion.result(timeout=120) == reference(model, prompt, new)
+        assert completion.finish_reason == "length"
+
+
+def test_requests_given_at_once_each_get_their_own_generate_tokens(model, engine) -> None:
+    # Seven requests on four slots: rows join as others leave, prompts go in by chunks of 8
+    # (the 17- and 20-token prompts take three), and the batch runs on rungs 4, 2 and 1.
+    check_against_generate(model, engine)
+    assert engine.stats.moves > 0, "a row should have moved into a finished request's slot"
+    rungs = {key.split(" length")[0] for key in engine.stats.replays}
+    assert {"greedy batch 4", "greedy batch 1"} <= rungs
+    assert engine.stats.prefill_chunks > len(LENGTHS)  # some prompts took several chunks
+
+
+def test_recorded_steps_replay_rows_at_their_own_lengths(
+    stand_in, model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The steps are recordings here: a length, token or mask read on the host at capture
+    # would be replayed frozen, and some row's tokens would differ from generate's. (A step
+    # takes no tensor argument, so it is captured on the current device: here, none.)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8) as engine:
+        assert engine.graphed is False  # the model is on the CPU; the stand-in still records
+        assert all(g.stats.state == "captured" for g in engine.graphs.values())
+        check_against_generate(model, engine)
+
+
+def test_requests_that_arrive_apart_join_the_running_batch(model, engine) -> None:
+    asked = prompts(4, [6, 9, 4, 13])
+    first = engine.submit(asked[0], max_new_tokens=40, eos_token_id=None)
+    iterator = iter(first)
+    early = [next(iterator) for _ in range(5)]  # the first request is decoding
+    later = [engine.submit(p, max_new_tokens=12, eos_token_id=None) for p in asked[1:]]
+    assert early + list(iterator) == reference(model, asked[0], 40)
+    for completion, prompt in zip(later, asked[1:]):
+        assert completion.result(timeout=120) == reference(model, prompt, 12)
+    assert any(key.startswith("greedy batch 4") for key in engine.stats.replays)
+
+
+def test_each_request_stops_at_its_own_end_of_sequence_ids(model, engine) -> None:
+    asked = prompts(5, [4, 7, 5])
+    free = [reference(model, p, 16) for p in asked]
+    # The second request's second id comes first in its output: each of a row's ids counts.
+    first, second = free[1][9], free[1][5]
+    assert second not in free[1][:5] and first not in free[1][:6]
+    eos = [[free[0][3]], [first, second], None]  # the third runs to its length
+    completions = [engine.submit(p, max_new_tokens=16, eos_token_id=e) for p, e in zip(asked, eos)]
+    for completion, prompt, stop in zip(completions, asked, eos):
+        tokens = completion.result(timeout=120)
+        assert tokens == reference(model, prompt, 16, eos=stop)
+        assert completion.finish_reason == ("length" if stop is None else "stop")
+    assert completions[0].tokens[-1] == eos[0][0] and len(completions[0].tokens) == 4
+
+
+def sampled(engine: Engine, prompt: list[int], seed: int) -> list[int]:
+    return engine.submit(
+        prompt, max_new_tokens=12, do_sample=True, temperature=1.3, top_k=40, top_p=0.95,
+        seed=seed, eos_token_id=None,
+    ).result(timeout=120)  # fmt: skip
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_its_neighbours(model) -> None:
+    prompt = prompts(6, [8])[0]
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=4) as engine:
+        alone = sampled(engine, prompt, seed=77)
+        # Beside a long greedy row, a sampled row of another seed and a request that joins
+        # later, on another slot and another rung, with prompt chunks put in between steps.
+        # The short greedy request ends first, and the seeded one moves into its slot.
+        others = [
+            engine.submit(prompts(7, [20])[0], max_new_tokens=30, eos_token_id=None),
+            engine.submit(prompts(7, [3])[0], max_new_tokens=3, eos_token_id=None),
+            engine.submit(
+                prompts(8, [3])[0], max_new_tokens=25, do_sample=True, seed=5,
+                eos_token_id=None,
+            ),
+        ]  # fmt: skip
+        moves = engine.stats.moves
+        crowded = sampled(engine, prompt, seed=77)
+        assert engine.stats.moves > moves
+        other_seed = sampled(engine, prompt, seed=78)
+        for completion in others:
+            completion.result(timeout=120)
+    assert crowded == alone
+    assert other_seed != alone  # the draws do come from the seed
+    assert any(key.startswith("mixed") for key in engine.stats.replays)
+
+
+def test_the_seeded_draw_follows_the_filtered_distribution() -> None:
+    # Many rows of one logits vector, each its own seed: the draws' frequencies match the
+    # probabilities after temperature, top-k and top-p.
+    rows, vocab = 20_000, 6
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -3.0]).expand(rows, vocab)
+    settings = RowSettings.make(rows, vocab, "cpu")
+    settings.temperature.fill_(0.8)
+    settings.top_k.fill_(4)
+    settings.top_p.fill_(0.97)
+    settings.seed.copy_(torch.arange(rows) * 7919 + 11)
+    live = torch.ones(rows, dtype=torch.bool)
+    drawn = choose(logits, settings, slice(0, rows), live)[:, 0]
+    probs = (logits[0] / 0.8).softmax(-1)
+    probs[4:] = 0  # top-k 4
+    probs /= probs.sum()
+    mass_above = probs.cumsum(-1) - probs
+    probs[mass_above >= 0.97] = 0
+    probs /= probs.sum()
+    frequencies = torch.bincount(drawn, minlength=vocab).float() / rows
+    torch.testing.assert_close(frequencies, probs, atol=0.012, rtol=0)
+    assert settings.drawn.eq(1).all()
+    uniforms = seeded_uniform(settings.seed, settings.drawn)
+    assert float(uniforms.min()) >= 0 and float(uniforms.max()) < 1
+    assert abs(float(uniforms.mean()) - 0.5) < 0.01
+
+
+def test_a_row_that_is_not_live_draws_nothing() -> None:
+    settings = RowSettings.make(2, 8, "cpu")
+    settings.temperature.fill_(1.0)
+    choose(torch.randn(2, 8), settings, slice(0, 2), torch.tensor([True, False]))
+    assert settings.drawn.tolist() == [1, 0]
+
+
+BAD = [
+    (list(range(60)), {"max_new_tokens": 10}, "needs 70 cache positions"),
+    ([3, VOCAB, 7], {"max_new_tokens": 4}, f"id {VOCAB}, outside the vocabulary"),
+    ([3, -1], {"max_new_tokens": 4}, "outside the vocabulary"),
+    (torch.tensor([1.0, 2.0]), {"max_new_tokens": 4}, "integer token ids"),
+    (torch.ones(2, 3, dtype=torch.long), {"max_new_tokens": 4}, "one sequence of ids"),
+    ([], {"max_new_tokens": 4}, "prompt is empty"),
+    ("hello", {"max_new_tokens": 4}, "list of token ids"),
+    ([1, 2], {"max_new_tokens": 0}, "max_new_tokens must be a positive int"),
+    ([1, 2], {"max_new_tokens": 4, "do_sample": True, "temperature": 0.0}, "temperature"),
+    ([1, 2], {"max_new_tokens": 4, "do_sample": True, "top_p": 1.5}, "top_p"),
+    ([1, 2], {"max_new_tokens": 4, "do_sample": True, "top_k": 0}, "top_k"),
+    ([1, 2], {"max_new_tokens": 4, "seed": -3}, "seed"),
+    ([1, 2], {"max_new_tokens": 4, "eos_token_id": [VOCAB + 5]}, "eos_token_id"),
+]
+
+
+@pytest.mark.parametrize(("prompt", "settings", "message"), BAD)
+def test_a_bad_request_is_refused_alone(model, engine, prompt, settings, message) -> None:
+    asked = prompts(9, [6])[0]
+    running = engine.submit(asked, max_new_tokens=20, eos_token_id=None)
+    with pytest.raises(cg.BadRequestError, match=message):
+        engine.submit(prompt, **settings)
+    assert running.result(timeout=120) == reference(model, asked, 20)
+    assert engine.metrics().queue_depth == 0
+
+
+def test_a_misspelt_setting_gets_did_you_mean(engine) -> None:
+    with pytest.raises(cg.ConfigError, match="did you mean max_new_tokens"):
+        engine.submit([1, 2], max_new_token=4)
+
+
+def test_a_full_queue_refuses_at_once_and_loses_nothing(model) -> None:
+    with Engine(model, max_batch=1, max_length=64, max_queue=2) as engine:
+        asked = prompts(10, [5, 6, 7, 8])
+        first = engine.submit(asked[0], max_new_tokens=40, eos_token_id=None)
+        next(iter(first))  # in its slot: the queue is empty
+        queued = [engine.submit(p, max_new_tokens=5, eos_token_id=None) for p in asked[1:3]]
+        with pytest.raises(cg.Overloaded, match="max_queue") as refused:
+            engine.submit(asked[3], max_new_tokens=5)
+        assert refused.value.retry_after_s > 0
+        assert first.result(timeout=120) == reference(model, asked[0], 40)
+        for completion, prompt in zip(queued, asked[1:3]):
+            assert completion.result(timeout=120) == reference(model, prompt, 5)
+        assert engine.metrics().errors == {"Overloaded": 1}
+
+
+def test_a_cancelled_request_frees_its_slot_and_the_others_go_on(model, engine) -> None:
+    asked = prompts(11, [5, 8])
+    doomed = engine.submit(asked[0], max_new_tokens=50, eos_token_id=None)
+    other = engine.submit(asked[1], max_new_tokens=30, eos_token_id=None)
+    tokens = iter(doomed)
+    next(tokens)
+    doomed.cancel()
+    with pytest.raises(cg.RequestCancelled):
+        doomed.result(timeout=120)
+    assert doomed.finish_reason == "cancelled" and len(doomed.tokens) < 50
+    assert other.result(timeout=120) == reference(model, asked[1], 30)
+    assert engine.metrics().running == 0
+
+
+def test_an_async_reader_that_leaves_early_cancels_its_request(model, engine) -> None:
+    asked = prompts(12, [4, 9, 6])
+
+    async def main() -> tuple[list[int], list[list[int]]]:
+        left_early = engine.submit(asked[0], max_new_tokens=50, eos_token_id=None)
+        got = []
+        async for token in left_early:  # a client that disconnects after three tokens
+            got.append(token)
+            if len(got) == 3:
+                break
+        # The generator is closed at once when it is left (as a server's is on disconnect).
+        await asyncio.sleep(0)
+        rest = [engine.submit(p, max_new_tokens=14, eos_token_id=None) for p in asked[1:]]
+        return got, [await completion.wait() for completion in rest], left_early
+
+    got, rest, left_early = asyncio.run(main())
+    assert got == reference(model, asked[0], 3)
+    deadline = time.monotonic() + 60
+    while not left_early.done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert left_early.finish_reason == "cancelled"
+    for tokens, prompt in zip(rest, asked[1:]):
+        assert tokens == reference(model, prompt, 14)
+
+
+def test_async_iteration_streams_each_request_from_one_event_loop(model, engine) -> None:
+    asked = prompts(13, [3, 12, 7, 5, 9, 4])
+
+    async def stream(prompt: list[int]) -> list[int]:
+        return [t async for t in engine.submit(prompt, max_new_tokens=9, eos_token_id=None)]
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(stream(p) for p in asked))
+
+    for tokens, prompt in zip(asyncio.run(main()), asked):
+        assert tokens == reference(model, prompt, 9)
+
+
+def test_requests_from_many_threads(model, engine) -> None:
+    asked = prompts(14, [3, 5, 8, 2, 6, 9, 4, 7])
+    results: dict[int, list[int]] = {}
+
+    def client(k: int) -> None:
+        results[k] = list(engine.submit(asked[k], max_new_tokens=8, eos_token_id=None))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(asked))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for k, prompt in enumerate(asked):
+        assert results[k] == reference(model, prompt, 8)
+
+
+class Tripwire:
+    """A forward hook on one layer that raises once armed, for inputs of ``tokens`` positions
+    (1: a decode step; more: a prompt chunk)."""
+
+    def __init__(self, layer: torch.nn.Module, tokens: int):
+        self.armed, self.tokens = False, tokens
+        self.handle = layer.register_forward_pre_hook(self)
+
+    def __call__(self, module: Any, args: Any, kwargs: Any = None) -> None:
+        hidden = args[0] if args else None
+        if self.armed and hidden is not None and (hidden.shape[1] == 1) == (self.tokens == 1):
+            self.armed = False
+            raise RuntimeError("tripwire: a kernel failed")
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_engine_goes_on(model) -> None:
+    wire = Tripwire(model.model.layers[1].mlp, tokens=1)
+    try:
+        with Engine(model, max_batch=4, max_length=64) as engine:
+            asked = prompts(15, [5, 7, 6])
+            running = [engine.submit(p, max_new_tokens=30, eos_token_id=None) for p in asked[:2]]
+            next(iter(running[0]))
+            next(iter(running[1]))
+            wire.armed = True
+            for completion in running:
+                with pytest.raises(cg.StepFailedError, match="tripwire") as failed:
+                    completion.result(timeout=120)
+                assert isinstance(failed.value.__cause__, RuntimeError)
+                assert completion.finish_reason == "error"
+            after = engine.submit(asked[2], max_new_tokens=12, eos_token_id=None)
+            assert after.result(timeout=120) == reference(model, asked[2], 12)
+            assert engine.health()["status"] == "ok"
+    finally:
+        wire.handle.remove()
+
+
+def test_a_prompt_that_fails_to_prefill_fails_alone(model) -> None:
+    wire = Tripwire(model.model.layers[0].mlp, tokens=2)
+    try:
+        with Engine(model, max_batch=4, max_length=64) as engine:
+            asked = prompts(16, [5, 7])
+            running = engine.submit(asked[0], max_new_tokens=30, eos_token_id=None)
+            next(iter(running))
+            wire.armed = True
+            bad = engine.submit(asked[1], max_new_tokens=5)
+            with pytest.raises(cg.StepFailedError, match="failed to prefill"):
+                bad.result(timeout=120)
+            assert running.result(timeout=120) == reference(model, asked[0], 30)
+    finally:
+        wire.handle.remove()
+
+
+def test_close_drains_or_fails_and_then_refuses(model) -> None:
+    asked = prompts(17, [4, 6, 5])
+    engine = Engine(model, max_batch=1, max_length=64)
+    drained = [engine.submit(p, max_new_tokens=6, eos_token_id=None) for p in asked]
+    engine.close()  # drains
+    for completion, prompt in zip(drained, asked):
+        assert completion.result(timeout=1) == reference(model, prompt, 6)
+    with pytest.raises(cg.BatcherClosed):
+        engine.submit(asked[0], max_new_tokens=3)
+    assert engine.health()["status"] == "stopped"
+
+    engine = Engine(model, max_batch=1, max_length=64)
+    running = engine.submit(asked[0], max_new_tokens=50, eos_token_id=None)
+    next(iter(running))
+    queued = engine.submit(asked[1], max_new_tokens=5)
+    engine.close(drain=False)
+    for completion in (running, queued):
+        with pytest.raises(cg.BatcherClosed):
+            completion.result(timeout=10)
+
+
+def test_metrics_count_what_happened(model, engine) -> None:
+    asked = prompts(18, [4, 6, 5])
+    for completion in [engine.submit(p, max_new_tokens=8, eos_token_id=None) for p in asked]:
+        completion.result(timeout=120)
+    metrics = engine.metrics()
+    assert metrics.requests == 3 and metrics.finished == {"length": 3}
+    assert metrics.generated_tokens == 24
+    assert metrics.steps >= 7 and 0 < metrics.occupancy <= 1
+    assert 0 < metrics.ttft_p50_s <= metrics.ttft_p99_s
+    assert 0 < metrics.itl_p50_s <= metrics.itl_p99_s
+    text = engine.prometheus()
+    assert 'cudagraphs_engine_generated_tokens_total{engine="engine"} 24' in text
+    assert 'cudagraphs_engine_requests_total{engine="engine",reason="length"} 3' in text
+    health = engine.health()
+    assert health["status"] == "ok" and health["graphs"] is False and health["why_eager"]
+
+
+def test_ended_requests_are_not_kept(model, engine) -> None:
+    # What a long-running server must not do: hold on to the requests it has answered.
+    completions = [engine.submit([1 + k % 50, 2], max_new_tokens=2) for k in range(200)]
+    for completion in completions:
+        completion.result(timeout=120)
+    kept = [weakref.ref(c) for c in completions]
+    del completions, completion
+    gc.collect()
+    assert all(ref() is None for ref in kept)
+    assert engine.rows == [] and engine.metrics().queue_depth == 0
+
+
+def test_an_engine_refuses_what_it_cannot_serve(model) -> None:
+    with pytest.raises(cg.ConfigError, match="max_batch must be a positive int"):
+        Engine(model, max_batch=0, max_length=64)
+    with pytest.raises(cg.ConfigError, match="did you mean max_length"):
+        Engine(model, max_batch=2, max_lenght=64)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with pytest.raises(cg.ConfigError, match="SDPA"):
+            Engine(model, max_batch=2, max_length=64)
+    finally:
+        model.set_attn_implementation(before)
