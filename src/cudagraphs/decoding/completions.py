@@ -20,6 +20,7 @@ Wrong: polling ``completion.tokens`` in a loop: it busy-waits the event loop; it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -110,9 +111,12 @@ class Completion:
                 return
 
     async def wait(self) -> list[int]:
-        """Every new token, once the request has ended (as :meth:`result`, awaited)."""
-        async for _ in self:
-            pass
+        """Every new token, once the request has ended (as :meth:`result`, awaited). A
+        waiter cancelled before the end (a client gone) cancels the request."""
+        tokens = self.__aiter__()
+        async with contextlib.aclosing(tokens):
+            async for _ in tokens:
+                pass
         return self._outcome()
 
     async def __aiter__(self) -> AsyncIterator[int]:
