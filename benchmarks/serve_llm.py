@@ -1,0 +1,225 @@
+"""LLM serving under load: the engine's continuous batching against transformers' and against
+the Decoder one request at a time, side by side in one process on one GPU.
+
+The model is the 1.1 B TinyLlama shape in bfloat16 with random weights (``llama-2048``, no
+download). A workload is ``--requests`` prompts of 16 to 512 random ids, each asking for 32 to
+256 new tokens (greedy, no end-of-sequence id: every request decodes its full length), arriving
+all at once or as a Poisson stream at each of ``--rates`` requests per second (one seeded
+schedule per workload, the same for every path). Paths, each written as its documentation sets
+it up:
+
+- ``engine``: ``cudagraphs.decoding.Engine(model, max_batch=--slots, max_length=768)``; each
+  request is ``engine.submit(...)`` at its arrival time, its tokens timed as they stream;
+- ``transformers``: ``model.init_continuous_batching(generation_config)`` (paged attention,
+  ``attn_implementation="paged|sdpa"``), ``manager.warmup()`` (its graphs, outside the timing),
+  ``manager.start()``, ``manager.add_request(...,
+  streaming=True, record_timestamps=True)`` at each arrival, results read from the manager;
+- ``decoder``: ``Decoder(model, max_batch=1, max_length=768)``, one ``generate`` per request
+  in arrival order (a request waits for the ones before it).
+
+Reported per path and workload: generated tokens per second (all tokens over the time from the
+first arrival to the last token), time to first token and inter-token latency at p50 and p99
+(the decoder streams nothing: its first token is its whole answer).
+
+    python benchmarks/serve_llm.py [--requests 64,256] [--rates inf,8,32] [--paths ...]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cuda_or_explain, environment, names, parser, table, write
+
+PATHS = ["engine", "transformers", "decoder"]
+MAX_LENGTH = 768  # the longest prompt (512) and output (256)
+
+
+def workload(requests: int, rate: float, seed: int) -> list[tuple[float, list[int], int]]:
+    """``(arrival seconds, prompt ids, new tokens)`` per request; ``rate`` inf: all at 0."""
+    rng = random.Random(seed)
+    at, out = 0.0, []
+    for _ in range(requests):
+        if math.isfinite(rate):
+            at += rng.expovariate(rate)
+        prompt = [rng.randrange(1, 32000) for _ in range(rng.randint(16, 512))]
+        out.append((at if math.isfinite(rate) else 0.0, prompt, rng.randint(32, 256)))
+    return out
+
+
+def summary(
+    start: float, arrivals: list[float], times: list[list[float]], tokens: int
+) -> dict[str, float]:
+    """Tokens/s and latency percentiles from each request's token arrival times."""
+    ttft = sorted(t[0] - (start + a) for t, a in zip(times, arrivals) if t)
+    itl = sorted(b - a for t in times for a, b in itertools.pairwise(t))
+    end = max(t[-1] for t in times if t)
+
+    def pick(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
+
+    return {
+        "tokens": tokens,
+        "seconds": end - start,
+        "tokens_per_s": tokens / (end - start),
+        "ttft_p50_ms": pick(ttft, 0.5),
+        "ttft_p99_ms": pick(ttft, 0.99),
+        "itl_p50_ms": pick(itl, 0.5),
+        "itl_p99_ms": pick(itl, 0.99),
+    }
+
+
+def wait_until(moment: float) -> None:
+    while (left := moment - time.perf_counter()) > 0:
+        time.sleep(min(left, 0.002))
+
+
+def run_engine(engine: Any, load: list[tuple[float, list[int], int]]) -> dict[str, float]:
+    start = time.perf_counter()
+    completions = []
+    for at, prompt, new in load:
+        wait_until(start + at)
+        completions.append(engine.submit(prompt, max_new_tokens=new, eos_token_id=None))
+    for completion in completions:
+        completion.result(timeout=3600)
+    times = [c.token_times for c in completions]
+    return summary(start, [a for a, *_ in load], times, sum(len(c.tokens) for c in completions))
+
+
+def run_transformers(model: Any, load: list[tuple[float, list[int], int]]) -> dict[str, float]:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=256, do_sample=False, eos_token_id=-1)
+    manager = model.init_continuous_batching(generation_config=config)
+    if hasattr(manager, "warmup"):
+        manager.warmup()
+    manager.start()
+    try:
+        start = time.perf_counter()
+        times: dict[str, list[float]] = {}
+        counts: dict[str, int] = {}
+        done = threading.Event()
+
+        def collect() -> None:
+            finished = 0
+            while finished < len(load):
+                result = manager.get_result(timeout=1)
+                if result is None:
+                    continue
+                times.setdefault(result.request_id, [])
+                if result.is_finished():
+                    finished += 1
+                    counts[result.request_id] = len(result.generated_tokens)
+                    times[result.request_id] = list(result.timestamps or [])
+            done.set()
+
+        reader = threading.Thread(target=collect, daemon=True)
+        reader.start()
+        ids = []
+        for k, (at, prompt, new) in enumerate(load):
+            wait_until(start + at)
+            ids.append(
+                manager.add_request(prompt, request_id=f"r{k}", max_new_tokens=new,
+                                    streaming=False, record_timestamps=True)
+            )  # fmt: skip
+        done.wait(3600)
+    finally:
+        manager.stop(block=True)
+    return summary(
+        start, [a for a, *_ in load], [times[i] for i in ids], sum(counts[i] for i in ids)
+    )
+
+
+def run_decoder(decoder: Any, load: list[tuple[float, list[int], int]]) -> dict[str, float]:
+    start = time.perf_counter()
+    times, tokens = [], 0
+    for at, prompt, new in load:
+        wait_until(start + at)
+        ids = torch.tensor([prompt], device="cuda")
+        out = decoder.generate(ids, max_new_tokens=new, eos_token_id=None)
+        torch.cuda.synchronize()
+        times.append([time.perf_counter()])
+        tokens += out.shape[1] - len(prompt)
+    return summary(start, [a for a, *_ in load], times, tokens)
+
+
+def main() -> None:
+    p = parser(__doc__, "serve_llm", calls=1, windows=1)
+    p.add_argument("--requests", default="64,256")
+    p.add_argument("--rates", default="inf,8,32", help="requests/s of the Poisson streams; inf: at once")  # fmt: skip
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument("--slots", type=int, default=64)
+    args = p.parse_args()
+    console = Console()
+    if not cuda_or_explain("serve_llm.py", console):
+        return
+    paths = names(p, "--paths", args.paths, PATHS)
+    from cudagraphs.decoding import Decoder, Engine
+    from cudagraphs.tools.workloads import random_llama
+
+    model = random_llama("llama-2048", "cuda", torch.bfloat16, init=0.02)
+    model.set_attn_implementation("sdpa")
+    results: dict[str, Any] = {**environment(1, 1), "model": "llama-2048 bf16", "runs": []}
+    built: dict[str, Any] = {}
+    start = time.perf_counter()
+    if "engine" in paths:
+        built["engine"] = Engine(model, max_batch=args.slots, max_length=MAX_LENGTH, max_queue=4096)
+        results["engine_setup_s"] = time.perf_counter() - start
+    if "decoder" in paths:
+        built["decoder"] = Decoder(model, max_batch=1, max_length=MAX_LENGTH)
+    rows = []
+    for requests in [int(n) for n in args.requests.split(",")]:
+        for rate in [float(r) for r in args.rates.split(",")]:
+            load = workload(requests, rate, seed=requests)
+            for path in paths:
+                if path == "engine":
+                    got = run_engine(built["engine"], load)
+                elif path == "transformers":
+                    model.set_attn_implementation("paged|sdpa")
+                    try:
+                        got = run_transformers(model, load)
+                    finally:
+                        model.set_attn_implementation("sdpa")
+                else:
+                    got = run_decoder(built["decoder"], load)
+                run = {"path": path, "requests": requests, "rate": rate, **got}
+                results["runs"].append(run)
+                rows.append([
+                    path, str(requests), "at once" if math.isinf(rate) else f"{rate:g}/s",
+                    f"{got['tokens_per_s']:.0f}", f"{got['ttft_p50_ms']:.0f}",
+                    f"{got['ttft_p99_ms']:.0f}", f"{got['itl_p50_ms']:.1f}",
+                    f"{got['itl_p99_ms']:.1f}",
+                ])  # fmt: skip
+                console.print(rows[-1])
+    if "engine" in built:
+        metrics = built["engine"].metrics()
+        results["engine_occupancy"] = metrics.occupancy
+        results["engine_stats"] = {"moves": built["engine"].stats.moves,
+                                   "prefill_chunks": built["engine"].stats.prefill_chunks}  # fmt: skip
+        built["engine"].close()
+    header = ["path", "requests", "arrivals", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
+              "ITL p50 ms", "ITL p99 ms"]  # fmt: skip
+    shown, lines = table(f"LLM serving on {results['hardware']}", header, rows)
+    console.print(shown)
+    medians = statistics.median([r["tokens_per_s"] for r in results["runs"]]) if rows else 0
+    results["median_tokens_per_s"] = medians
+    markdown = "\n".join([
+        f"Hardware: {results['hardware']}, torch {results['torch']}; {results['model']}; "
+        f"engine slots {args.slots}.", "", *lines,
+    ])  # fmt: skip
+    write(results, markdown, args, console)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""The LLM engine on a real GPU: captured steps with rows at their own lengths give each
+request ``model.generate``'s float32 tokens whatever else is in the batch, seeded draws do not
+depend on the neighbours, and 10,000 requests leave ``torch.cuda.memory_reserved()`` where the
+first ones put it."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+transformers = pytest.importorskip("transformers")
+
+from llama_decode import generate_with_scores  # noqa: E402
+from test_decoder_cuda import assert_same_tokens  # noqa: E402
+
+from cudagraphs.decoding import Engine  # noqa: E402
+from cudagraphs.tools.workloads import random_llama  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = random_llama("llama-512", "cuda")
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def test_requests_arriving_apart_get_generate_s_tokens_from_captured_steps(model) -> None:
+    generator = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(3, 120, (24,), generator=generator)]
+    news = [int(n) for n in torch.randint(4, 40, (24,), generator=generator)]
+    asked = [torch.randint(0, 32000, (n,), generator=generator).tolist() for n in lengths]
+    with Engine(model, max_batch=8, max_length=192, prefill_chunk=64) as engine:
+        assert engine.health()["graphs"] is True
+        assert all(g.stats.state == "captured" for g in engine.graphs.values())
+        completions = []
+        for k, (prompt, new) in enumerate(zip(asked, news)):
+            completions.append(engine.submit(prompt, max_new_tokens=new, eos_token_id=None))
+            if k % 5 == 4:
+                time.sleep(0.02)  # some arrive while others decode
+        for completion, prompt, new in zip(completions, asked, news):
+            got = torch.tensor([prompt + completion.result(timeout=300)], device="cuda")
+            expected = generate_with_scores(model, torch.tensor([prompt], device="cuda"), new)
+            assert_same_tokens(got, *expected)
+        assert engine.stats.moves > 0 and engine.stats.recaptures == 0
+        assert len({key.split(" length")[0] for key in engine.stats.replays}) > 1
+
+
+def test_a_seeded_request_draws_the_same_tokens_beside_any_neighbours(model) -> None:
+    prompt = list(range(100, 140))
+
+    def draw(engine: Engine) -> list[int]:
+        return engine.submit(
+            prompt, max_new_tokens=24, do_sample=True, temperature=0.8, top_p=0.95, seed=3,
+            eos_token_id=None,
+        ).result(timeout=300)  # fmt: skip
+
+    with Engine(model, max_batch=8, max_length=128, do_sample=True) as engine:
+        alone = draw(engine)
+        crowd = [
+            engine.submit(list(range(5, 5 + n)), max_new_tokens=40, do_sample=n % 2 == 0,
+                          seed=n, eos_token_id=None)
+            for n in (7, 30, 3, 18)
+        ]  # fmt: skip
+        crowded = draw(engine)
+        for completion in crowd:
+            completion.result(timeout=300)
+    assert crowded == alone
+
+
+def test_ten_thousand_requests_leave_memory_where_the_first_put_it(model) -> None:
+    with Engine(model, max_batch=16, max_length=64) as engine:
+        def wave(count: int) -> None:
+            pending = [
+                engine.submit([1 + k % 997, 2, 3, 4], max_new_tokens=2, eos_token_id=None)
+                for k in range(count)
+            ]
+            for completion in pending:
+                completion.result(timeout=600)
+
+        wave(500)  # every rung has run
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_reserved()
+        for _ in range(19):
+            wave(500)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_reserved() == before
+        assert engine.metrics().requests == 10_000
