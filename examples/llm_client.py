@@ -1,9 +1,10 @@
 """A client of ``examples/serve_llm.py``: several requests at once, each streamed as
-server-sent events and printed as its tokens arrive, then the server's metrics.
+server-sent events and printed as its tokens arrive, then the server's health and metrics.
 
     python examples/llm_client.py --port 8000 --requests 4 --max-tokens 24
 
-Needs httpx (in the serve extra).
+With no server listening there, it says so and talks to the same app in this process instead
+(``httpx.ASGITransport``). Needs the serve extra (FastAPI, httpx) and transformers.
 """
 
 from __future__ import annotations
@@ -12,9 +13,13 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import time
+from pathlib import Path
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 
 async def stream_one(client: httpx.AsyncClient, k: int, prompt: list[int], max_tokens: int) -> None:
@@ -48,7 +53,16 @@ async def main() -> None:
     args = parser.parse_args()
     rng = random.Random(0)
     base = f"http://{args.host}:{args.port}"
-    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+    transport = None
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=5) as probe:
+            await probe.get("/healthz")
+    except httpx.ConnectError:
+        import serve_llm
+
+        print(f"no server at {base}; talking to examples/serve_llm.py's app in this process")
+        transport = httpx.ASGITransport(app=serve_llm.make())
+    async with httpx.AsyncClient(base_url=base, timeout=120, transport=transport) as client:
         prompts = [[rng.randrange(1, 1000) for _ in range(rng.randrange(4, 32))]
                    for _ in range(args.requests)]  # fmt: skip
         await asyncio.gather(

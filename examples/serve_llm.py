@@ -9,7 +9,7 @@ Token ids in, token ids out; pass a tokenizer to ``completions_app`` for text.
     python -m cudagraphs serve examples/serve_llm.py:make --port 8000
     python examples/llm_client.py --port 8000            # streams a few requests at once
     curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
-         -d '{"prompt": [1, 450, 4996, 17354], "max_tokens": 16, "temperature": 0}'
+         -d '{"prompt": [1, 450, 496, 173], "max_tokens": 16, "temperature": 0}'
     curl -s localhost:8000/metrics; curl -s localhost:8000/healthz
 
 Needs the serve extra (``pip install -e '.[serve]'`` from a clone) and transformers.
@@ -50,3 +50,12 @@ def make() -> Any:
     slots, length = (16, 1024) if device == "cuda" else (4, 256)
     engine = Engine(llama(device), max_batch=slots, max_length=length, max_queue=256)
     return completions_app(engine, model_name="random-llama")
+
+
+if __name__ == "__main__":
+    # Started through the command line, which runs uvicorn on the app `make()` builds:
+    print(
+        "This file defines the app; start the server with\n"
+        "    python -m cudagraphs serve examples/serve_llm.py:make --port 8000\n"
+        "then: python examples/llm_client.py --port 8000"
+    )
