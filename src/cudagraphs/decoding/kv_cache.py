@@ -23,6 +23,7 @@ from ..errors import ConfigError, explain
 __all__ = [
     "RungCaches",
     "allocate_rows",
+    "cache_bytes",
     "cache_keyword",
     "checked_rungs",
     "full_length_layers",
@@ -75,11 +76,7 @@ class RungCaches:
     @property
     def bytes(self) -> int:
         """Bytes of the one set of key/value tensors all rungs share."""
-        return sum(
-            getattr(layer, name).numel() * getattr(layer, name).element_size()
-            for layer in self.base.layers
-            for name in _ROWS
-        )
+        return cache_bytes(self.base)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every rung's key and value views (``[batch, heads, positions, head_dim]``)."""
@@ -203,6 +200,15 @@ def full_length_layers(cache: Any, max_length: int) -> None:
                 "Mistral, Qwen2, Gemma 2, ...), or decode it with model.generate",
             )
         )
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes of the key and value tensors of ``cache``'s layers."""
+    return sum(
+        getattr(layer, name).numel() * getattr(layer, name).element_size()
+        for layer in cache.layers
+        for name in _ROWS
+    )
 
 
 def cache_keyword(model: Any) -> str:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, explain
-from .kv_cache import allocate_rows, full_length_layers
+from .kv_cache import allocate_rows, cache_bytes, full_length_layers
 
 __all__ = ["SlotCache"]
 
@@ -69,11 +69,7 @@ class SlotCache:
     @property
     def bytes(self) -> int:
         """Bytes of the keys and values of every slot."""
-        return sum(
-            getattr(layer, name).numel() * getattr(layer, name).element_size()
-            for layer in self.base.layers
-            for name in _ROWS
-        )
+        return cache_bytes(self.base)
 
     def decode(self, n: int, length: int) -> Any:
         """The cache a step of the first ``n`` slots runs on: each layer holds their first
