@@ -72,6 +72,7 @@ def test_a_seeded_request_draws_the_same_tokens_beside_any_neighbours(model) -> 
 
 def test_ten_thousand_requests_leave_memory_where_the_first_put_it(model) -> None:
     with Engine(model, max_batch=16, max_length=64) as engine:
+
         def wave(count: int) -> None:
             pending = [
                 engine.submit([1 + k % 997, 2, 3, 4], max_new_tokens=2, eos_token_id=None)
@@ -88,3 +89,39 @@ def test_ten_thousand_requests_leave_memory_where_the_first_put_it(model) -> Non
         torch.cuda.synchronize()
         assert torch.cuda.memory_reserved() == before
         assert engine.metrics().requests == 10_000
+
+
+def test_bfloat16_tokens_are_the_float32_model_s_choice_unless_within_bfloat16_noise() -> None:
+    # Each token the engine decodes in bfloat16, beside other requests, is checked against the
+    # float32 model (the same weights) run over the engine's own tokens: it must be float32's
+    # top choice, except where float32's top two logits are closer than bfloat16 can tell
+    # apart (NOISE of the logits' scale). Teacher forcing along the engine's sequence checks
+    # every token, not only those before a first difference.
+    noise = 2e-2
+    full = random_llama("llama-512", "cuda", init=0.02)
+    half = random_llama("llama-512", "cuda", torch.bfloat16, init=0.02)
+    half.set_attn_implementation("sdpa")
+    generator = torch.Generator().manual_seed(1)
+    asked = [torch.randint(0, 32000, (int(n),), generator=generator).tolist()
+             for n in torch.randint(4, 90, (12,), generator=generator)]  # fmt: skip
+    with Engine(half, max_batch=8, max_length=160) as engine:
+        completions = [engine.submit(p, max_new_tokens=48, eos_token_id=None) for p in asked]
+        outputs = [c.result(timeout=300) for c in completions]
+    checked = near_ties = 0
+    for prompt, tokens in zip(asked, outputs):
+        ids = torch.tensor([prompt + tokens], device="cuda")
+        with torch.no_grad():
+            logits = full(ids).logits[0, len(prompt) - 1 : -1].float()
+        top2 = logits.topk(2, dim=-1)
+        for step, token in enumerate(tokens):
+            checked += 1
+            if token == int(top2.indices[step, 0]):
+                continue
+            scale = float(logits[step].abs().max())
+            gap = float(top2.values[step, 0] - logits[step, token])
+            assert gap <= noise * scale, (
+                f"step {step}: the engine chose {token}, float32 {int(top2.indices[step, 0])} "
+                f"by {gap:.3e} (scale {scale:.3e}): more than bfloat16 noise"
+            )
+            near_ties += 1
+    assert checked == 12 * 48 and near_ties < checked // 10
