@@ -19,6 +19,7 @@ import torch
 
 from ..errors import BadRequestError, ConfigError, explain
 from .requests import stop_ids
+from .sampling import check_sampling
 
 __all__ = ["EngineRequest", "check_engine_request"]
 
@@ -126,7 +127,7 @@ def check_engine_request(
             "it chooses between greedy decoding and sampling", "pass do_sample=True or False",
         )  # fmt: skip
     if do_sample:
-        _check_sampling(temperature, top_k, top_p)
+        check_sampling(temperature, top_k, top_p, BadRequestError)
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
         raise _refuse(
             f"seed must be a non-negative int or None, got {seed!r}",
@@ -151,26 +152,3 @@ def check_engine_request(
         seed=random.getrandbits(62) if seed is None else seed,
         eos=tuple(eos),
     )
-
-
-def _check_sampling(temperature: Any, top_k: Any, top_p: Any) -> None:
-    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
-    if not number or not temperature > 0 or temperature == float("inf"):
-        raise _refuse(
-            f"temperature must be a positive number, got {temperature!r}",
-            "logits are divided by it",
-            "pass temperature=0.7, say, or do_sample=False for greedy decoding",
-        )
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
-        raise _refuse(
-            f"top_k must be a positive int or None, got {top_k!r}",
-            "it is how many of the most likely tokens stay candidates",
-            "pass top_k=50, or None for no top-k filter",
-        )
-    number = isinstance(top_p, (int, float)) and not isinstance(top_p, bool)
-    if top_p is not None and (not number or not 0 < top_p <= 1):
-        raise _refuse(
-            f"top_p must be in (0, 1] or None, got {top_p!r}",
-            "it is the probability mass of the candidates kept",
-            "pass top_p=0.9, or None for no top-p filter",
-        )

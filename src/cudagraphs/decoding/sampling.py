@@ -23,12 +23,13 @@ step: each reads the device from the host and fails capture.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..errors import ConfigError, explain
+from ..errors import ConfigError, CudaGraphsError, explain
 
-__all__ = ["SamplingParams", "filtered", "greedy", "sample", "stop_finished"]
+__all__ = ["SamplingParams", "check_sampling", "filtered", "greedy", "sample", "stop_finished"]
 
 
 @dataclass
@@ -50,34 +51,46 @@ class SamplingParams:
 
     def set(self, temperature: float, top_k: int | None, top_p: float | None) -> None:
         """Write new values in place (the graph reads these tensors by address)."""
-        if not temperature > 0:
-            raise ConfigError(
-                explain(
-                    f"temperature must be > 0, got {temperature!r}",
-                    "logits are divided by it",
-                    "pass do_sample=False for greedy decoding, or a temperature such as 0.7",
-                )
-            )
-        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-            raise ConfigError(
-                explain(
-                    f"top_k must be a positive int or None, got {top_k!r}",
-                    "it is how many of the most likely tokens stay candidates",
-                    "pass top_k=50, or top_k=None for no top-k filter",
-                )
-            )
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ConfigError(
-                explain(
-                    f"top_p must be in (0, 1], got {top_p!r}",
-                    "it is the probability mass of the candidates kept",
-                    "pass top_p=0.9, or top_p=None for no top-p filter",
-                )
-            )
+        check_sampling(temperature, top_k, top_p)
         vocab = self.top_k.new_tensor(torch.iinfo(torch.long).max)
         self.temperature.fill_(float(temperature))
         self.top_k.copy_(vocab if top_k is None else self.top_k.new_tensor(top_k))
         self.top_p.fill_(1.0 if top_p is None else float(top_p))
+
+
+def check_sampling(
+    temperature: Any, top_k: Any, top_p: Any, error: type[CudaGraphsError] = ConfigError
+) -> None:
+    """Raise ``error`` (saying what, why and the fix) unless ``temperature`` is a positive
+    finite number, ``top_k`` a positive int or None, and ``top_p`` in (0, 1] or None."""
+
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if not number(temperature) or not 0 < temperature < float("inf"):
+        raise error(
+            explain(
+                f"temperature must be > 0, got {temperature!r}",
+                "logits are divided by it",
+                "pass do_sample=False for greedy decoding, or a temperature such as 0.7",
+            )
+        )
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+        raise error(
+            explain(
+                f"top_k must be a positive int or None, got {top_k!r}",
+                "it is how many of the most likely tokens stay candidates",
+                "pass top_k=50, or top_k=None for no top-k filter",
+            )
+        )
+    if top_p is not None and (not number(top_p) or not 0 < top_p <= 1):
+        raise error(
+            explain(
+                f"top_p must be in (0, 1], got {top_p!r}",
+                "it is the probability mass of the candidates kept",
+                "pass top_p=0.9, or top_p=None for no top-p filter",
+            )
+        )
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
