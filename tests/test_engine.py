@@ -104,6 +104,29 @@ def test_recorded_steps_replay_rows_at_their_own_lengths(
         check_against_generate(model, engine)
 
 
+def test_a_weight_given_new_memory_captures_again_with_the_rows_unharmed(
+    stand_in, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The guard sees the parameter's new memory and captures the step again; the warm-up
+    # before that capture runs steps on the live rows, whose state is put back after it.
+    if torch.version.cuda is not None:
+        pytest.skip("a step with no tensor argument on the stand-in needs a CPU build of torch")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    model.set_attn_implementation("sdpa")
+    asked = prompts(19, [6, 9])
+    expected = [reference(model, p, 30) for p in asked]
+    with Engine(model, max_batch=2, max_length=64) as engine:
+        running = [engine.submit(p, max_new_tokens=30, eos_token_id=None) for p in asked]
+        tokens = iter(running[0])
+        early = [next(tokens) for _ in range(5)]
+        layer = model.model.layers[0].mlp.up_proj
+        layer.weight = torch.nn.Parameter(layer.weight.detach().clone())  # same values
+        assert early + list(tokens) == expected[0]
+        assert running[1].result(timeout=120) == expected[1]
+        assert engine.stats.recaptures >= 1
+
+
 def test_requests_that_arrive_apart_join_the_running_batch(model, engine) -> None:
     asked = prompts(4, [6, 9, 4, 13])
     first = engine.submit(asked[0], max_new_tokens=40, eos_token_id=None)

@@ -280,25 +280,15 @@ class Engine:
         self.close()
 
     def _prepare(self, mode: str) -> None:
-        """Capture every rung's step of ``mode`` (``"greedy"``, ``"mixed"``), warmed up on
-        slots with no live row: before the worker serves."""
+        """Capture every rung's step of ``mode`` (``"greedy"``, ``"mixed"``) before the
+        worker serves: no slot holds a live row, so the steps change nothing read later."""
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if cuda else 0
-        saved = self.state.snapshot()
-        self.state.active.zero_()  # no live row: the warm-up steps change nothing read later
         for n in reversed(self.rungs):  # the largest first: the pool grows once
             for length in self.lengths:
-                if (n, length, mode) in self.graphs:
-                    continue
-                g = capture_slot_step(
-                    self.model, self.cache_arg, self.cache, self.state, n, length, mode,
-                    pool=self.pool, warmup=self.warmup,
-                )  # fmt: skip
+                step = self._step(n, length, mode)
                 for _ in range(self.warmup + 1):  # the eager calls, then the capture
-                    g()
-                self.graphs[n, length, mode] = g
-        self.state.restore(saved)
-        self.stats.graphs = len(self.graphs)
+                    step()
         if cuda:
             self.stats.graph_bytes += torch.cuda.memory_reserved(self.device) - before
 
@@ -422,9 +412,7 @@ class Engine:
         mode = MODES[sampled]
         decoding = [row for row in self.rows if row.decoding]
         try:
-            if (n, length, mode) not in self.graphs:
-                self._capture_now(n, length, mode)
-            graphed = self.graphs[n, length, mode]
+            graphed = self._step(n, length, mode)
             saved: list[torch.Tensor] = []
             if graphed.refresh(prepare=lambda: saved.extend(self.state.snapshot())):
                 self.state.restore(saved)  # a recapture's warm-up ran steps on the live rows
@@ -454,14 +442,18 @@ class Engine:
         for row, (token, ended) in stepped:
             self._emit(row, token, ended=bool(ended))
 
-    def _capture_now(self, n: int, length: int, mode: str) -> None:
-        """A mode not prepared up front: its warm-up and capture are real steps of the live
-        rows, so capture by calling it (each call one step) and keep the emitted tokens."""
-        self.graphs[n, length, mode] = capture_slot_step(
-            self.model, self.cache_arg, self.cache, self.state, n, length, mode,
-            pool=self.pool, warmup=self.warmup,
-        )  # fmt: skip
-        self.stats.graphs = len(self.graphs)
+    def _step(self, n: int, length: int, mode: str) -> Any:
+        """The step of rung (``n``, ``length``) in ``mode``, made on first use. Its first
+        calls run eagerly and the next captures (``capture_slot_step``): each is one real
+        step, so a step first needed while rows decode serves them from its first call."""
+        key = (n, length, mode)
+        if key not in self.graphs:
+            self.graphs[key] = capture_slot_step(
+                self.model, self.cache_arg, self.cache, self.state, n, length, mode,
+                pool=self.pool, warmup=self.warmup,
+            )  # fmt: skip
+            self.stats.graphs = len(self.graphs)
+        return self.graphs[key]
 
     def _emit(self, row: _Row, token: int, ended: bool) -> None:
         completion = row.completion

@@ -129,8 +129,7 @@ def capture_slot_step(
     warmup: int,
 ) -> Any:
     """:func:`slot_step` as a graph (``cg.graph``'s lazy form: its first ``warmup`` calls run
-    eagerly, the next one captures). Each call is one real step: the caller warms it up on
-    slots with no live row, where a step changes nothing a later step reads."""
+    eagerly, the next one captures). Each call, those too, is one real step of the slots."""
     step = slot_step(model, cache_arg, cache, state, n, length, mode)
     return graph(
         step,
