@@ -39,10 +39,9 @@ from ..errors import ConfigError, explain
 from ..integrations import SavedCompile
 from ..options import check_bool, check_positive_int, checked_keywords
 from ..shapes import powers_of_two
-from .attention import MAX_POSITIONS
 from .compiled import compiled_forward, compiled_tail, mark_rung_dims, step_logits
 from .fused_projections import fuse_projections
-from .grouped_attention import use_grouped_attention
+from .grouped_attention import choose_attention
 from .kv_cache import RungCaches, cache_keyword, length_rungs
 from .prefill import Prefills, run_prefill
 from .prefill import prefill_lengths as prefill_lengths_of
@@ -243,16 +242,7 @@ class Decoder:
         # step whose length varies would be split by a guard on it, so that one keeps SDPA. A
         # step whose batch alone varies (one length rung) reads a constant length.
         kernel = attention_kernel and not (self.compiles and len(self.lengths) > 1)
-        why = (
-            use_grouped_attention(model, kernel=kernel)
-            if grouped_attention
-            else "grouped_attention=False"
-        )
-        self.stats.attention = (
-            f"the model's own: {why}" if why is not None
-            else f"grouped, one kernel up to {MAX_POSITIONS} cache positions" if kernel
-            else "grouped"
-        )  # fmt: skip
+        self.stats.attention = choose_attention(model, grouped_attention, kernel)
         # Eager: one function for both (a left-padded batch's mask and position ids as rows).
         self.forward = self.forward_padded = functools.partial(step_logits, model, self.cache_arg)
         self.compiled: set[bool] = set()  # the forwards compiled so far: padded or not

@@ -41,6 +41,7 @@ from .attention import applies, computed_once, decode_attention
 __all__ = [
     "GROUPED_KERNEL",
     "GROUPED_SDPA",
+    "choose_attention",
     "grouped_kernel_attention",
     "grouped_sdpa_attention",
     "takes_sdpa_mask",
@@ -150,6 +151,17 @@ def takes_sdpa_mask(model: Any) -> bool:
     :data:`GROUPED_SDPA` or :data:`GROUPED_KERNEL`, which hand it on unchanged."""
     implementation = getattr(model.config, "_attn_implementation", None)
     return implementation in ("sdpa", GROUPED_SDPA, GROUPED_KERNEL)
+
+
+def choose_attention(model: Any, grouped: bool, kernel: bool) -> str:
+    """Switch ``model`` to the grouped attention where ``grouped`` (with the one-kernel path
+    where ``kernel``) and say which attention its decode steps run, for a decoder's stats."""
+    from .attention import MAX_POSITIONS
+
+    why = use_grouped_attention(model, kernel=kernel) if grouped else "grouped_attention=False"
+    if why is not None:
+        return f"the model's own: {why}"
+    return f"grouped, one kernel up to {MAX_POSITIONS} cache positions" if kernel else "grouped"
 
 
 def use_grouped_attention(model: Any, kernel: bool = True) -> str | None:
