@@ -8,6 +8,7 @@ running Python, as graphs are (conftest.py); the same checks run on a GPU in
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import threading
 import time
@@ -46,12 +47,21 @@ def engine(model: Any) -> Iterator[Engine]:
     engine.close(drain=False)
 
 
+_TWINS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
 def reference(model: Any, prompt: list[int], new: int, eos: Any = None) -> list[int]:
-    """``model.generate``'s greedy new tokens (all ``new`` of them where ``eos`` is None)."""
+    """``model.generate``'s greedy new tokens (all ``new`` of them where ``eos`` is None), from
+    a copy of ``model`` with transformers' own attention: the engine switches the model's
+    attention to the grouped one and may be decoding on another thread meanwhile."""
+    twin = _TWINS.get(model)
+    if twin is None:
+        twin = _TWINS[model] = copy.deepcopy(model)
+        twin.set_attn_implementation("sdpa")
     ids = torch.tensor([prompt])
     extra = {"min_new_tokens": new} if eos is None else {"eos_token_id": eos}
     with torch.no_grad():
-        out = model.generate(
+        out = twin.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
             pad_token_id=0, **extra,
         )  # fmt: skip
@@ -81,10 +91,21 @@ def test_requests_given_at_once_each_get_their_own_generate_tokens(model, engine
     # Seven requests on four slots: rows join as others leave, prompts go in by chunks of 8
     # (the 17- and 20-token prompts take three), and the batch runs on rungs 4, 2 and 1.
     check_against_generate(model, engine)
+    assert engine.stats.attention.startswith("grouped")  # on the CPU: SDPA over the groups
     assert engine.stats.moves > 0, "a row should have moved into a finished request's slot"
     rungs = {key.split(" length")[0] for key in engine.stats.replays}
     assert {"greedy batch 4", "greedy batch 1"} <= rungs
     assert engine.stats.prefill_chunks > len(LENGTHS)  # some prompts took several chunks
+
+
+def test_the_model_s_own_attention_gives_the_same_tokens() -> None:
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    model.set_attn_implementation("sdpa")
+    with Engine(
+        model, max_batch=4, max_length=64, prefill_chunk=8, grouped_attention=False
+    ) as engine:
+        assert engine.stats.attention == "the model's own: grouped_attention=False"
+        check_against_generate(model, engine)
 
 
 def test_recorded_steps_replay_rows_at_their_own_lengths(

@@ -40,12 +40,16 @@ def test_requests_arriving_apart_get_generate_s_tokens_from_captured_steps(model
             completions.append(engine.submit(prompt, max_new_tokens=new, eos_token_id=None))
             if k % 5 == 4:
                 time.sleep(0.02)  # some arrive while others decode
-        for completion, prompt, new in zip(completions, asked, news):
-            got = torch.tensor([prompt + completion.result(timeout=300)], device="cuda")
-            expected = generate_with_scores(model, torch.tensor([prompt], device="cuda"), new)
-            assert_same_tokens(got, *expected)
+        outputs = [completion.result(timeout=300) for completion in completions]
+        assert engine.stats.attention.startswith("grouped")
         assert engine.stats.moves > 0 and engine.stats.recaptures == 0
         assert len({key.split(" length")[0] for key in engine.stats.replays}) > 1
+    # After every request ended: the reference switches the model's attention back to
+    # transformers' own for its run.
+    for tokens, prompt, new in zip(outputs, asked, news):
+        got = torch.tensor([prompt + tokens], device="cuda")
+        expected = generate_with_scores(model, torch.tensor([prompt], device="cuda"), new)
+        assert_same_tokens(got, *expected)
 
 
 def test_a_seeded_request_draws_the_same_tokens_beside_any_neighbours(model) -> None:

@@ -46,11 +46,11 @@ import torch
 
 from ..core import Pool
 from ..errors import BatcherClosed, ConfigError, Overloaded, StepFailedError, explain
-from ..options import check_positive_int, checked_keywords
+from ..options import check_bool, check_positive_int, checked_keywords
 from ..shapes import powers_of_two
 from .completions import Completion, cancelled
 from .engine_metrics import EngineMetrics, EngineRecorder, engine_prometheus
-from .grouped_attention import takes_sdpa_mask
+from .grouped_attention import choose_attention, takes_sdpa_mask
 from .kv_cache import cache_keyword, checked_rungs, length_rungs
 from .prompts import EngineRequest, check_engine_request
 from .requests import check_model
@@ -75,6 +75,7 @@ class EngineStats:
     moves: int = 0  # rows moved into the hole a finished request left
     graph_bytes: int = 0  # growth of torch.cuda.memory_reserved() over the captures
     cache_bytes: int = 0
+    attention: str = ""  # the decode attention: grouped (no cache copy), or why the model's own
 
 
 @dataclass
@@ -103,6 +104,12 @@ class Engine:
         warmup: eager steps before each capture.
         do_sample: also capture the steps of batches with sampled rows now (else on the first
             such request).
+        grouped_attention: one token's attention over grouped key/value heads reads the cache
+            as it is, instead of a copy of every key/value head per query head (as the
+            ``Decoder``'s, ``decoding/grouped_attention.py``), each row through its own mask;
+            ``stats.attention`` says which ran.
+        attention_kernel: with ``grouped_attention``, a short cache's one-token attention runs
+            as one Triton kernel (``decoding/attention.py``) on a GPU; ``False``: SDPA.
         name: the engine's name in its metrics.
     """
 
@@ -119,6 +126,8 @@ class Engine:
         prefill_chunk: int = 256,
         warmup: int = 2,
         do_sample: bool = False,
+        grouped_attention: bool = True,
+        attention_kernel: bool = True,
         name: str = "engine",
     ):
         start = time.perf_counter()
@@ -156,9 +165,12 @@ class Engine:
             self.rungs.append(max_batch)
         self.lengths = length_rungs(max_length, cache_lengths)
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        for key, value in (("grouped_attention", grouped_attention), ("attention_kernel", attention_kernel)):  # fmt: skip
+            check_bool(key, value, "it says how one token's attention reads the cache")
         self.cache = SlotCache(model, max_batch, max_length)
         self.state = SlotState.make(self.cache, model.config.vocab_size)
         self.stats = EngineStats(cache_bytes=self.cache.bytes)
+        self.stats.attention = choose_attention(model, grouped_attention, attention_kernel)
         self.pool = Pool()
         self.graphs: dict[tuple[int, int, str], Any] = {}
         self.recorder = EngineRecorder(max_batch)
