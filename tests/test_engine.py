@@ -160,6 +160,21 @@ def test_requests_that_arrive_apart_join_the_running_batch(model, engine) -> Non
     assert any(key.startswith("greedy batch 4") for key in engine.stats.replays)
 
 
+def test_a_long_prompt_goes_in_by_chunks_between_the_running_rows_steps(model) -> None:
+    # A 56-token prompt in chunks of 8: the running request gets a step after each chunk,
+    # not a wait for the whole prompt.
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8) as engine:
+        running = engine.submit(prompts(30, [4])[0], max_new_tokens=50, eos_token_id=None)
+        tokens = iter(running)
+        next(tokens)
+        long = engine.submit(prompts(31, [56])[0], max_new_tokens=4, eos_token_id=None)
+        long.result(timeout=120)
+        running.result(timeout=120)
+    during = [t for t in running.token_times if long.submitted < t < long.token_times[0]]
+    assert len(during) >= 5  # 7 chunks: a step after each of the first 6
+    assert engine.stats.prefill_chunks >= 1 + 7
+
+
 def test_each_request_stops_at_its_own_end_of_sequence_ids(model, engine) -> None:
     asked = prompts(5, [4, 7, 5])
     free = [reference(model, p, 16) for p in asked]
