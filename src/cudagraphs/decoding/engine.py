@@ -90,7 +90,8 @@ class _Row:
 
 class Engine:
     """Continuous batching of a transformers causal LM over captured decode steps; see the
-    module doc.
+    module doc. Its worker thread keeps it (and its cache) alive until :meth:`close`: use it
+    as ``with Engine(...) as engine:`` or close it when done.
 
     Args:
         model: a transformers causal LM in eval mode, SDPA attention, on one device.
