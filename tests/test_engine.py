@@ -128,8 +128,8 @@ def test_recorded_steps_replay_rows_at_their_own_lengths(
 def test_a_weight_given_new_memory_captures_again_with_the_rows_unharmed(
     stand_in, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The guard sees the parameter's new memory and captures the step again; the warm-up
-    # before that capture runs steps on the live rows, whose state is put back after it.
+    # The guard sees the parameter's new memory and captures the step again, with no warm-up
+    # run (each would be a step of the live rows): the call that captures is one step.
     if torch.version.cuda is not None:
         pytest.skip("a step with no tensor argument on the stand-in needs a CPU build of torch")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -90,7 +90,9 @@ class Graphed(Generic[R]):
 
     # True for a training step (TrainStep): its recording runs its own backward.
     records_gradients = False
-    # False for a training step: its warm-up runs would be optimizer steps.
+    # False for a training step (its warm-up runs would be optimizer steps), and for any step
+    # whose every run advances state it owns (an LLM engine's decode step): the recapture
+    # records without running it, and the call's replay is its one run.
     recapture_warms_up = True
 
     def __init__(self, fn: Callable[..., R], options: Options):

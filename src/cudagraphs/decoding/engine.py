@@ -70,7 +70,7 @@ class EngineStats:
     setup_s: float = 0.0
     graphs: int = 0  # decode steps captured (or, without CUDA, eager pass-throughs)
     replays: dict[str, int] = field(default_factory=dict)  # steps per graph
-    recaptures: int = 0
+    recaptures: int = 0  # steps captured again (a parameter given new memory, say)
     prefill_chunks: int = 0
     moves: int = 0  # rows moved into the hole a finished request left
     graph_bytes: int = 0  # growth of torch.cuda.memory_reserved() over the captures
@@ -170,8 +170,8 @@ class Engine:
             check_bool(key, value, "it says how one token's attention reads the cache")
         self.cache = SlotCache(model, max_batch, max_length)
         self.state = SlotState.make(self.cache, model.config.vocab_size)
-        self.stats = EngineStats(cache_bytes=self.cache.bytes)
-        self.stats.attention = choose_attention(model, grouped_attention, attention_kernel)
+        self._stats = EngineStats(cache_bytes=self.cache.bytes)
+        self._stats.attention = choose_attention(model, grouped_attention, attention_kernel)
         self.pool = Pool()
         self.graphs: dict[tuple[int, int, str], Any] = {}
         self.recorder = EngineRecorder(max_batch)
@@ -191,9 +191,15 @@ class Engine:
         self._ready.wait()
         if self._setup_error is not None:
             raise self._setup_error
-        self.stats.setup_s = time.perf_counter() - start
+        self._stats.setup_s = time.perf_counter() - start
 
     # -- the public surface --------------------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        """What the engine's graphs have done (:class:`EngineStats`)."""
+        self._stats.recaptures = sum(g.stats.recaptures for g in list(self.graphs.values()))
+        return self._stats
 
     @property
     def graphed(self) -> bool:
@@ -303,7 +309,7 @@ class Engine:
                 for _ in range(self.warmup + 1):  # the eager calls, then the capture
                     step()
         if cuda:
-            self.stats.graph_bytes += torch.cuda.memory_reserved(self.device) - before
+            self._stats.graph_bytes += torch.cuda.memory_reserved(self.device) - before
 
     def __repr__(self) -> str:
         return (
@@ -404,7 +410,7 @@ class Engine:
         )
         row.length += take
         self.state.lengths[slot] = row.length
-        self.stats.prefill_chunks += 1
+        self._stats.prefill_chunks += 1
         if row.length < len(prompt):
             return
         live = torch.ones(1, dtype=torch.bool, device=self.device)
@@ -425,12 +431,7 @@ class Engine:
         mode = MODES[sampled]
         decoding = [row for row in self.rows if row.decoding]
         try:
-            graphed = self._step(n, length, mode)
-            saved: list[torch.Tensor] = []
-            if graphed.refresh(prepare=lambda: saved.extend(self.state.snapshot())):
-                self.state.restore(saved)  # a recapture's warm-up ran steps on the live rows
-                self.stats.recaptures += 1
-            graphed()
+            self._step(n, length, mode)()  # a stale graph captures again, then replays
             emitted = self.state.emitted[:count].tolist()
         except Exception as error:  # the rows of this step fail; the engine goes on
             failure = StepFailedError(
@@ -446,7 +447,7 @@ class Engine:
                 self._leave(row, "error", failure)
             return
         key = f"{mode} batch {n} length {length}"
-        self.stats.replays[key] = self.stats.replays.get(key, 0) + 1
+        self._stats.replays[key] = self._stats.replays.get(key, 0) + 1
         self.recorder.step(len(decoding), n)
         # By slot at the step: a row that leaves moves another into its slot.
         stepped = [(row, emitted[k]) for k, row in enumerate(self.rows) if row.decoding]
@@ -465,7 +466,7 @@ class Engine:
                 self.model, self.cache_arg, self.cache, self.state, n, length, mode,
                 pool=self.pool, warmup=self.warmup,
             )  # fmt: skip
-            self.stats.graphs = len(self.graphs)
+            self._stats.graphs = len(self.graphs)
         return self.graphs[key]
 
     def _emit(self, row: _Row, token: int, ended: bool) -> None:
@@ -486,7 +487,7 @@ class Engine:
             self.cache.move(last, slot, moving.length)
             self.state.move(last, slot)
             self.rows[slot] = moving
-            self.stats.moves += 1
+            self._stats.moves += 1
         self.rows.pop()
         self.state.active[last] = False
 

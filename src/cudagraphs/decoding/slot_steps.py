@@ -70,13 +70,6 @@ class SlotState:
         for tensor in self.tensors():
             tensor[target].copy_(tensor[source])
 
-    def snapshot(self) -> list[torch.Tensor]:
-        return [t.clone() for t in self.tensors()]
-
-    def restore(self, saved: list[torch.Tensor]) -> None:
-        for tensor, copy in zip(self.tensors(), saved):
-            tensor.copy_(copy)
-
 
 def slot_step(
     model: Any, cache_arg: str, cache: SlotCache, state: SlotState, n: int, length: int, mode: str
@@ -129,9 +122,10 @@ def capture_slot_step(
     warmup: int,
 ) -> Any:
     """:func:`slot_step` as a graph (``cg.graph``'s lazy form: its first ``warmup`` calls run
-    eagerly, the next one captures). Each call, those too, is one real step of the slots."""
+    eagerly, the next one captures). Each call, those too, is one real step of the slots, and
+    so is a call that captures again."""
     step = slot_step(model, cache_arg, cache, state, n, length, mode)
-    return graph(
+    graphed = graph(
         step,
         pool=pool,
         warmup=warmup,
@@ -143,3 +137,7 @@ def capture_slot_step(
         side_effects="keep",
         outputs="alias",
     )
+    # A capture again (a parameter given new memory) must not warm up: each warm-up run would
+    # be a step of the live rows. It records without running; the call's replay is the step.
+    graphed.recapture_warms_up = False
+    return graphed
