@@ -10,6 +10,7 @@ it up:
 
 - ``engine``: ``cudagraphs.decoding.Engine(model, max_batch=--slots, max_length=768)``; each
   request is ``engine.submit(...)`` at its arrival time, its tokens timed as they stream;
+  ``engine-read4``: the same with ``read_every=4`` (four steps per read of the tokens);
 - ``transformers``: ``model.init_continuous_batching(generation_config)`` (paged attention,
   ``attn_implementation="paged|sdpa"``), ``manager.warmup()`` (its graphs, outside the timing),
   ``manager.start()``, ``manager.add_request(...,
@@ -42,7 +43,7 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cuda_or_explain, environment, names, parser, table, write
 
-PATHS = ["engine", "transformers", "decoder"]
+PATHS = ["engine", "engine-read4", "transformers", "decoder"]
 MAX_LENGTH = 768  # the longest prompt (512) and output (256)
 
 
@@ -177,16 +178,19 @@ def main() -> None:
     if "decoder" in paths:
         built["decoder"] = Decoder(model, max_batch=1, max_length=MAX_LENGTH)
     start = time.perf_counter()
-    if "engine" in paths:
-        built["engine"] = Engine(model, max_batch=args.slots, max_length=MAX_LENGTH, max_queue=4096)
-        results["engine_setup_s"] = time.perf_counter() - start
+    for path, read_every in (("engine", 1), ("engine-read4", 4)):
+        if path in paths:
+            built[path] = Engine(model, max_batch=args.slots, max_length=MAX_LENGTH,
+                                 max_queue=4096, read_every=read_every)  # fmt: skip
+            results[f"{path}_setup_s"] = time.perf_counter() - start
+            start = time.perf_counter()
     rows = []
     for requests in [int(n) for n in args.requests.split(",")]:
         for rate in [float(r) for r in args.rates.split(",")]:
             load = workload(requests, rate, seed=requests)
             for path in paths:
-                if path == "engine":
-                    got = run_engine(built["engine"], load)
+                if path.startswith("engine"):
+                    got = run_engine(built[path], load)
                 elif path == "transformers":
                     model.set_attn_implementation("paged|sdpa")
                     try:
@@ -204,12 +208,14 @@ def main() -> None:
                     f"{got['itl_p99_ms']:.1f}",
                 ])  # fmt: skip
                 console.print(rows[-1])
-    if "engine" in built:
-        metrics = built["engine"].metrics()
-        results["engine_occupancy"] = metrics.occupancy
-        results["engine_stats"] = {"moves": built["engine"].stats.moves,
-                                   "prefill_chunks": built["engine"].stats.prefill_chunks}  # fmt: skip
-        built["engine"].close()
+    for path in ("engine", "engine-read4"):
+        if path in built:
+            engine = built[path]
+            results[f"{path}_occupancy"] = engine.metrics().occupancy
+            results[f"{path}_stats"] = {"moves": engine.stats.moves,
+                                        "prefill_chunks": engine.stats.prefill_chunks,
+                                        "recaptures": engine.stats.recaptures}  # fmt: skip
+            engine.close()
     header = ["path", "requests", "arrivals", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
               "ITL p50 ms", "ITL p99 ms"]  # fmt: skip
     shown, lines = table(f"LLM serving on {results['hardware']}", header, rows)

@@ -98,6 +98,22 @@ def test_requests_given_at_once_each_get_their_own_generate_tokens(model, engine
     assert engine.stats.prefill_chunks > len(LENGTHS)  # some prompts took several chunks
 
 
+def test_several_steps_between_reads_give_the_same_tokens_and_stops(model) -> None:
+    # Four steps per read: a row that ends at the second is read up to it, the steps after
+    # its end neither advance it nor reach its stream.
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8, read_every=4) as engine:
+        check_against_generate(model, engine)
+        asked = prompts(5, [4, 7, 5])
+        free = [reference(model, p, 16) for p in asked]
+        eos = [[free[0][5]], [free[1][9]], None]
+        completions = [
+            engine.submit(p, max_new_tokens=16, eos_token_id=e) for p, e in zip(asked, eos)
+        ]
+        for completion, prompt, stop in zip(completions, asked, eos):
+            assert completion.result(timeout=120) == reference(model, prompt, 16, eos=stop)
+    assert engine.stats.replays and all(v % 4 == 0 for v in engine.stats.replays.values())
+
+
 def test_the_model_s_own_attention_gives_the_same_tokens() -> None:
     model, _ = tiny_llama("cpu", hidden=64, layers=2)
     model.set_attn_implementation("sdpa")

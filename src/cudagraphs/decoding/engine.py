@@ -10,7 +10,7 @@ the loop; at every step boundary:
 2. prompts go in, in chunks of at most ``prefill_chunk`` tokens per boundary over all
    joining requests, so a long prompt holds the running rows back one chunk at a time, not
    for its whole length; a request whose prompt is in emits its first token;
-3. one decode step runs for the slots in use, on the smallest batch rung that holds them and
+3. one decode step (``read_every`` steps back to back) runs for the slots in use, on the smallest batch rung that holds them and
    the shortest cache-length rung that holds the longest row; each live row emits a token;
 4. rows that ended leave, and the last slot in use moves into the hole, so the slots in use
    stay at the front and the batch moves down the rung ladder as it empties.
@@ -111,6 +111,9 @@ class Engine:
             ``stats.attention`` says which ran.
         attention_kernel: with ``grouped_attention``, a short cache's one-token attention runs
             as one Triton kernel (``decoding/attention.py``) on a GPU; ``False``: SDPA.
+        read_every: decode steps launched back to back before the host reads their tokens
+            (one sync per read). More: fewer syncs and less host work per token, but tokens
+            arrive in bursts, and joins and leaves wait for the read.
         name: the engine's name in its metrics.
     """
 
@@ -129,6 +132,7 @@ class Engine:
         do_sample: bool = False,
         grouped_attention: bool = True,
         attention_kernel: bool = True,
+        read_every: int = 1,
         name: str = "engine",
     ):
         start = time.perf_counter()
@@ -150,11 +154,13 @@ class Engine:
             ("max_queue", max_queue),
             ("prefill_chunk", prefill_chunk),
             ("warmup", warmup),
+            ("read_every", read_every),
         ):
             check_positive_int(key, value, "it sizes the cache, the queue or the steps")
         self.model, self.name = model, name
         self.max_batch, self.max_length = max_batch, max_length
         self.max_queue, self.prefill_chunk, self.warmup = max_queue, prefill_chunk, warmup
+        self.read_every = read_every
         self.cache_arg = cache_keyword(model)
         self.device = next(model.parameters()).device
         self.rungs = checked_rungs(
@@ -170,6 +176,8 @@ class Engine:
             check_bool(key, value, "it says how one token's attention reads the cache")
         self.cache = SlotCache(model, max_batch, max_length)
         self.state = SlotState.make(self.cache, model.config.vocab_size)
+        # Each step's tokens, for a read after read_every steps.
+        self._emitted = self.state.emitted.new_zeros(read_every, *self.state.emitted.shape)
         self._stats = EngineStats(cache_bytes=self.cache.bytes)
         self._stats.attention = choose_attention(model, grouped_attention, attention_kernel)
         self.pool = Pool()
@@ -418,21 +426,28 @@ class Engine:
         token = int(first)
         self.state.tokens[slot] = token
         row.decoding = True
-        self._emit(row, token, ended=token in row.request.eos or row.request.max_new_tokens == 1)
+        self._emit(row, [token], ended=token in row.request.eos or row.request.max_new_tokens == 1)
         if row.decoding:
             self.state.active[slot] = True
 
     def _decode(self) -> None:
-        count = len(self.rows)
+        """``read_every`` steps of the slots in use, then one read of their tokens."""
+        count, steps = len(self.rows), self.read_every
         n = next(r for r in self.rungs if r >= count)
-        longest = max(row.length for row in self.rows if row.decoding) + 1
-        length = next(size for size in self.lengths if size >= longest)
-        sampled = any(row.decoding and row.request.temperature > 0 for row in self.rows)
-        mode = MODES[sampled]
         decoding = [row for row in self.rows if row.decoding]
+        # The positions the last of these steps attends to (a row never passes max_length:
+        # once it has emitted its last token it is no longer live and does not advance).
+        longest = min(max(row.length for row in decoding) + steps, self.max_length)
+        length = next(size for size in self.lengths if size >= longest)
+        mode = MODES[any(row.request.temperature > 0 for row in decoding)]
         try:
-            self._step(n, length, mode)()  # a stale graph captures again, then replays
-            emitted = self.state.emitted[:count].tolist()
+            step = self._step(n, length, mode)
+            for k in range(steps):
+                step()  # a stale graph captures again, then replays
+                if steps > 1:
+                    self._emitted[k, :count].copy_(self.state.emitted[:count])
+            read = self._emitted[:steps, :count] if steps > 1 else self.state.emitted[None, :count]
+            emitted = read.tolist()
         except Exception as error:  # the rows of this step fail; the engine goes on
             failure = StepFailedError(
                 explain(
@@ -447,14 +462,25 @@ class Engine:
                 self._leave(row, "error", failure)
             return
         key = f"{mode} batch {n} length {length}"
-        self._stats.replays[key] = self._stats.replays.get(key, 0) + 1
-        self.recorder.step(len(decoding), n)
-        # By slot at the step: a row that leaves moves another into its slot.
-        stepped = [(row, emitted[k]) for k, row in enumerate(self.rows) if row.decoding]
-        for row, _ in stepped:  # before any row leaves: a move copies a row's whole length
-            row.length += 1
-        for row, (token, ended) in stepped:
-            self._emit(row, token, ended=bool(ended))
+        self._stats.replays[key] = self._stats.replays.get(key, 0) + steps
+        for _ in range(steps):
+            self.recorder.step(len(decoding), n)
+        # By slot at the steps: a row that leaves moves another into its slot.
+        stepped = []
+        for k, row in enumerate(self.rows):
+            if not row.decoding:
+                continue
+            tokens, ended = [], False
+            for at in emitted:  # up to and with the step at which the row ended
+                tokens.append(at[k][0])
+                if at[k][1]:
+                    ended = True
+                    break
+            stepped.append((row, tokens, ended))
+        for row, tokens, _ in stepped:  # before any row leaves: a move copies its whole length
+            row.length += len(tokens)
+        for row, tokens, ended in stepped:
+            self._emit(row, tokens, ended)
 
     def _step(self, n: int, length: int, mode: str) -> Any:
         """The step of rung (``n``, ``length``) in ``mode``, made on first use. Its first
@@ -469,12 +495,12 @@ class Engine:
             self._stats.graphs = len(self.graphs)
         return self.graphs[key]
 
-    def _emit(self, row: _Row, token: int, ended: bool) -> None:
+    def _emit(self, row: _Row, tokens: list[int], ended: bool) -> None:
         completion = row.completion
-        completion.add([token])
-        self.recorder.tokens(completion.submitted, completion.token_times, 1)
+        completion.add(tokens)
+        self.recorder.tokens(completion.submitted, completion.token_times, len(tokens))
         if ended:
-            reason = "stop" if token in row.request.eos else "length"
+            reason = "stop" if tokens[-1] in row.request.eos else "length"
             self._leave(row, reason, None)
 
     def _leave(self, row: _Row, reason: Any, error: BaseException | None) -> None:
