@@ -139,6 +139,9 @@ def test_recorded_steps_replay_rows_at_their_own_lengths(
         assert engine.graphed is False  # the model is on the CPU; the stand-in still records
         assert all(g.stats.state == "captured" for g in engine.graphs.values())
         check_against_generate(model, engine)
+        # Prompt chunks recorded too, right-padded to their rung.
+        assert engine.prefills.graphs and engine.prefills.recorded > engine.prefills.eager
+        assert all(g.stats.state == "captured" for g in engine.prefills.graphs.values())
 
 
 def test_a_weight_given_new_memory_captures_again_with_the_rows_unharmed(
@@ -189,6 +192,18 @@ def test_a_long_prompt_goes_in_by_chunks_between_the_running_rows_steps(model) -
     during = [t for t in running.token_times if long.submitted < t < long.token_times[0]]
     assert len(during) >= 5  # 7 chunks: a step after each of the first 6
     assert engine.stats.prefill_chunks >= 1 + 7
+
+
+def test_a_chunk_that_would_pad_past_the_cache_s_end_goes_in_eagerly(model) -> None:
+    # 58 tokens in chunks of 8: the last (2 tokens at position 56) padded to 16 would write
+    # past position 63, so it runs at its own length; the others are recorded, padded.
+    with Engine(model, max_batch=2, max_length=64, prefill_chunk=8) as engine:
+        prompt = prompts(32, [58])[0]
+        assert engine.generate(prompt, max_new_tokens=6, eos_token_id=None) == reference(
+            model, prompt, 6
+        )
+        assert engine.stats.eager_prefill_chunks == 1
+        assert engine.stats.prefill_chunks == 8
 
 
 def test_each_request_stops_at_its_own_end_of_sequence_ids(model, engine) -> None:

@@ -34,7 +34,6 @@ decoder's lock, each a batch of one.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 import time
 from collections import deque
@@ -56,6 +55,7 @@ from .prompts import EngineRequest, check_engine_request
 from .requests import check_model
 from .row_sampling import choose
 from .slot_cache import SlotCache
+from .slot_prefill import SlotPrefill
 from .slot_steps import SlotState, capture_slot_step
 
 __all__ = ["Engine", "EngineStats"]
@@ -72,6 +72,7 @@ class EngineStats:
     replays: dict[str, int] = field(default_factory=dict)  # steps per graph
     recaptures: int = 0  # steps captured again (a parameter given new memory, say)
     prefill_chunks: int = 0
+    eager_prefill_chunks: int = 0  # of those, run eagerly (slot_prefill.py says when)
     moves: int = 0  # rows moved into the hole a finished request left
     graph_bytes: int = 0  # growth of torch.cuda.memory_reserved() over the captures
     cache_bytes: int = 0
@@ -171,7 +172,6 @@ class Engine:
         if self.rungs[-1] != max_batch:
             self.rungs.append(max_batch)
         self.lengths = length_rungs(max_length, cache_lengths)
-        self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         for key, value in (("grouped_attention", grouped_attention), ("attention_kernel", attention_kernel)):  # fmt: skip
             check_bool(key, value, "it says how one token's attention reads the cache")
         self.cache = SlotCache(model, max_batch, max_length)
@@ -182,6 +182,9 @@ class Engine:
         self._stats.attention = choose_attention(model, grouped_attention, attention_kernel)
         self.pool = Pool()
         self.graphs: dict[tuple[int, int, str], Any] = {}
+        self.prefills = SlotPrefill(
+            model, self.cache_arg, self.cache, self.lengths, pool=self.pool, warmup=warmup
+        )
         self.recorder = EngineRecorder(max_batch)
         self.rows: list[_Row] = []  # slot k holds rows[k]: the slots in use are the first
         self._queue: deque[tuple[EngineRequest, Completion]] = deque()
@@ -207,6 +210,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """What the engine's graphs have done (:class:`EngineStats`)."""
         self._stats.recaptures = sum(g.stats.recaptures for g in list(self.graphs.values()))
+        self._stats.eager_prefill_chunks = self.prefills.eager
         return self._stats
 
     @property
@@ -403,26 +407,14 @@ class Engine:
 
     def _prefill_chunk(self, row: _Row, take: int) -> None:
         slot, start, prompt = self.rows.index(row), row.length, row.request.prompt
-        length = next(size for size in self.lengths if size >= start + take)
-        ids = torch.tensor([prompt[start : start + take]], device=self.device)
-        positions = torch.arange(start, start + take, device=self.device)
-        extra = {"logits_to_keep": 1} if self.keeps_logits else {}
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions[None],
-            cache_position=positions,
-            attention_mask=self.cache.chunk_mask(slot, start, take, length),
-            use_cache=True,
-            **{self.cache_arg: self.cache.prefill(slot, length)},
-            **extra,
-        )
+        logits = self.prefills.logits(slot, start, prompt[start : start + take])
         row.length += take
         self.state.lengths[slot] = row.length
         self._stats.prefill_chunks += 1
         if row.length < len(prompt):
             return
         live = torch.ones(1, dtype=torch.bool, device=self.device)
-        first = choose(out.logits[:, -1, :], self.state.settings, slice(slot, slot + 1), live)
+        first = choose(logits, self.state.settings, slice(slot, slot + 1), live)
         token = int(first)
         self.state.tokens[slot] = token
         row.decoding = True

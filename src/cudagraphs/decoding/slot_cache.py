@@ -6,8 +6,8 @@ own length in a device tensor (``lengths[slot]``: the positions written so far, 
 write goes there), and the layers write a step's one new key and value per row at that row's
 length (an indexed write, no host read). A step attends through a prepared boolean mask, row
 ``r`` to positions ``[0, lengths[r]]``, so a row never sees another request's positions or
-its own slot's stale ones. A prompt is written into one slot at a time (:meth:`SlotCache.prefill`),
-in chunks, at that slot's length.
+its own slot's stale ones. A prompt is written into one slot at a time, in chunks
+(:meth:`SlotCache.chunk`), from that slot's length on.
 
 The views a step runs on (:meth:`SlotCache.decode`) hold the first ``n`` slots and the first
 ``length`` positions: a step of 3 requests on a 16-slot cache runs on the 4-row rung, and a
@@ -65,6 +65,10 @@ class SlotCache:
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
         self.columns = torch.arange(max_length, device=device)
         self._decode_views: dict[tuple[int, int], Any] = {}
+        # The slot and first position of the prompt chunk a prefill writes next.
+        self.chunk_slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.chunk_start = torch.zeros(1, dtype=torch.long, device=device)
+        self._chunk_views: dict[int, Any] = {}
 
     @property
     def bytes(self) -> int:
@@ -87,18 +91,27 @@ class SlotCache:
         ``[n, 1, 1, length]``, row ``r`` up to and with its new position ``lengths[r]``."""
         return (self.columns[:length] <= self.lengths[:n, None])[:, None, None, :]
 
-    def prefill(self, slot: int, length: int) -> Any:
-        """The cache a prompt chunk of one request runs on: slot ``slot``'s first ``length``
-        positions, written from ``lengths[slot]`` on."""
-        return self._view(
-            _ChunkLayer, slice(slot, slot + 1), length, at=self.lengths[slot : slot + 1]
-        )
+    def chunk(self, length: int) -> Any:
+        """The cache a prompt chunk of one request runs on: the slot in :attr:`chunk_slot`,
+        written from :attr:`chunk_start` on, its first ``length`` positions attended. Both
+        are device tensors the caller fills before the chunk, so one recorded chunk serves
+        every slot and start. The same object for the same length."""
+        if length not in self._chunk_views:
+            cache = copy.copy(self.base)
+            cache.layers = [
+                _chunk_layer(layer, self.chunk_slot, self.chunk_start, length)
+                for layer in self.base.layers
+            ]
+            self._chunk_views[length] = cache
+        return self._chunk_views[length]
 
-    def chunk_mask(self, slot: int, start: int, tokens: int, length: int) -> torch.Tensor:
-        """The causal mask of a chunk of ``tokens`` positions from ``start`` in ``slot``:
-        ``[1, 1, tokens, length]``."""
-        rows = torch.arange(start, start + tokens, device=self.columns.device)
-        return (self.columns[:length] <= rows[:, None])[None, None]
+    def chunk_positions(self, tokens: int) -> torch.Tensor:
+        """The cache positions of a chunk of ``tokens``: from :attr:`chunk_start` on."""
+        return self.chunk_start + torch.arange(tokens, device=self.columns.device)
+
+    def chunk_mask(self, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """The causal mask of a chunk at ``positions``: ``[1, 1, tokens, length]``."""
+        return (self.columns[:length] <= positions[:, None])[None, None]
 
     def move(self, source: int, target: int, positions: int) -> None:
         """Copy slot ``source``'s first ``positions`` keys and values into slot ``target``
@@ -145,17 +158,40 @@ class _DecodeLayer:
 
 
 class _ChunkLayer:
-    """A layer of a prompt chunk: one slot, the chunk's positions from the slot's length."""
+    """A layer of a prompt chunk: the chunk's positions from ``start`` in the slot ``slot``
+    (one-entry device tensors), written into the full cache; attention reads a copy of that
+    slot's first ``length`` positions (a gather: the slot is not known on the host)."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
-    at: torch.Tensor
+    full: tuple[torch.Tensor, torch.Tensor]
+    slot: torch.Tensor
+    start: torch.Tensor
+    length: int
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *_: Any, **__: Any) -> Any:
-        positions = self.at + torch.arange(keys.shape[2], device=keys.device)
-        self.keys.index_copy_(2, positions, keys)
-        self.values.index_copy_(2, positions, values)
-        return self.keys, self.values
+        heads, tokens = keys.shape[1], keys.shape[2]
+        where = (
+            self.slot[:, None, None],
+            torch.arange(heads, device=keys.device)[None, :, None],
+            (self.start + torch.arange(tokens, device=keys.device))[None, None, :],
+        )
+        full_keys, full_values = self.full
+        full_keys.index_put_(where, keys)
+        full_values.index_put_(where, values)
+        return (
+            full_keys.index_select(0, self.slot)[:, :, : self.length],
+            full_values.index_select(0, self.slot)[:, :, : self.length],
+        )
+
+
+def _chunk_layer(layer: Any, slot: torch.Tensor, start: torch.Tensor, length: int) -> Any:
+    view = object.__new__(_subclass(_ChunkLayer, type(layer)))
+    view.__dict__.update(vars(layer))
+    view.__dict__.pop("max_cache_len", None)
+    view.full = (layer.keys, layer.values)
+    for name in _ROWS:  # the shape a reader of the layer expects: one slot, `length` positions
+        setattr(view, name, getattr(layer, name)[:1, :, :length])
+    view.slot, view.start, view.length = slot, start, length
+    return view
 
 
 @functools.cache
