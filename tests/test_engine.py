@@ -221,7 +221,7 @@ def test_each_request_stops_at_its_own_end_of_sequence_ids(model, engine) -> Non
     assert completions[0].tokens[-1] == eos[0][0] and len(completions[0].tokens) == 4
 
 
-def sampled(engine: Engine, prompt: list[int], seed: int) -> list[int]:
+def sampled(engine: Engine, prompt: list[int], seed: int | None) -> list[int]:
     return engine.submit(
         prompt, max_new_tokens=12, do_sample=True, temperature=1.3, top_k=40, top_p=0.95,
         seed=seed, eos_token_id=None,
@@ -252,6 +252,26 @@ def test_a_seeded_request_draws_the_same_tokens_whatever_its_neighbours(model) -
     assert crowded == alone
     assert other_seed != alone  # the draws do come from the seed
     assert any(key.startswith("mixed") for key in engine.stats.replays)
+
+
+def test_a_request_without_a_seed_leaves_the_random_module_alone(model) -> None:
+    # The engine's thread records steps while callers submit: a seed drawn from the random
+    # module on the caller's thread would change its state in the middle of a recording,
+    # and the recording's check would fail the step as one that draws on the host.
+    import random
+
+    random.seed(11)
+    state = random.getstate()
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8, do_sample=True) as engine:
+        completions = [
+            engine.submit(prompts(20 + k, [5])[0], max_new_tokens=6, eos_token_id=None)
+            for k in range(12)
+        ]
+        outputs = [completion.result(timeout=120) for completion in completions]
+        assert random.getstate() == state
+        assert engine.metrics().errors == {}
+        twice = [sampled(engine, prompts(40, [6])[0], seed=None) for _ in range(2)]
+    assert len(outputs) == 12 and twice[0] != twice[1]  # unseeded draws still differ
 
 
 def test_the_seeded_draw_follows_the_filtered_distribution() -> None:

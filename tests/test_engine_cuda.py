@@ -52,6 +52,26 @@ def test_requests_arriving_apart_get_generate_s_tokens_from_captured_steps(model
         assert_same_tokens(got, *expected)
 
 
+def test_the_model_s_own_attention_gives_generate_s_tokens_from_captured_steps() -> None:
+    # transformers' SDPA attention over the slot cache (grouped_attention=False), recorded
+    # per rung as the grouped one is: rows at their own lengths, prompts in chunks.
+    own = random_llama("llama-512", "cuda")
+    own.set_attn_implementation("sdpa")
+    generator = torch.Generator().manual_seed(2)
+    asked = [torch.randint(0, 32000, (int(n),), generator=generator).tolist()
+             for n in torch.randint(3, 100, (8,), generator=generator)]  # fmt: skip
+    with Engine(own, max_batch=4, max_length=160, prefill_chunk=32,
+                grouped_attention=False) as engine:  # fmt: skip
+        assert engine.stats.attention == "the model's own: grouped_attention=False"
+        completions = [engine.submit(p, max_new_tokens=24, eos_token_id=None) for p in asked]
+        outputs = [completion.result(timeout=300) for completion in completions]
+        assert engine.stats.recaptures == 0 and engine.stats.replays
+    for tokens, prompt in zip(outputs, asked):
+        got = torch.tensor([prompt + tokens], device="cuda")
+        expected = generate_with_scores(own, torch.tensor([prompt], device="cuda"), 24)
+        assert_same_tokens(got, *expected)
+
+
 def test_a_seeded_request_draws_the_same_tokens_beside_any_neighbours(model) -> None:
     prompt = list(range(100, 140))
 

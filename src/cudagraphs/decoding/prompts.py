@@ -10,7 +10,7 @@ vocabulary and prompts that do not fit the cache with their new tokens.
 
 from __future__ import annotations
 
-import random
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -149,6 +149,9 @@ def check_engine_request(
         temperature=float(temperature) if do_sample else 0.0,
         top_k=top_k if do_sample else None,
         top_p=top_p if do_sample else None,
-        seed=random.getrandbits(62) if seed is None else seed,
+        # The operating system's numbers, not the random module's: a draw from the shared
+        # generator here, on the caller's thread, would change it while the engine's thread
+        # records a step, and the recording's check would take the step for one that draws.
+        seed=secrets.randbits(62) if seed is None else seed,
         eos=tuple(eos),
     )
