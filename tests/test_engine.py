@@ -98,6 +98,28 @@ def test_requests_given_at_once_each_get_their_own_generate_tokens(model, engine
     assert engine.stats.prefill_chunks > len(LENGTHS)  # some prompts took several chunks
 
 
+def test_rows_that_are_not_decoding_may_lie_past_the_step_s_cache_length(model) -> None:
+    # Short rows decode on the 16-position rung while beside them, under the same batch
+    # rung, a 40-token prompt goes in by chunks (its length past 16) and, once it has ended,
+    # its freed slot keeps the length it had. A step writes a position for every row of its
+    # rung: those rows must neither land outside the rung nor change what the slot holds.
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8,
+                cache_lengths=[16, 32, 64]) as engine:  # fmt: skip
+        short = prompts(9, [3, 4, 2])
+        first = [engine.submit(p, max_new_tokens=12, eos_token_id=None) for p in short]
+        long = prompts(10, [40])[0]  # the last to join: its chunks go in while the rest decode
+        late = engine.submit(long, max_new_tokens=3, eos_token_id=None)
+        assert late.result(timeout=120) == reference(model, long, 3)
+        for completion, prompt in zip(first, short):
+            assert completion.result(timeout=120) == reference(model, prompt, 12)
+        again = prompts(11, [5, 6, 3])  # three rows on the 4-row rung, the freed slot under it
+        outputs = [engine.submit(p, max_new_tokens=8, eos_token_id=None) for p in again]
+        for completion, prompt in zip(outputs, again):
+            assert completion.result(timeout=120) == reference(model, prompt, 8)
+        assert engine.metrics().errors == {}
+        assert any(key.endswith("length 16") for key in engine.stats.replays)
+
+
 def test_several_steps_between_reads_give_the_same_tokens_and_stops(model) -> None:
     # Four steps per read: a row that ends at the second is read up to it, the steps after
     # its end neither advance it nor reach its stream.

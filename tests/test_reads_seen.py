@@ -206,3 +206,33 @@ def test_an_environment_variable_transformers_reads_in_the_forward_is_guarded(
     monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     torch.testing.assert_close(g(ids), hidden(ids))
     assert g.stats.recaptures == 1
+
+
+def test_the_environment_variables_compiled_code_names_are_guarded_unread() -> None:
+    # Under torch.compile Dynamo reads a variable from its own frames while it traces (some
+    # releases fold its value into the trace), so the profiler may see no model code read
+    # it: the variables the compiled forward's bytecode names are guarded from the start.
+    from reads_cases import ReadsTheEnvironment
+
+    from cudagraphs.core.python_values import Reader
+
+    compiled = torch.compile(ReadsTheEnvironment())
+    assert SCALE_VARIABLE in Reader(of=compiled).environment
+    assert SCALE_VARIABLE not in Reader(of=ReadsTheEnvironment()).environment  # seen as run
+
+
+def test_a_changed_environment_variable_drops_compile_s_trace_before_capturing_again(
+    stand_in: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A trace that folded the old value would be captured again unchanged: the frames the
+    # compiled forward reaches are forgotten first, so the new capture traces the new value.
+    from reads_cases import ReadsTheEnvironment
+
+    from cudagraphs.core import compat
+
+    forgotten: list[object] = []
+    forget = compat.forget_compiled_frames
+    monkeypatch.setattr(compat, "forget_compiled_frames", lambda codes: (forgotten.append(list(codes)), forget(codes)))  # fmt: skip
+    make, change, name = SEEN["environment variable read in a branch"]
+    _answers_as_eager_after(make(), change, name, compile=True)
+    assert any(ReadsTheEnvironment.forward.__code__ in codes for codes in forgotten)

@@ -7,7 +7,7 @@ reads a host setting through a call. This module says, per code object, whether 
 makes such reads (:func:`computed_reads`), which host-setting getters a run called
 (:data:`HOST_GETTERS`, noted by ``python_values.Reader`` from the profiler's C-call events),
 which environment variables it read (:data:`ENVIRON_READ`: guarded like a host setting,
-through :func:`environment_getter`), which clocks it read (:data:`CLOCKS`: a result no guard
+through :func:`environment_getter`; :func:`environment_keys` where the code is compiled), which clocks it read (:data:`CLOCKS`: a result no guard
 can compare, so the capture is refused), and where a name is read (:func:`where_read`, for
 errors that name the user's line).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import dis
 import functools
 import os
+import re
 import time
 import types
 from collections.abc import Mapping
@@ -41,8 +42,10 @@ __all__ = [
     "ComputedReads",
     "computed_reads",
     "environment_getter",
+    "environment_keys",
     "host_getter",
     "host_getter_label",
+    "is_environment_getter",
     "where_read",
 ]
 
@@ -169,10 +172,37 @@ ENVIRON_READ = type(os.environ).__getitem__.__code__
 ENVIRON_WRAPPERS = frozenset({ENVIRON_READ.co_filename, Mapping.get.__code__.co_filename})
 
 
+#: How an environment variable's name is written (a constant of the code, or a module global).
+_VARIABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def environment_keys(codes: Mapping[types.CodeType, Mapping[str, Any]]) -> set[str]:
+    """The environment variables ``codes`` (code objects with their module globals) may read,
+    from their bytecode: for each code that names ``environ`` or ``getenv``, every string
+    constant and every string module global it loads that reads as a variable's name
+    (``os.environ.get(SCALE_VARIABLE)``). For code that stands in for what runs, where the
+    profiler sees no read: under ``torch.compile`` Dynamo reads the variable from its own
+    frames while it traces. Guarding a name the code does not read costs a recapture when it
+    changes, never a wrong answer; a name built at run time is not found."""
+    keys: set[str] = set()
+    for code, namespace in codes.items():
+        if "environ" not in code.co_names and "getenv" not in code.co_names:
+            continue
+        loaded = [c for c in code.co_consts if isinstance(c, str)]
+        loaded += [v for n in code.co_names if isinstance(v := namespace.get(n), str)]
+        keys.update(k for k in loaded if _VARIABLE_NAME.fullmatch(k))
+    return keys
+
+
 def environment_getter(key: str) -> Any:
     """What a guard calls before each replay for an environment variable the recording read:
     its value now, or None where it is unset."""
     return functools.partial(os.environ.get, key)
+
+
+def is_environment_getter(owner: Any) -> bool:
+    """Whether ``owner`` (a watched value's owner) is an :func:`environment_getter`."""
+    return isinstance(owner, functools.partial) and owner.func == os.environ.get
 
 
 #: The clocks, as the profiler sees their C calls, and how a user writes each: a result that

@@ -51,7 +51,7 @@ from .diagnostics import installed
 from .frames import callable_name, user_stacklevel
 from .guards import AddressGuard, closure_tensors, modules_of
 from .modes import outputs_needing_gradients, refuse_gradients
-from .python_values import ValueWatch, retrace_after_class_change
+from .python_values import ValueWatch, retrace_after_untraced_change
 from .replay import Counters, InputsAlias, OutputsInUse, Replayer
 from .segments import describe_segments, print_segments
 from .signature import NAMESPACE, Signature
@@ -291,7 +291,7 @@ class Graphed(Generic[R]):
             logger=log,
         )
         for watch in [*self.value_watches(), *([self.guard] if self.guard else [])]:
-            retrace_after_class_change(self.fn, watch)
+            retrace_after_untraced_change(self.fn, watch)
         old = self.replayer
         assert old is not None
         old.release_outputs()

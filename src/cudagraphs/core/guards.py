@@ -239,8 +239,9 @@ class AddressGuard:
             fast if self.simple else _then_each(fast, self.closure_ids, others)
         )
 
-    def classes_changed(self) -> list[type]:
-        """The classes the guarded modules were switched away from since the capture."""
+    def untraced_changes(self) -> list[type]:
+        """The classes the guarded modules were switched away from since the capture (which
+        ``torch.compile``'s own guards do not cover)."""
         return [cls for _, module, cls in self.classes if type(module) is not cls]
 
     @property

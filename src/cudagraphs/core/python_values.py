@@ -61,8 +61,10 @@ from .dynamic_reads import (
     HOST_GETTERS,
     computed_reads,
     environment_getter,
+    environment_keys,
     host_getter,
     host_getter_label,
+    is_environment_getter,
     where_read,
 )
 from .frames import is_model_class, is_model_code
@@ -86,7 +88,7 @@ __all__ = [
     "ValueWatch",
     "class_values",
     "read_values",
-    "retrace_after_class_change",
+    "retrace_after_untraced_change",
 ]
 
 
@@ -113,8 +115,9 @@ class Reader:
         #: The host-setting getters the run called (``dynamic_reads.HOST_GETTERS``): a branch
         #: on ``torch.get_num_threads()`` reads no attribute the names above could match.
         self.getters: set[Any] = set()
-        #: The environment variables model code read (``os.environ[key]``, ``.get``, ``getenv``).
-        self.environment: set[str] = set()
+        #: The environment variables model code read (``os.environ[key]``, ``.get``, ``getenv``),
+        #: and those the code standing in for what runs names (no read of it is seen).
+        self.environment: set[str] = environment_keys(self.codes)
         #: The clocks model code read, each with the ``file:line`` that called it first.
         self.clocks: dict[str, str] = {}
 
@@ -559,13 +562,16 @@ class ValueWatch:
     def _same_in_python(self) -> bool:
         return all(held_value_still(entry) for entry in self.held)
 
-    def classes_changed(self) -> list[type]:
-        """The classes whose watched values no longer hold (:func:`class_values`), and the
-        classes an object was switched away from (``obj.__class__ = Other``)."""
+    def untraced_changes(self) -> list[Any]:
+        """The changed values ``torch.compile``'s own guards do not cover: the classes whose
+        watched values no longer hold (:func:`class_values`), the classes an object was
+        switched away from (``obj.__class__ = Other``), and the environment variables read
+        (Dynamo folds a variable's value into its trace as a constant)."""
         return [
-            owner if isinstance(owner, type) else value
+            owner if isinstance(owner, type) or key is Ellipsis else value
             for (_, owner, key, value), entry in zip(self.values, self.held)
-            if (isinstance(owner, type) or key is CLASS_OF) and not held_value_still(entry)
+            if (isinstance(owner, type) or key is CLASS_OF or is_environment_getter(owner))
+            and not held_value_still(entry)
         ]  # fmt: skip
 
     def _why(self) -> str | None:
@@ -603,10 +609,10 @@ def _entry(owner: Any, key: str, value: Any) -> tuple[Any, ...]:
     return (owner, key, value)
 
 
-def retrace_after_class_change(fn: Callable[..., Any], watch: Any) -> None:
-    """Before capturing again for a changed value: where a class's value changed, drop what
-    ``torch.compile`` traced for the code ``fn`` reaches, so the new capture traces with the
-    new value (``compat.forget_compiled_frames`` says why). Nothing is dropped for a change on
-    an instance, which Dynamo's own guards see."""
-    if watch.classes_changed():
+def retrace_after_untraced_change(fn: Callable[..., Any], watch: Any) -> None:
+    """Before capturing again for a changed value: where a class's value or an environment
+    variable changed, drop what ``torch.compile`` traced for the code ``fn`` reaches, so the
+    new capture traces with the new value (``compat.forget_compiled_frames`` says why).
+    Nothing is dropped for a change on an instance, which Dynamo's own guards see."""
+    if watch.untraced_changes():
         compat.forget_compiled_frames(compiled_code(fn))

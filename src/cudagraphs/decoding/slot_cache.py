@@ -63,6 +63,8 @@ class SlotCache:
         self.max_length = max_length
         device = self.base.layers[0].keys.device
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
+        # Which rows a decode step writes (the step sets it: its rows that are decoding).
+        self.writing = torch.zeros(slots, dtype=torch.bool, device=device)
         self.columns = torch.arange(max_length, device=device)
         self._decode_views: dict[tuple[int, int], Any] = {}
         # The slot and first position of the prompt chunk a prefill writes next.
@@ -78,11 +80,12 @@ class SlotCache:
     def decode(self, n: int, length: int) -> Any:
         """The cache a step of the first ``n`` slots runs on: each layer holds their first
         ``length`` positions and writes the step's one new position per row at
-        ``lengths[row]``. The same object for the same rung (a graph reads it by address)."""
+        ``lengths[row]``, for the rows :attr:`writing` names (the others are left as they
+        are, wherever their length lies). The same object for the same rung (a graph reads it by address)."""
         key = (n, length)
         if key not in self._decode_views:
             self._decode_views[key] = self._view(
-                _DecodeLayer, slice(0, n), length, at=self.lengths[:n]
+                _DecodeLayer, slice(0, n), length, at=self.lengths[:n], writing=self.writing[:n]
             )
         return self._decode_views[key]
 
@@ -122,38 +125,46 @@ class SlotCache:
                 rows = getattr(layer, name)
                 rows[target, :, :positions].copy_(rows[source, :, :positions])
 
-    def _view(self, kind: type, rows: slice, length: int, at: torch.Tensor) -> Any:
+    def _view(self, kind: type, rows: slice, length: int, **tensors: torch.Tensor) -> Any:
         cache = copy.copy(self.base)
-        cache.layers = [_layer_view(kind, layer, rows, length, at) for layer in self.base.layers]
+        layers = self.base.layers
+        cache.layers = [_layer_view(kind, layer, rows, length, tensors) for layer in layers]
         return cache
 
 
-def _layer_view(kind: type, layer: Any, rows: slice, length: int, at: torch.Tensor) -> Any:
+def _layer_view(
+    kind: type, layer: Any, rows: slice, length: int, tensors: dict[str, torch.Tensor]
+) -> Any:
     view = object.__new__(_subclass(kind, type(layer)))
     view.__dict__.update(vars(layer))
     view.__dict__.pop("max_cache_len", None)
     for name in _ROWS:  # [slots, heads, positions, head_dim]
         setattr(view, name, getattr(layer, name)[rows, :, :length])
-    view.at = at
+    view.__dict__.update(tensors)
     return view
 
 
 class _DecodeLayer:
-    """A layer of a decode step: one new position per row, at that row's length."""
+    """A layer of a decode step: one new position per row that is writing, at its length."""
 
     keys: torch.Tensor
     values: torch.Tensor
     at: torch.Tensor
+    writing: torch.Tensor
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *_: Any, **__: Any) -> Any:
         n, heads = keys.shape[:2]
+        # A row that is not writing (a prompt still going in, a freed slot) may lie past
+        # this rung's positions: it is pointed at the rung's last one and writes back what
+        # that position holds, so no row's past changes and no write leaves the view.
         where = (
             torch.arange(n, device=keys.device)[:, None],
             torch.arange(heads, device=keys.device)[None, :],
-            self.at[:, None],
+            self.at.clamp(max=self.keys.shape[2] - 1)[:, None],
         )
-        self.keys.index_put_(where, keys[:, :, 0])
-        self.values.index_put_(where, values[:, :, 0])
+        writing = self.writing[:, None, None]
+        self.keys.index_put_(where, torch.where(writing, keys[:, :, 0], self.keys[where]))
+        self.values.index_put_(where, torch.where(writing, values[:, :, 0], self.values[where]))
         return self.keys, self.values
 
 

@@ -7,7 +7,8 @@ entries, never by capturing again. In one step, for the first ``n`` slots:
 
 - a row is *live* when it is decoding and has not ended (``active & ~finished``); the others
   (a slot whose prompt is still going in, a free slot under the rung) run along and are
-  ignored: their length and draw count do not move, and what they emit is not read;
+  ignored: their cache, length and draw count do not move (their length may lie past the
+  rung's positions), and what they emit is not read;
 - each live row's token goes into the cache at that row's length and attends to its own
   positions (``SlotCache.decode_mask``), with position id its length;
 - the next token is chosen per row (``"greedy"``: the argmax for all; ``"mixed"``: each row's
@@ -79,10 +80,11 @@ def slot_step(
     view = cache.decode(n, length)
     lengths, tokens, active, finished = state.lengths[:n], state.tokens[:n], state.active[:n], state.finished[:n]  # fmt: skip
     left, eos, emitted, settings = state.left[:n], state.eos[:n], state.emitted[:n], state.settings
-    rows = slice(0, n)
+    rows, writing = slice(0, n), cache.writing[:n]
 
     def step() -> None:
         live = active & ~finished
+        writing.copy_(live)
         out = model(
             input_ids=tokens,
             position_ids=lengths[:, None],
@@ -132,8 +134,8 @@ def capture_slot_step(
         # The step reaches the model through a closure: name it, so the guard sees a
         # parameter moved to new memory (and captures again) before a replay.
         modules=[model],
-        # The engine owns the cache and the state and keeps them consistent itself: what a
-        # step writes for a row that is not live lies where that row's next real write goes.
+        # The engine owns the cache and the state and keeps them consistent itself: a step
+        # leaves the cache of a row that is not live as it was.
         side_effects="keep",
         outputs="alias",
     )
