@@ -1,0 +1,131 @@
+"""Where an LLM engine's time goes, one part at a time, beside the Decoder in one process on
+one GPU: what ``benchmarks/serve_llm.py`` gives as a whole.
+
+The model is the 1.1 B TinyLlama shape in bfloat16 with random weights (``llama-2048``, no
+download). Three parts, each after one untimed run of the same work:
+
+- **the decode step at mixed positions**: ``--batch`` requests of 16-512 prompt tokens, each
+  asking for ``--new`` tokens, all prefilled first, then every row decoding at its own
+  length. Reported: the engine's inter-token latency p50 over the tokens after the last
+  first token (every row decoding), beside...
+- **the unpadded step of the same batch**: ``Decoder(model, max_batch=--batch)`` generating
+  ``--new`` tokens for ``--batch`` prompts of 16 tokens (one length: no padding), its time per
+  token. Both run the model's kernels as recorded (no ``torch.compile``) with the grouped
+  one-token attention, so the ratio is the cost of rows at their own positions.
+- **the prompts**: the same ``--batch`` prompts with ``max_new_tokens=1``, at each
+  ``--prefill-chunks`` budget of prompt tokens per step boundary: prompt tokens per second.
+
+    python benchmarks/engine_parts.py [--batch 64] [--new 128] [--prefill-chunks 256,1024]
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import cuda_or_explain, environment, parser, table, write
+
+MAX_LENGTH = 768  # the longest prompt (512) and up to 256 new tokens
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 32000) for _ in range(rng.randint(16, 512))] for _ in range(count)]
+
+
+def engine_run(engine: Any, asked: list[list[int]], new: int) -> tuple[float, list[Any]]:
+    start = time.perf_counter()
+    completions = [engine.submit(p, max_new_tokens=new, eos_token_id=None) for p in asked]
+    for completion in completions:
+        completion.result(timeout=3600)
+    return time.perf_counter() - start, completions
+
+
+def step_ms_all_decoding(completions: list[Any]) -> float:
+    """Inter-token p50 over the tokens after the last request's first token (every row is
+    decoding then; the engine's reads give several rows' tokens the same arrival time)."""
+    everyone = max(c.token_times[0] for c in completions)
+    gaps = [
+        b - a
+        for c in completions
+        for a, b in zip(c.token_times, c.token_times[1:])
+        if a >= everyone and b > a
+    ]
+    return statistics.median(gaps) * 1e3
+
+
+def main() -> None:
+    p = parser(__doc__, "engine_parts", calls=1, windows=1)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--prefill-chunks", default="256,1024")
+    args = p.parse_args()
+    console = Console()
+    if not cuda_or_explain("engine_parts.py", console):
+        return
+    from cudagraphs.decoding import Decoder, Engine
+    from cudagraphs.tools.workloads import random_llama
+
+    model = random_llama("llama-2048", "cuda", torch.bfloat16, init=0.02)
+    model.set_attn_implementation("sdpa")
+    results: dict[str, Any] = {**environment(1, 1), "model": "llama-2048 bf16", "batch": args.batch}
+    rows: list[list[str]] = []
+
+    # The Decoder first: it fuses the model's projections in place (the same for the engine).
+    decoder = Decoder(model, max_batch=args.batch, max_length=MAX_LENGTH)
+    ids = torch.randint(1, 32000, (args.batch, 16), device="cuda")
+    for _ in range(2):  # the first records the rungs
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        decoder.generate(ids, max_new_tokens=args.new, eos_token_id=None)
+        torch.cuda.synchronize()
+        unpadded = (time.perf_counter() - start) / args.new * 1e3
+    results["decoder_unpadded_ms_per_step"] = unpadded
+    rows.append(
+        [f"Decoder, batch {args.batch}, every row at one length", f"{unpadded:.2f} ms per step", ""]
+    )
+
+    asked = prompts(args.batch, seed=1)
+    engine = Engine(model, max_batch=args.batch, max_length=MAX_LENGTH, max_queue=4096)
+    engine_run(engine, prompts(args.batch, seed=2), args.new)  # untimed: records the rungs
+    _, completions = engine_run(engine, asked, args.new)
+    mixed = step_ms_all_decoding(completions)
+    results["engine_mixed_ms_per_step"] = mixed
+    rows.append([
+        f"Engine, batch {args.batch}, rows at 16-512 + their tokens", f"{mixed:.2f} ms per step",
+        f"{mixed / unpadded:.2f}x the unpadded step",
+    ])  # fmt: skip
+    engine.close()
+
+    tokens = sum(len(q) for q in asked)
+    for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
+        engine = Engine(model, max_batch=args.batch, max_length=MAX_LENGTH, max_queue=4096,
+                        prefill_chunk=chunk)  # fmt: skip
+        engine_run(engine, prompts(args.batch, seed=3), 1)
+        seconds, _ = engine_run(engine, asked, 1)
+        results[f"prefill_{chunk}_tokens_per_s"] = tokens / seconds
+        rows.append([
+            f"Engine prompts only, {chunk} tokens per boundary", f"{tokens / seconds:.0f} prompt tokens/s",
+            f"{tokens} tokens in {seconds:.2f} s; {engine.stats.eager_prefill_chunks} chunks eager",
+        ])  # fmt: skip
+        engine.close()
+
+    shown, lines = table(f"Engine parts on {results['hardware']}", ["part", "figure", "note"], rows)
+    console.print(shown)
+    markdown = "\n".join([
+        f"Hardware: {results['hardware']}, torch {results['torch']}; {results['model']}; "
+        f"{args.new} new tokens per request.", "", *lines,
+    ])  # fmt: skip
+    write(results, markdown, args, console)
+
+
+if __name__ == "__main__":
+    main()
