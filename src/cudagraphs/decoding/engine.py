@@ -310,16 +310,19 @@ class Engine:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def _prepare(self, mode: str) -> None:
-        """Capture every rung's step of ``mode`` (``"greedy"``, ``"mixed"``) before the
-        worker serves: no slot holds a live row, so the steps change nothing read later."""
+    def _prepare(self) -> None:
+        """Capture every rung's step of each mode (``"greedy"``, ``"mixed"``) and every prompt
+        chunk's rung before the worker serves: no slot holds a live row, so the steps change
+        nothing read later, and no request waits for a capture."""
         cuda = self.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.device) if cuda else 0
-        for n in reversed(self.rungs):  # the largest first: the pool grows once
-            for length in self.lengths:
-                step = self._step(n, length, mode)
-                for _ in range(self.warmup + 1):  # the eager calls, then the capture
-                    step()
+        for mode in self._modes:
+            for n in reversed(self.rungs):  # the largest first: the pool grows once
+                for length in self.lengths:
+                    step = self._step(n, length, mode)
+                    for _ in range(self.warmup + 1):  # the eager calls, then the capture
+                        step()
+        self.prefills.prepare()
         if cuda:
             self._stats.graph_bytes += torch.cuda.memory_reserved(self.device) - before
 
@@ -336,8 +339,7 @@ class Engine:
         on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else None
         with torch.no_grad(), on_device or contextlib.nullcontext():
             try:
-                for mode in self._modes:
-                    self._prepare(mode)
+                self._prepare()
             except BaseException as error:
                 self._setup_error = error
                 return

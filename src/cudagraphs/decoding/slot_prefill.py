@@ -14,7 +14,8 @@ shortest rung ``T >= t`` (16, 32, ..., 256), right-padded to ``T``:
 - the logits are those of the last real position (the model's ``logits_to_keep``, given as a
   device index).
 
-Eager, at the chunk's own length: a chunk longer than the longest rung, a padded chunk that
+Every rung is recorded when the engine starts (:meth:`SlotPrefill.prepare`). Eager, at the
+chunk's own length: a chunk longer than the longest rung, a padded chunk that
 would run past the cache's end, and every chunk of a model whose forward has no
 ``logits_to_keep``.
 """
@@ -72,6 +73,22 @@ class SlotPrefill:
         padded = torch.tensor([ids + [0] * (rung - take)], device=device)
         self.recorded += 1
         return recorded(padded, torch.tensor([take - 1], device=device))
+
+    def prepare(self) -> None:
+        """Record every (chunk rung, cache-length rung) a chunk can run on, before any request:
+        otherwise a rung's first chunk pays its capture while the running rows wait (seconds
+        over all rungs of a 1.1 B model). The recordings write into slot 0 from position 0,
+        which a request's own chunks write again before anything attends to them."""
+        self.cache.chunk_slot.fill_(0)
+        self.cache.chunk_start.fill_(0)
+        device = self.cache.lengths.device
+        for rung in reversed(self.rungs):  # the largest first: the pool grows once
+            ids = torch.zeros(1, rung, dtype=torch.long, device=device)
+            last = torch.tensor([rung - 1], device=device)
+            for length in [n for n in self.lengths if n >= rung]:
+                recorded = self.graphs.get((rung, length)) or self._record(rung, length)
+                for _ in range(self.warmup + 1):  # the eager calls, then the capture
+                    recorded(ids, last)
 
     def _length(self, end: int) -> int:
         return next(size for size in self.lengths if size >= end)
