@@ -157,13 +157,20 @@ def test_recorded_steps_replay_rows_at_their_own_lengths(
         # be asked of the driver. The CPU build runs it.
         pytest.skip("a step with no tensor argument on the stand-in needs a CPU build of torch")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8) as engine:
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8,
+                cache_lengths=[16, 32, 64]) as engine:  # fmt: skip
         assert engine.graphed is False  # the model is on the CPU; the stand-in still records
         assert all(g.stats.state == "captured" for g in engine.graphs.values())
-        check_against_generate(model, engine)
-        # Prompt chunks recorded too, right-padded to their rung.
-        assert engine.prefills.graphs and engine.prefills.recorded > engine.prefills.eager
+        # Every prompt chunk's rung is recorded before the first request: none waits for a
+        # capture, and the recordings' writes into slot 0 change no request's tokens.
+        rungs = {(r, n) for r in (16, 32, 64) for n in (16, 32, 64) if n >= r}
+        assert set(engine.prefills.graphs) == rungs
         assert all(g.stats.state == "captured" for g in engine.prefills.graphs.values())
+        check_against_generate(model, engine)
+        # Prompt chunks replayed their recordings, right-padded to their rung.
+        assert engine.prefills.recorded > engine.prefills.eager
+        assert set(engine.prefills.graphs) == rungs
+        assert all(g.stats.recaptures == 0 for g in engine.prefills.graphs.values())
 
 
 def test_a_weight_given_new_memory_captures_again_with_the_rows_unharmed(
