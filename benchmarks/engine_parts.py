@@ -12,6 +12,8 @@ download). Three parts, each after one untimed run of the same work:
   ``--new`` tokens for ``--batch`` prompts of 16 tokens (one length: no padding), its time per
   token. Both run the model's kernels as recorded (no ``torch.compile``) with the grouped
   one-token attention, so the ratio is the cost of rows at their own positions.
+- **one prompt alone**: a 16- and a 256-token prompt, one new token, one request at a time:
+  the time per request (a chunk's fixed cost and its cost per token);
 - **the prompts**: the same ``--batch`` prompts with ``max_new_tokens=1``, at each
   ``--prefill-chunks`` budget of prompt tokens per step boundary: prompt tokens per second.
 
@@ -103,6 +105,22 @@ def main() -> None:
         f"Engine, batch {args.batch}, rows at 16-512 + their tokens", f"{mixed:.2f} ms per step",
         f"{mixed / unpadded:.2f}x the unpadded step",
     ])  # fmt: skip
+    engine.close()
+
+    # One request at a time, one new token: a prompt chunk's cost with nothing beside it,
+    # at the shortest and the longest chunk rung (the difference is per token, the rest fixed:
+    # the host's work per chunk and the first token's read).
+    engine = Engine(model, max_batch=args.batch, max_length=MAX_LENGTH, max_queue=4096)
+    for size in (16, 256):
+        alone = prompts(20, seed=4)
+        alone = [q[:size] + [1] * (size - len(q)) for q in alone]
+        engine_run(engine, alone[:2], 1)
+        start = time.perf_counter()
+        for q in alone:
+            engine.submit(q, max_new_tokens=1, eos_token_id=None).result(timeout=600)
+        each = (time.perf_counter() - start) / len(alone) * 1e3
+        results[f"one_prompt_{size}_ms"] = each
+        rows.append([f"Engine, one {size}-token prompt alone, 1 new token", f"{each:.2f} ms per request", ""])  # fmt: skip
     engine.close()
 
     tokens = sum(len(q) for q in asked)
