@@ -196,6 +196,28 @@ def test_a_weight_given_new_memory_captures_again_with_the_rows_unharmed(
         assert engine.stats.recaptures >= 1
 
 
+def test_an_engine_no_one_holds_is_collected_once_idle_and_its_worker_ends(model) -> None:
+    # Its worker holds it only while there is work: a request still running when the last
+    # reference goes finishes first, then the engine, its cache and graphs are freed.
+    engine = Engine(model, max_batch=2, max_length=64, name="dropped")
+    running = engine.submit(prompts(12, [5])[0], max_new_tokens=20, eos_token_id=None)
+    collected = weakref.ref(engine)
+    cache = weakref.ref(engine.cache.base.layers[0].keys)
+    del engine
+    assert running.result(timeout=120) == reference(model, prompts(12, [5])[0], 20)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (collected() is not None or _worker("dropped")):
+        gc.collect()
+        time.sleep(0.05)
+    gc.collect()  # the cache's views and layers refer to each other
+    assert collected() is None and cache() is None
+    assert not _worker("dropped")
+
+
+def _worker(name: str) -> bool:
+    return any(t.name == f"cudagraphs-{name}" and t.is_alive() for t in threading.enumerate())
+
+
 def test_requests_that_arrive_apart_join_the_running_batch(model, engine) -> None:
     asked = prompts(4, [6, 9, 4, 13])
     first = engine.submit(asked[0], max_new_tokens=40, eos_token_id=None)

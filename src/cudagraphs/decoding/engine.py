@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -91,8 +92,9 @@ class _Row:
 
 class Engine:
     """Continuous batching of a transformers causal LM over captured decode steps; see the
-    module doc. Its worker thread keeps it (and its cache) alive until :meth:`close`: use it
-    as ``with Engine(...) as engine:`` or close it when done.
+    module doc. Use it as ``with Engine(...) as engine:`` or close it when done; an engine no
+    one holds any more is collected once it is idle (no request queued or running), its
+    worker ended and its cache and graphs freed.
 
     Args:
         model: a transformers causal LM in eval mode, SDPA attention, on one device.
@@ -197,7 +199,13 @@ class Engine:
         self._modes = MODES[: 2 if do_sample else 1]
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
-        self._worker = threading.Thread(target=self._serve, name=f"cudagraphs-{name}", daemon=True)
+        # The worker holds the engine only while it has work: idle, it waits on the condition
+        # alone, so an engine no one holds is collected (and the finalizer wakes the worker).
+        weakref.finalize(self, _wake_up, self._wake)
+        self._worker = threading.Thread(
+            target=_serve, args=(weakref.ref(self), self._wake), name=f"cudagraphs-{name}",
+            daemon=True,
+        )  # fmt: skip
         self._worker.start()
         self._ready.wait()
         if self._setup_error is not None:
@@ -263,6 +271,7 @@ class Engine:
             completion = Completion(self._next_id, request.prompt, request.max_new_tokens)
             self._next_id += 1
             self._queue.append((request, completion))
+            _WORKING.add(self)  # until its worker finds it idle: nothing queued is lost
             self.recorder.submitted(completion.submitted)
             self._wake.notify()
         return completion
@@ -334,28 +343,31 @@ class Engine:
 
     # -- the worker ----------------------------------------------------------------------------
 
-    def _serve(self) -> None:
-        # The steps take no tensor argument: they are captured on the current device.
-        on_device = torch.cuda.device(self.device) if self.device.type == "cuda" else None
-        with torch.no_grad(), on_device or contextlib.nullcontext():
-            try:
-                self._prepare()
-            except BaseException as error:
-                self._setup_error = error
-                return
-            finally:
-                self._ready.set()
-            while self._next_boundary():
-                self._leave_cancelled()
-                self._prefill()
-                if any(row.decoding for row in self.rows):
-                    self._decode()
+    def _start(self) -> bool:
+        """Capture the steps (on the worker: a graph is replayed by the thread that captured
+        it); False, with the error kept for the constructor, where that failed."""
+        try:
+            self._prepare()
+            return True
+        except BaseException as error:
+            self._setup_error = error
+            return False
+        finally:
+            self._ready.set()
+
+    def _boundary(self) -> None:
+        self._leave_cancelled()
+        self._prefill()
+        if any(row.decoding for row in self.rows):
+            self._decode()
+
+    def _idle(self) -> bool:
+        """Nothing queued, running or closing (under the condition): the worker may wait."""
+        return not self._queue and not self.rows and not self._closing
 
     def _next_boundary(self) -> bool:
-        """Wait for work; admit queued requests into free slots. False: stop."""
+        """Admit queued requests into free slots (the worker saw work). False: stop."""
         with self._wake:
-            while not self._queue and not self.rows and not self._closing:
-                self._wake.wait()
             if self._closing and not self._drain:
                 self._fail_all(BatcherClosed(f"engine {self.name!r} was closed without draining"))
                 return False
@@ -527,3 +539,38 @@ class Engine:
 
 def _captured(graphed: Any) -> bool:
     return getattr(getattr(graphed, "stats", None), "state", None) == "captured"
+
+
+#: The engines with requests queued or running: held here from a submit until their worker
+#: finds them idle, so a request submitted just before the caller drops the engine is served.
+_WORKING: set[Engine] = set()
+
+
+def _serve(engine_ref: weakref.ref[Engine], wake: threading.Condition) -> None:
+    """The engine's worker: between boundaries with work it holds the engine; idle, it waits
+    holding only the condition, and ends once the engine is closed or collected."""
+    engine = engine_ref()
+    if engine is None:
+        return
+    # The steps take no tensor argument: they are captured on the current device.
+    on_device = torch.cuda.device(engine.device) if engine.device.type == "cuda" else None
+    with torch.no_grad(), on_device or contextlib.nullcontext():
+        if not engine._start():
+            return
+        while True:
+            with wake:
+                while engine is not None and engine._idle():
+                    _WORKING.discard(engine)
+                    engine = None  # idle: the engine may be collected while this waits
+                    if engine_ref() is not None:  # else collected just now, on this thread
+                        wake.wait()
+                    engine = engine_ref()
+            if engine is None or not engine._next_boundary():
+                return
+            engine._boundary()
+
+
+def _wake_up(wake: threading.Condition) -> None:
+    """An engine was collected: its worker, waiting idle, ends."""
+    with wake:
+        wake.notify_all()
