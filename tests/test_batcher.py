@@ -6,10 +6,12 @@ sizes."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import threading
 import time
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -203,6 +205,32 @@ def test_shutdown_with_requests_in_flight_answers_or_fails_each_exactly_once(dra
     else:
         assert all(isinstance(e, cg.BatcherClosed) for e in outcomes)
     assert all(f.done() for f in queued)
+
+
+def test_a_batcher_no_one_holds_is_collected_once_idle_and_its_worker_ends() -> None:
+    # A request queued just before the last reference goes is answered; then the batcher
+    # (and the function it serves) is freed and its worker ends.
+    gate = Gate()
+    batcher = cg.Batcher(gate, rows(1), max_batch=4, max_wait_ms=1, name="dropped")
+    x = rows(2)
+    answer = batcher.submit(x)
+    collected, served = weakref.ref(batcher), weakref.ref(gate)
+    del batcher, gate
+    served().open.set()
+    torch.testing.assert_close(answer.result(10), model(x))
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (collected() is not None or _worker("dropped")):
+        gc.collect()
+        time.sleep(0.02)
+    gc.collect()
+    assert collected() is None and served() is None
+    assert not _worker("dropped")
+
+
+def _worker(name: str) -> bool:
+    return any(
+        t.name == f"cudagraphs-batcher-{name}" and t.is_alive() for t in threading.enumerate()
+    )
 
 
 def test_a_failing_function_fails_its_batch_only() -> None:

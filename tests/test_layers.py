@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "cudagraphs"
 # Each layer may import only the layers before it.
 LAYERS = [
     "lazy",
+    "workers",
     "errors",
     "options",
     "core",

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from ..core import Pool
 from ..errors import BatcherClosed, ConfigError, Overloaded, StepFailedError, explain
 from ..options import check_bool, check_positive_int, checked_keywords
 from ..shapes import powers_of_two
+from ..workers import hold, start_worker
 from .completions import Completion, cancelled
 from .engine_metrics import EngineMetrics, EngineRecorder, engine_prometheus
 from .grouped_attention import choose_attention, takes_sdpa_mask
@@ -199,14 +199,13 @@ class Engine:
         self._modes = MODES[: 2 if do_sample else 1]
         self._ready = threading.Event()
         self._setup_error: BaseException | None = None
-        # The worker holds the engine only while it has work: idle, it waits on the condition
-        # alone, so an engine no one holds is collected (and the finalizer wakes the worker).
-        weakref.finalize(self, _wake_up, self._wake)
-        self._worker = threading.Thread(
-            target=_serve, args=(weakref.ref(self), self._wake), name=f"cudagraphs-{name}",
-            daemon=True,
+        self._started = False
+        # The worker holds the engine only while it has work (workers.py): an engine no one
+        # holds is collected once idle.
+        self._worker = start_worker(
+            self, self._wake, f"cudagraphs-{name}", Engine._idle, Engine._work,
+            context=Engine._worker_modes,
         )  # fmt: skip
-        self._worker.start()
         self._ready.wait()
         if self._setup_error is not None:
             raise self._setup_error
@@ -271,7 +270,7 @@ class Engine:
             completion = Completion(self._next_id, request.prompt, request.max_new_tokens)
             self._next_id += 1
             self._queue.append((request, completion))
-            _WORKING.add(self)  # until its worker finds it idle: nothing queued is lost
+            hold(self)  # until its worker finds it idle: nothing queued is lost
             self.recorder.submitted(completion.submitted)
             self._wake.notify()
         return completion
@@ -355,15 +354,33 @@ class Engine:
         finally:
             self._ready.set()
 
-    def _boundary(self) -> None:
+    def _worker_modes(self) -> contextlib.ExitStack:
+        """What the worker runs under: no autograd, and the engine's device current (the
+        steps take no tensor argument: they are captured on the current device)."""
+        modes = contextlib.ExitStack()
+        modes.enter_context(torch.no_grad())
+        if self.device.type == "cuda":
+            modes.enter_context(torch.cuda.device(self.device))
+        return modes
+
+    def _work(self) -> bool:
+        """The worker's next piece of work: the captures first, then one step boundary.
+        False: stop."""
+        if not self._started:
+            self._started = True
+            return self._start()
+        if not self._next_boundary():
+            return False
         self._leave_cancelled()
         self._prefill()
         if any(row.decoding for row in self.rows):
             self._decode()
+        return True
 
     def _idle(self) -> bool:
-        """Nothing queued, running or closing (under the condition): the worker may wait."""
-        return not self._queue and not self.rows and not self._closing
+        """Started, and nothing queued, running or closing (under the condition): the worker
+        may wait."""
+        return self._started and not self._queue and not self.rows and not self._closing
 
     def _next_boundary(self) -> bool:
         """Admit queued requests into free slots (the worker saw work). False: stop."""
@@ -539,38 +556,3 @@ class Engine:
 
 def _captured(graphed: Any) -> bool:
     return getattr(getattr(graphed, "stats", None), "state", None) == "captured"
-
-
-#: The engines with requests queued or running: held here from a submit until their worker
-#: finds them idle, so a request submitted just before the caller drops the engine is served.
-_WORKING: set[Engine] = set()
-
-
-def _serve(engine_ref: weakref.ref[Engine], wake: threading.Condition) -> None:
-    """The engine's worker: between boundaries with work it holds the engine; idle, it waits
-    holding only the condition, and ends once the engine is closed or collected."""
-    engine = engine_ref()
-    if engine is None:
-        return
-    # The steps take no tensor argument: they are captured on the current device.
-    on_device = torch.cuda.device(engine.device) if engine.device.type == "cuda" else None
-    with torch.no_grad(), on_device or contextlib.nullcontext():
-        if not engine._start():
-            return
-        while True:
-            with wake:
-                while engine is not None and engine._idle():
-                    _WORKING.discard(engine)
-                    engine = None  # idle: the engine may be collected while this waits
-                    if engine_ref() is not None:  # else collected just now, on this thread
-                        wake.wait()
-                    engine = engine_ref()
-            if engine is None or not engine._next_boundary():
-                return
-            engine._boundary()
-
-
-def _wake_up(wake: threading.Condition) -> None:
-    """An engine was collected: its worker, waiting idle, ends."""
-    with wake:
-        wake.notify_all()

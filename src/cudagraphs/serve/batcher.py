@@ -7,7 +7,8 @@ replays) and hands each caller a copy of its own rows. Everything that can go wr
 request fails that request alone, before it is queued: wrong structure, shape, dtype, device,
 too many rows. A full queue refuses at once (:class:`Overloaded`); a request that waits past its
 deadline is failed, not run (:class:`DeadlineExceeded`); a cancelled one is dropped; ``close``
-stops intake and drains (or fails) the queue, and every request is answered exactly once.
+stops intake and drains (or fails) the queue, and every request is answered exactly once. A
+batcher no one holds is collected once its queue is empty, and its worker ends.
 
 Right::
 
@@ -20,8 +21,10 @@ Right::
 Wrong: calling one graph from many request handlers directly: calls serialize on its lock and
 each replays a batch of one, and outputs must be cloned under the lock.
 
-The worker runs ``fn`` under ``torch.no_grad()``: grad mode is per thread, so a caller's
-``no_grad`` or ``inference_mode`` would not reach it. The answers are ordinary tensors.
+The worker runs ``fn`` under the grad and inference modes of the thread that built the
+batcher (the modes its graph was most likely captured under): grad mode is per thread, so a
+caller's ``no_grad`` or ``inference_mode`` would not reach it. The answers are ordinary
+tensors.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch
 from ..core import NAMESPACE
 from ..errors import BatcherClosed, ConfigError, DeadlineExceeded, Overloaded, explain
 from ..options import check_positive_int, refuse_unknown_keywords
+from ..workers import hold, start_worker
 from .metrics import BatcherMetrics, MetricsRecorder, prometheus
 from .requests import RequestSpec, concatenate, split, to_device
 
@@ -130,10 +134,12 @@ class Batcher:
         # modes the graph was most likely captured under (a graph checks them on every call).
         self._modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         self._closed = False
-        self._worker = threading.Thread(
-            target=self._loop, name=f"cudagraphs-batcher-{self.name}", daemon=True
-        )
-        self._worker.start()
+        # The worker holds the batcher only while it has work (workers.py): a batcher no one
+        # holds is collected once idle, and with it the graph it serves.
+        self._worker = start_worker(
+            self, self._ready, f"cudagraphs-batcher-{self.name}", Batcher._idle, Batcher._work,
+            context=Batcher._worker_modes,
+        )  # fmt: skip
 
     # --- intake -------------------------------------------------------------------------
 
@@ -175,6 +181,7 @@ class Batcher:
                     )
                 )
             self._queue.append(request)
+            hold(self)  # until its worker finds it idle: nothing queued is lost
             self._ready.notify()
         return request.future
 
@@ -236,12 +243,27 @@ class Batcher:
 
     # --- the worker ---------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def _worker_modes(self) -> contextlib.ExitStack:
+        """What the worker runs under: the creator's grad and inference modes (per thread),
+        the modes the graph was most likely captured under."""
         grad, inference = self._modes
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad and not inference):
-            while (batch := self._gather()) is not None:
-                if batch:
-                    self._serve(batch)
+        modes = contextlib.ExitStack()
+        modes.enter_context(torch.inference_mode(inference))
+        modes.enter_context(torch.set_grad_enabled(grad and not inference))
+        return modes
+
+    def _idle(self) -> bool:
+        """Nothing queued and not closed (under the condition): the worker may wait."""
+        return not self._queue and not self._closed
+
+    def _work(self) -> bool:
+        """Gather and serve one batch. False: closed and empty, stop."""
+        batch = self._gather()
+        if batch is None:
+            return False
+        if batch:
+            self._serve(batch)
+        return True
 
     def _gather(self) -> list[_Request] | None:
         """The next batch, in arrival order: full, or the oldest request waited max_wait.
