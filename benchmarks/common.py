@@ -90,6 +90,15 @@ def cuda_or_explain(script: str, console: Console) -> bool:
     return False
 
 
+def write_rows(
+    results: Any, lines: list[str], what: str, args: argparse.Namespace, console: Console
+) -> None:
+    """:func:`write`, the markdown being a line of where it ran and ``what`` ran, then the
+    table's ``lines``."""
+    head = f"Hardware: {results['hardware']}, torch {results['torch']}; {what}."
+    write(results, "\n".join([head, "", *lines]), args, console)
+
+
 def write(results: Any, markdown: str, args: argparse.Namespace, console: Console) -> None:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2, default=str))

@@ -33,7 +33,7 @@ import torch
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cuda_or_explain, environment, parser, table, write
+from common import cuda_or_explain, environment, parser, table, write_rows
 
 MAX_LENGTH = 768  # the longest prompt (512) and up to 256 new tokens
 
@@ -138,11 +138,9 @@ def main() -> None:
 
     shown, lines = table(f"Engine parts on {results['hardware']}", ["part", "figure", "note"], rows)
     console.print(shown)
-    markdown = "\n".join([
-        f"Hardware: {results['hardware']}, torch {results['torch']}; {results['model']}; "
-        f"{args.new} new tokens per request.", "", *lines,
-    ])  # fmt: skip
-    write(results, markdown, args, console)
+    write_rows(
+        results, lines, f"{results['model']}; {args.new} new tokens per request", args, console
+    )
 
 
 if __name__ == "__main__":

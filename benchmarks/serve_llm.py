@@ -43,7 +43,7 @@ import torch
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cuda_or_explain, environment, names, parser, table, write
+from common import cuda_or_explain, environment, names, parser, table, write_rows
 
 PATHS = ["engine", "engine-read4", "transformers", "decoder"]
 MAX_LENGTH = 768  # the longest prompt (512) and output (256)
@@ -242,11 +242,7 @@ def main() -> None:
     console.print(shown)
     medians = statistics.median([r["tokens_per_s"] for r in results["runs"]]) if rows else 0
     results["median_tokens_per_s"] = medians
-    markdown = "\n".join([
-        f"Hardware: {results['hardware']}, torch {results['torch']}; {results['model']}; "
-        f"engine slots {args.slots}.", "", *lines,
-    ])  # fmt: skip
-    write(results, markdown, args, console)
+    write_rows(results, lines, f"{results['model']}; engine slots {args.slots}", args, console)
 
 
 if __name__ == "__main__":
