@@ -81,14 +81,10 @@ class SlotPrefill:
         which a request's own chunks write again before anything attends to them."""
         self.cache.chunk_slot.fill_(0)
         self.cache.chunk_start.fill_(0)
-        device = self.cache.lengths.device
         for rung in reversed(self.rungs):  # the largest first: the pool grows once
-            ids = torch.zeros(1, rung, dtype=torch.long, device=device)
-            last = torch.tensor([rung - 1], device=device)
             for length in [n for n in self.lengths if n >= rung]:
-                recorded = self.graphs.get((rung, length)) or self._record(rung, length)
-                for _ in range(self.warmup + 1):  # the eager calls, then the capture
-                    recorded(ids, last)
+                if (rung, length) not in self.graphs:
+                    self._record(rung, length)  # warmed up and captured on its examples
 
     def _length(self, end: int) -> int:
         return next(size for size in self.lengths if size >= end)
