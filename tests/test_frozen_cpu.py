@@ -291,6 +291,57 @@ def test_a_draw_from_the_hosts_random_generator_is_refused_naming_it(
     assert g.state is cg.State.CAPTURED
 
 
+class _OtherThreadDraws:
+    """At each call, another thread draws from Python's shared generator and the caller waits
+    for it: as a server's other request handlers may while a graph is captured."""
+
+    def __init__(self) -> None:
+        self.go, self.done = threading.Semaphore(0), threading.Semaphore(0)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            self.go.acquire()
+            random.random()
+            self.done.release()
+
+    def __call__(self) -> float:
+        self.go.release()
+        self.done.acquire()
+        return 0.0  # this thread draws nothing
+
+
+def test_another_thread_s_draws_during_a_capture_are_not_the_function_s(stand_in: None) -> None:
+    """The shared generator's state moves at every run, but from another thread: the function
+    itself draws nothing, and is captured. One that draws as well is still refused."""
+    other = _OtherThreadDraws()
+    model = _LayerDrop(other).requires_grad_(False)
+    state = random.getstate()
+    g = cg.graph(model, torch.randn(4, 8))
+    assert g.state is cg.State.CAPTURED
+    assert random.getstate() != state  # the other thread did draw meanwhile
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(g(x), model.first(x))
+
+    def both() -> float:
+        other()
+        return random.random()
+
+    with pytest.raises(cg.FrozenStateError, match="draws from random"):
+        cg.graph(_LayerDrop(both).requires_grad_(False), torch.randn(4, 8))
+
+    # The lazy form: its eager calls were the warm-up, the capture the one watched run.
+    lazy = cg.graph(_LayerDrop(other).requires_grad_(False))
+    for _ in range(lazy.warmup + 2):
+        lazy(x)
+    assert lazy.state is cg.State.CAPTURED
+    drawing = cg.graph(_LayerDrop(both).requires_grad_(False))
+    with pytest.raises(cg.FrozenStateError, match="draws from random"):
+        for _ in range(drawing.warmup + 2):
+            drawing(x)
+
+
 def test_a_draw_in_the_first_run_only_is_not_a_draw_at_every_call(stand_in: None) -> None:
     """Set-up that draws once (a compile's nonce, a lazily built table) is not refused: only a
     run after the first that draws again is."""

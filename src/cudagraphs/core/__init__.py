@@ -38,9 +38,10 @@ from .frames import (
     user_location,
     user_stacklevel,
 )
-from .frozen_state import HostDraws, PythonSnapshot, RandomDraws
+from .frozen_state import PythonSnapshot, RandomDraws
 from .graphed import Graphed, State
 from .guards import AddressGuard, closure_tensors, modules_of
+from .host_draws import HostDraws
 from .modes import math_settings
 from .pool import Pool
 from .python_values import READS_LIKE, Reader, ValueWatch, read_values

@@ -30,8 +30,9 @@ from ..errors import ConfigError, explain
 from ..options import Options
 from . import collectives, compat, python_values, segments, writes
 from .frames import callable_name
-from .frozen_state import HostDraws, PythonSnapshot
+from .frozen_state import PythonSnapshot
 from .guards import modules_of
+from .host_draws import DrawWatch, HostDraws
 from .modes import Modes, outputs_needing_gradients, refuse_gradients
 from .outputs import detach_outputs
 from .recording import Recording, RecordingSetup, capture_call
@@ -136,6 +137,7 @@ class Capture:
         self.counters = counters
         self.grad_sources = grad_sources
         self.adopt_inputs = adopt_inputs
+        self.draws: DrawWatch | None = None  # while the runs are watched (run)
 
     def run(self, leaves: list[Any], *, warmup: int, settled: bool) -> Captured:
         """``warmup`` eager runs on the static inputs, then the recording. ``settled``: the
@@ -143,8 +145,13 @@ class Capture:
         capture counts as a settled run for the Python-state check."""
         self.prepare(leaves, settled=settled)
         with _capture_lock:
-            self.warm_up(warmup)
-            self.record()
+            # Which runs of this thread call the shared random generator: another thread's
+            # draws move its state too, and are not the function's.
+            with DrawWatch() as self.draws:
+                if self.host.runs:  # a settled run is the first: watch from the next one
+                    self.draws.start()
+                self.warm_up(warmup)
+                self.record()
             self.check(restore=bool(warmup) and self.options.side_effects == "restore")
         return self.finish()
 
@@ -169,7 +176,9 @@ class Capture:
 
     def _after_run(self) -> None:
         self.plain.take()
-        self.host.take()
+        self.host.take(seen=self.draws.pop() if self.draws is not None else None)
+        if self.draws is not None:
+            self.draws.start()  # the runs after this one are compared with it
 
     def warm_up(self, runs: int) -> None:
         policy = self.options.side_effects if runs else "keep"

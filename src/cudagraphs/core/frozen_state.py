@@ -1,5 +1,6 @@
 """What a recording would freeze or repeat, refused at capture: plain Python values the
-function changes from run to run, numbers drawn on the host, random ops in a loop body.
+function changes from run to run, random ops in a loop body (numbers drawn on the host:
+``host_draws``).
 
 Values the function changes. A recording runs the function's Python code once: every plain
 value it read (a step counter, a "cache is full" flag, a cache's Python position) is baked into
@@ -34,19 +35,8 @@ the same step 8 times. :class:`RandomDraws` sees each seeded random op (``randn`
 ``dropout``, ``multinomial``, ``normal_``...) while such a body is recorded, so the loop can
 refuse it with the fix instead of repeating noise silently.
 
-A number drawn on the host (Python's ``random``, NumPy's global generator) is a plain value the
-recording bakes in: every replay repeats the recorded run's draw. :class:`HostDraws` compares
-the generators' states around the runs before a capture and refuses a function that draws at
-every run.
-
-Right::
-
-    keep = torch.rand((), device=x.device) < 0.5      # drawn on the device at every replay
-    return torch.where(keep, self.layer(x), x)
-
-Wrong::
-
-    return self.layer(x) if random.random() < 0.5 else x   # FrozenStateError: draws from random
+A number drawn on the host (Python's ``random``, NumPy's global generator) is refused at
+capture by ``host_draws``.
 
 Which values count (:func:`is_watched`: plain values, short lists of them, and functions,
 modules and tensors by identity) is decided here, for the snapshot and for ``python_values``,
@@ -57,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import random
 import sys
 import types
 from collections.abc import Callable, Iterable, Sequence
@@ -72,7 +61,6 @@ from .signature import is_plain
 from .writes import walk
 
 __all__ = [
-    "HostDraws",
     "ARRAY_BYTES",
     "Contents",
     "Items",
@@ -414,70 +402,3 @@ def _draws(func: Any, args: Any, kwargs: dict[str, Any]) -> bool:
         if name in values and isinstance(values[name], (int, float)) and values[name] == 0:
             return False
     return values.get("train", True) is not False
-
-
-class HostDraws:
-    """The host's global random generators around the runs before a capture: :meth:`take`
-    after each run, :meth:`check` at the end. A run after the first that drew from one (the
-    first may set things up once: a compile, a table built on first use) raises
-    :class:`FrozenStateError` naming it, after putting the generators back. ``harmless``
-    names a generator whose draws decide nothing the GPU does (``"random"``,
-    ``"numpy.random"``)."""
-
-    def __init__(self, name: str, harmless: Sequence[str] = ()) -> None:
-        self.name = name
-        self.harmless = tuple(harmless)
-        self.start = _states()
-        self.runs: list[dict[str, Any]] = []
-
-    def take(self) -> None:
-        """After a run: the generators' states now."""
-        self.runs.append(_states())
-
-    def drawn(self) -> list[str]:
-        """The generators a run after the first drew from, harmless ones left out."""
-        drawn: list[str] = []
-        for before, after in zip(self.runs, self.runs[1:]):
-            for generator, state in before.items():
-                moved = generator in after and not _same_state(state, after[generator])
-                if moved and generator not in drawn and generator not in self.harmless:
-                    drawn.append(generator)
-        return drawn
-
-    def restore(self) -> None:
-        """The generators as they were before the runs."""
-        random.setstate(self.start["random"])
-        if "numpy.random" in self.start:
-            sys.modules["numpy.random"].set_state(self.start["numpy.random"])
-
-    def check(self) -> None:
-        drawn = self.drawn()
-        if not drawn:
-            return
-        self.restore()  # the library's runs leave no trace
-        raise FrozenStateError(
-            explain(
-                f"{self.name} draws from {' and '.join(drawn)} at every run",
-                "a recording bakes in each number drawn on the host, so every replay would "
-                "repeat the recorded run's draw (a layer dropped at random stays dropped) "
-                "while eager draws afresh",
-                "draw on the device with torch (torch.rand((), device=x.device) < p), which a "
-                "graph replays with fresh numbers; if the draw decides nothing the GPU does, "
-                f"declare it with harmless_state=({drawn[0]!r},)",
-            ),
-            names=drawn,
-        )
-
-
-def _states() -> dict[str, Any]:
-    states: dict[str, Any] = {"random": random.getstate()}
-    numpy_random = sys.modules.get("numpy.random")  # not imported here: unused, nothing drew
-    if numpy_random is not None:
-        states["numpy.random"] = numpy_random.get_state()
-    return states
-
-
-def _same_state(a: Any, b: Any) -> bool:
-    if isinstance(a, tuple) and len(a) == 5 and hasattr(a[1], "tobytes"):  # NumPy's MT19937
-        return a[0] == b[0] and a[1].tobytes() == b[1].tobytes() and a[2:] == b[2:]
-    return bool(a == b)
