@@ -7,9 +7,9 @@ reads a host setting through a call. This module says, per code object, whether 
 makes such reads (:func:`computed_reads`), which host-setting getters a run called
 (:data:`HOST_GETTERS`, noted by ``python_values.Reader`` from the profiler's C-call events),
 which environment variables it read (:data:`ENVIRON_READ`: guarded like a host setting,
-through :func:`environment_getter`; :func:`environment_keys` where the code is compiled), which clocks it read (:data:`CLOCKS`: a result no guard
-can compare, so the capture is refused), and where a name is read (:func:`where_read`, for
-errors that name the user's line).
+through :func:`environment_getter`; :func:`environment_keys` where the code is compiled),
+which clocks it read (:data:`CLOCKS`: a result no guard can compare, so the capture is
+refused), and where a name is read (:func:`where_read`, for errors that name the user's line).
 
 Right::
 

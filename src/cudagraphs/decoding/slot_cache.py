@@ -81,7 +81,8 @@ class SlotCache:
         """The cache a step of the first ``n`` slots runs on: each layer holds their first
         ``length`` positions and writes the step's one new position per row at
         ``lengths[row]``, for the rows :attr:`writing` names (the others are left as they
-        are, wherever their length lies). The same object for the same rung (a graph reads it by address)."""
+        are, wherever their length lies). The same object for the same rung (a graph reads
+        it by address)."""
         key = (n, length)
         if key not in self._decode_views:
             self._decode_views[key] = self._view(
