@@ -91,6 +91,19 @@ def test_recorder_restores_views_rng_and_batchnorm_statistics() -> None:
     assert (base[2:4] != 7.0).all()
 
 
+def test_recorder_restores_a_storage_the_run_resized_after_writing_it() -> None:
+    """FSDP2 frees a layer's gathered parameters by resizing their storage to 0 after the
+    forward wrote them: restoring the bytes into the old size wrote past the storage."""
+    gathered = torch.randn(256)
+    before = gathered.clone()
+    with WriteRecorder() as recorder:
+        gathered.mul_(3)
+        gathered.untyped_storage().resize_(0)
+    recorder.restore()
+    assert gathered.untyped_storage().nbytes() == before.nbytes
+    assert torch.equal(gathered, before)
+
+
 def test_reachable_tensors_finds_state_inside_objects_and_snapshot_restores_it() -> None:
     decode, cache, proj = make_decode()
     names = dict((id(t), n) for n, t in reachable_tensors(decode))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import functools
+import sys
 import types
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
@@ -536,6 +537,23 @@ def module_state_inputs(gm: Any, n: int) -> set[int]:
 
 
 # --- address guards (guards.py) --------------------------------------------------------------
+
+
+#: The slot in which a ``DTensor`` (FSDP2's and tensor parallelism's parameters) holds its
+#: shard on this rank: a plain tensor, which is what kernels, and so a graph, read by address.
+_SHARD_SLOT = "_local_tensor"
+
+
+def tensor_shard(t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    """``(slot, shard)`` for a ``DTensor``: the slot's name and the local tensor it holds now;
+    ``None`` for any other tensor. A DTensor has no address of its own (``data_ptr()`` is 0),
+    and ``module.to(...)`` swaps its shard under the same object."""
+    # Not imported: no DTensor exists (and importing it here would cost every guard).
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None or not isinstance(t, module.DTensor):
+        return None
+    shard = getattr(t, _SHARD_SLOT, None)
+    return (_SHARD_SLOT, shard) if isinstance(shard, torch.Tensor) else None
 
 
 def module_slot_dicts(module: torch.nn.Module) -> list[tuple[str, dict[str, Any]]]:

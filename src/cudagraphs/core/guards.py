@@ -187,6 +187,11 @@ class AddressGuard:
             # the CPU stand-in of the tests reads them, so the guard can be tested there.
             if t is not None and t.device.type != "meta"
         ]
+        # A sharded tensor (a DTensor: FSDP2's parameters, their gradients and optimizer
+        # state) is read through the shard it holds: the shard's address, and which shard its
+        # slot holds (``model.to(...)`` swaps it under the same DTensor).
+        self.shards = [(n, t, *found) for n, t in named if (found := compat.tensor_shard(t))]
+        named += [(f"{n} (its shard)", shard) for n, _, _, shard in self.shards]
         self.names = [n for n, _ in named]
         self.tensors = [t for _, t in named]
         self.addresses = AddressCheck(self.tensors)
@@ -221,6 +226,7 @@ class AddressGuard:
         held = tuple(v for w in self.watches for v in getattr(w, "held", ()))
         held += tuple((m, CLASS_OF, cls) for _, m, cls in self.classes)
         held += tuple((d, key, value) for _, d, key, value in self.settings)
+        held += tuple((t, slot, shard) for _, t, slot, shard in self.shards)
         # A child's mode as a dict entry (cheaper than an attribute lookup); the roots' below.
         is_root = {id(m) for m in self.modules}
         roots = [(m, t) for m, t in self.training if id(m) in is_root]
@@ -251,6 +257,7 @@ class AddressGuard:
             self.tensors,
             self.closure_ids,
             self.training,
+            self.shards,
             self.watches,
             self.slots,
             self.hooks,
@@ -283,6 +290,9 @@ class AddressGuard:
         for name, d, key, value in self.settings:
             if not held_value_still((d, key, value)):
                 return f"{name} was changed from {value!r} to {d.get(key)!r}"
+        for name, t, slot, shard in self.shards:
+            if not held_value_still((t, slot, shard)):
+                return f"{name} holds another shard now (module.to(...) on a sharded model)"
         for name, slot, recorded in self.slots:
             if _same_objects(slot, recorded):
                 continue

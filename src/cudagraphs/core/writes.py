@@ -127,6 +127,12 @@ class _Store:
     def restore(self) -> None:
         with torch.no_grad():
             for saved in self.saved.values():
+                storage = saved.tensor.untyped_storage()
+                if storage.nbytes() != saved.copy.numel():
+                    # The run resized the storage after writing it (FSDP frees a layer's
+                    # gathered parameters so): give it back its size first, or the copy would
+                    # write past the memory it holds now.
+                    storage.resize_(saved.copy.numel())
                 saved.tensor.copy_(saved.copy)
 
     def written(self) -> Written:

@@ -21,6 +21,7 @@ first step, with this fix (or pass ``stream=s`` to ``train_step`` when DDP was b
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch import nn
 from ..core import default_stream, modules_of
 from ..errors import ConfigError, explain, require_cuda
 
-__all__ = ["DDP_WARMUP", "capture_stream", "checked_warmup", "ddp"]
+__all__ = ["DDP_WARMUP", "capture_stream", "checked_sharding", "checked_warmup", "ddp"]
 
 log = logging.getLogger("cudagraphs")
 
@@ -146,3 +147,33 @@ def checked_warmup(
         )
     log.info("cudagraphs: DDP model in the step: %d eager steps before the capture", DDP_WARMUP)
     return DDP_WARMUP
+
+
+def checked_sharding(fn: Callable[..., Any], modules: Sequence[nn.Module]) -> None:
+    """Refuses a step over a model sharded with FSDP2 (``fully_shard``) whose shards live on
+    the host (``offload_policy=CPUOffloadPolicy()``): its optimizer step and the copies to and
+    from the host run outside the device, where a graph cannot record them."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 module exists
+    if fsdp is None:
+        return
+    for root in modules_of(fn, modules):
+        for name, module in root.named_modules():
+            if not isinstance(module, fsdp.FSDPModule):
+                continue
+            on_host = [
+                p for p in module.parameters(recurse=False)
+                if p.device.type == "cpu" and getattr(p, "device_mesh", None) is not None
+                and p.device_mesh.device_type != "cpu"
+            ]  # fmt: skip
+            if on_host:
+                label = f"{type(root).__name__}{'.' + name if name else ''}"
+                raise ConfigError(
+                    explain(
+                        f"{label} is sharded with fully_shard(..., offload_policy="
+                        "CPUOffloadPolicy()): its parameters live on the host",
+                        "a CUDA graph records device work only; the offloaded optimizer step "
+                        "and the copies between host and device would run once, at capture",
+                        "drop offload_policy (the shards then stay on the GPU), or train "
+                        "this model without cg.train_step",
+                    )
+                )

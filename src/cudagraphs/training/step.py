@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 from ..options import OptionKwargs, Options
-from .distributed import checked_warmup
+from .distributed import checked_sharding, checked_warmup
 from .optimizers import (
     OptimizerWatch,
     RequiresGradWatch,
@@ -82,13 +82,17 @@ class TrainStep(Graphed[R]):
         self.optimizers = tuple(optimizers)
         self.switch_optimizer = switch_optimizer
         self._prepared = False
+        self._on_device = False  # CUDA parameters: the optimizers were made graph-safe
         self._hyperparameters: list[DeviceHyperparameters] = []
         self._carried: list[str] = []  # parameters whose gradients one step leaves to the next
         self._stepped = False  # whether a warm-up step has run (and left gradients to watch)
 
     def __call__(self, *args: Any, **kwargs: Any) -> R:
         if not self._prepared:
-            if self._on_cuda():
+            if torch.cuda.is_available():
+                checked_sharding(self.fn, self.options.modules)
+            self._on_device = self._on_cuda()
+            if self._on_device:
                 # A DDP model needs more eager steps, and to have been built on our stream.
                 self.warmup = self.warmups_left = checked_warmup(
                     self.fn, self.options.modules, warmup=self.warmups_left,
@@ -157,8 +161,9 @@ class TrainStep(Graphed[R]):
                 names=self._carried,
             )
         for optimizer in self.optimizers:
-            # Again (load_state_dict may have undone it); its warning counted, not repeated.
-            make_graph_safe(optimizer, switch=self.switch_optimizer, notices=self.notices)
+            if self._on_device:
+                # Again (load_state_dict may have undone it); its warning counted, not repeated.
+                make_graph_safe(optimizer, switch=self.switch_optimizer, notices=self.notices)
             # Gradients set to None are allocated by the recorded backward inside the graph's
             # pool and refilled in place by every replay.
             optimizer.zero_grad(set_to_none=True)
