@@ -1,6 +1,7 @@
 """Data-parallel training steps, side by side: eager DDP, torch.compile'd DDP, cg.train_step
 over DDP, cg.train_step over a step that all-reduces the flattened gradients by hand, and that
-same step captured by hand with torch.cuda.CUDAGraph (the reference for the graphed modes).
+same step captured by hand with torch.cuda.CUDAGraph (the reference for the graphed modes);
+then FSDP2 (``fully_shard``) eager against graphed on ``examples/fsdp_train.py``'s transformer.
 
 The model is the 17-layer 512-wide GELU MLP with Adam at batch 256 per rank. Each mode runs 12
 steps before timing (DDP's 11 eager steps, then the capture), is timed, and its parameters after
@@ -31,6 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import cudagraphs as cg
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import fsdp_train
 from ddp_train import BATCH, WARM, WIDTH, mlp, start_ranks
 
 
@@ -133,6 +135,30 @@ def run_mode(mode: str, device: torch.device, steps: int) -> tuple[float, list[t
     ]
 
 
+def fsdp_rows(device: torch.device, steps: int) -> dict[str, dict[str, float]]:
+    """FSDP2 eager against FSDP2 graphed (``cg.train_step``) on the launch-bound transformer
+    of ``examples/fsdp_train.py`` (8 layers, 512 wide, batch 8 per rank), from the same
+    weights on the same batches, for each ``reshard_after_forward``."""
+    rows = {}
+    data = torch.Generator(device=device).manual_seed(dist.get_rank())
+    batches = [
+        (torch.randint(0, fsdp_train.VOCAB, (fsdp_train.BATCH, fsdp_train.SEQ), device=device, generator=data),
+         torch.randint(0, fsdp_train.VOCAB, (fsdp_train.BATCH, fsdp_train.SEQ), device=device, generator=data))
+        for _ in range(steps)
+    ]  # fmt: skip
+    for reshard in (True, False):
+        eager, eager_s = fsdp_train.train(False, batches, device, reshard, False)
+        graphed, graphed_s = fsdp_train.train(True, batches, device, reshard, False)
+        worst = max(float(((a - b).abs() / (b.abs() + 1e-6)).max()) for a, b in zip(graphed, eager))
+        rows[f"reshard_after_forward={reshard}"] = {
+            "eager_ms_per_step": 1e3 * eager_s,
+            "graphed_ms_per_step": 1e3 * graphed_s,
+            "speedup": eager_s / graphed_s,
+            "max_rel_diff": worst,
+        }
+    return rows
+
+
 def all_reduce_ms(device: torch.device, repeats: int = 20) -> float:
     numel = sum(p.numel() for p in mlp().parameters())
     flat = torch.randn(numel, device=device)
@@ -154,6 +180,10 @@ def main() -> None:
         "--modes",
         default="eager DDP,compile DDP,graphed DDP,hand all-reduce graphed,hand-captured",
     )
+    p.add_argument(
+        "--fsdp-steps", type=int, default=50,
+        help="steps of the FSDP2 rows (examples/fsdp_train.py's transformer); 0: none",
+    )  # fmt: skip
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     device = start_ranks("benchmarks/distributed.py")
@@ -173,6 +203,7 @@ def main() -> None:
             "steps_per_s": 1 / seconds,
             "max_rel_diff": worst,
         }
+    results["fsdp2"] = fsdp_rows(device, args.fsdp_steps) if args.fsdp_steps else {}
     results["all_reduce_ms"] = all_reduce_ms(device)
     eager = results["modes"].get("eager DDP", {}).get("ms_per_step")
     if eager:
@@ -188,6 +219,12 @@ def main() -> None:
                 speedup += f" ({r['speed_vs_hand_captured']:.2f}x hand-captured)"
             print(
                 f"{mode:26s} {r['ms_per_step']:8.2f} ms/step{speedup}  max rel diff {r['max_rel_diff']:.1e}"
+            )
+        for setting, r in results["fsdp2"].items():
+            print(
+                f"FSDP2 {setting}: eager {r['eager_ms_per_step']:.2f} ms/step, graphed "
+                f"{r['graphed_ms_per_step']:.2f} ms/step ({r['speedup']:.2f}x), max rel diff "
+                f"{r['max_rel_diff']:.1e}"
             )
         print(f"all-reduce of all gradients alone: {results['all_reduce_ms']:.2f} ms")
         if args.json:

@@ -587,3 +587,13 @@ def test_an_engine_refuses_what_it_cannot_serve(model) -> None:
             Engine(model, max_batch=2, max_length=64)
     finally:
         model.set_attn_implementation(before)
+
+
+def test_chunk_rungs_reach_the_prefill_budget_within_the_cache() -> None:
+    from cudagraphs.decoding.slot_prefill import CHUNK_RUNGS, chunk_rungs
+
+    assert chunk_rungs(256, 4096) == list(CHUNK_RUNGS)
+    assert chunk_rungs(8, 4096) == list(CHUNK_RUNGS)  # a small budget keeps the short rungs
+    assert chunk_rungs(1024, 4096) == [*CHUNK_RUNGS, 512, 1024]
+    assert chunk_rungs(600, 4096)[-1] == 1024  # the first rung that holds a full chunk
+    assert chunk_rungs(1024, 300) == [16, 32, 64, 128, 256]  # none longer than the cache

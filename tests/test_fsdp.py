@@ -21,6 +21,7 @@ import cudagraphs as cg
 from cudagraphs.core import compat
 from cudagraphs.core.guards import AddressGuard
 from cudagraphs.training.distributed import checked_sharding
+from cudagraphs.training.optimizers import make_graph_safe
 
 
 @pytest.fixture
@@ -104,3 +105,30 @@ def test_train_step_without_cuda_trains_a_sharded_model_as_eager(gloo_group: Non
         torch.testing.assert_close(step(x, y), eager(x, y).detach(), rtol=0, atol=0)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=0, atol=0)
+
+
+def test_sgd_over_sharded_parameters_is_refused_naming_graph_safe_sgd(gloo_group: None) -> None:
+    """Its fused form, the one make_graph_safe would switch to, has no DTensor rule."""
+    model = sharded()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(cg.ConfigError, match="sharded parameters") as raised:
+        make_graph_safe(opt)
+    assert "cg.GraphSafeSGD" in str(raised.value) and opt.param_groups[0]["fused"] is None
+    plain = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(cg.ConfigError, match="CUDA") as raised:  # not refused for sharding
+        make_graph_safe(plain)
+    assert "sharded" not in str(raised.value)
+
+
+def test_graph_safe_sgd_steps_a_sharded_model(gloo_group: None) -> None:
+    model, reference = sharded(), sharded()
+    opt = cg.GraphSafeSGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        x = torch.randn(16, 8)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), q.full_tensor())

@@ -99,7 +99,7 @@ def test_a_sharded_model_moved_after_capture_is_captured_again(nccl_group: None)
     """``model.to(dtype)`` swaps each DTensor's shard under the same parameter object: the
     graph would read the old shards' memory. The guard sees the new shard and captures again."""
     model = sharded(True, False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = cg.GraphSafeSGD(model.parameters(), lr=0.1, momentum=0.9)
     step = cg.train_step(stepper(model, opt, False), optimizer=opt, warmup=2)
     x, y = torch.randn(32, 128, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
     for _ in range(4):
@@ -110,6 +110,10 @@ def test_a_sharded_model_moved_after_capture_is_captured_again(nccl_group: None)
         model.to(torch.float64).to(torch.float32)  # the same DTensors, new shards
     assert model[0][0].weight is first
     assert step.guard is not None and "holds another shard" in (step.guard.stale() or "")
+    before = [p.full_tensor().clone() for p in model.parameters()]
+    step(x, y)  # captured again on the new shards, which it trains
+    assert step.stats.recaptures == 1
+    assert all(not torch.equal(p.full_tensor(), b) for p, b in zip(model.parameters(), before))
 
 
 def test_cpu_offload_is_refused_with_the_fix(nccl_group: None) -> None:

@@ -185,8 +185,9 @@ class Engine:
         self.pool = Pool()
         self.graphs: dict[tuple[int, int, str], Any] = {}
         self.prefills = SlotPrefill(
-            model, self.cache_arg, self.cache, self.lengths, pool=self.pool, warmup=warmup
-        )
+            model, self.cache_arg, self.cache, self.lengths, budget=prefill_chunk,
+            pool=self.pool, warmup=warmup,
+        )  # fmt: skip
         self.recorder = EngineRecorder(max_batch)
         self.rows: list[_Row] = []  # slot k holds rows[k]: the slots in use are the first
         self._queue: deque[tuple[EngineRequest, Completion]] = deque()

@@ -4,7 +4,8 @@
 Run eagerly, a chunk launches every operator of every layer from Python: for a short chunk the
 host, not the GPU, sets the time (as for the Decoder's prefill, ``prefill.py``), and while it
 runs no row of the batch steps. So a chunk of ``t`` tokens runs on the recorded graph of the
-shortest rung ``T >= t`` (16, 32, ..., 256), right-padded to ``T``:
+shortest rung ``T >= t`` (16, 32, ..., 256, and on up to the engine's ``prefill_chunk``),
+right-padded to ``T``:
 
 - the slot and the first position are device tensors (``SlotCache.chunk_slot`` and
   ``chunk_start``), so one graph serves every slot and every start;
@@ -30,9 +31,20 @@ import torch
 from ..api import graph
 from .slot_cache import SlotCache
 
-__all__ = ["CHUNK_RUNGS", "SlotPrefill"]
+__all__ = ["CHUNK_RUNGS", "SlotPrefill", "chunk_rungs"]
 
+#: The chunk rungs of an engine whose ``prefill_chunk`` is at most 256; a larger budget adds
+#: the powers of two up to it, so its full chunks are recorded too.
 CHUNK_RUNGS = (16, 32, 64, 128, 256)
+
+
+def chunk_rungs(budget: int, max_length: int) -> list[int]:
+    """The chunk rungs of an engine: :data:`CHUNK_RUNGS`, then doublings up to the first one
+    that holds ``budget`` tokens; none past ``max_length``."""
+    rungs = list(CHUNK_RUNGS)
+    while rungs[-1] < budget:
+        rungs.append(rungs[-1] * 2)
+    return [r for r in rungs if r <= max_length]
 
 
 class SlotPrefill:
@@ -45,13 +57,14 @@ class SlotPrefill:
         cache: SlotCache,
         lengths: list[int],
         *,
+        budget: int,
         pool: Any,
         warmup: int,
     ):
         self.model, self.cache_arg, self.cache, self.lengths = model, cache_arg, cache, lengths
         self.pool, self.warmup = pool, warmup
         keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.rungs = [r for r in CHUNK_RUNGS if r <= cache.max_length] if keeps else []
+        self.rungs = chunk_rungs(budget, cache.max_length) if keeps else []
         self.graphs: dict[tuple[int, int], Any] = {}
         self.recorded = self.eager = 0  # chunks run each way
 
