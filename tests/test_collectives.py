@@ -107,6 +107,39 @@ def ddp_train_step(rank: int) -> Any:
     )
 
 
+def fsdp_train_step(rank: int) -> Any:
+    """cg.train_step over a model sharded on two ranks with fully_shard (the pass-through
+    here) against the same FSDP2 training written plainly: equal gathered parameters."""
+    from torch.distributed.fsdp import fully_shard
+
+    def train(graphed: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        fully_shard(model[0])
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            return loss
+
+        run = cg.train_step(step, optimizer=opt) if graphed else step
+        data = torch.Generator().manual_seed(rank)
+        for _ in range(6):
+            run(torch.randn(4, 8, generator=data), torch.randn(4, 2, generator=data))
+        shards = [p.to_local().shape[0] for p in model.parameters()]
+        return [p.full_tensor().detach() for p in model.parameters()], shards
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (eager, shards), (graphed, _) = train(False), train(True)
+    return all(torch.equal(a, b) for a, b in zip(eager, graphed)), shards
+
+
 def tensor_parallel(rank: int) -> Any:
     import sys
     from pathlib import Path
@@ -120,6 +153,7 @@ def tensor_parallel(rank: int) -> Any:
 SCENARIOS = {
     "tensor_parallel": tensor_parallel,
     "ddp_train_step": ddp_train_step,
+    "fsdp_train_step": fsdp_train_step,
     "recorded": recorded_and_compared,
     "mismatched": mismatched,
     "resized": resized,
@@ -183,6 +217,15 @@ def test_train_step_over_ddp_matches_plain_ddp_training_under_gloo() -> None:
     answers = run_two_ranks("ddp_train_step")
     for rank in (0, 1):
         assert answers[rank] == (True, True), answers[rank]
+
+
+@pytest.mark.slow
+def test_train_step_over_fsdp2_matches_plain_fsdp2_training_under_gloo() -> None:
+    answers = run_two_ranks("fsdp_train_step")
+    for rank in (0, 1):
+        equal, shards = answers[rank]
+        assert equal, answers[rank]
+        assert shards == [8, 8, 1, 1], shards  # each rank holds half the rows of each
 
 
 @pytest.mark.slow
