@@ -19,7 +19,6 @@ from typing import Any
 import optree
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cudagraphs as cg
@@ -110,7 +109,7 @@ class ReplayingGraph:
                 fresh = func(*args, **kwargs)
                 for old, new in zip(_tensors(recorded), _tensors(fresh)):
                     if old is not new:
-                        _local(old).copy_(_local(new))
+                        old.copy_(new)
         self.replays += 1
 
     def pool(self) -> tuple[int, int]:
@@ -170,12 +169,6 @@ def _guarded_tensor(meta: dict[str, Any], storage: Any) -> torch.Tensor:
 
 def _kill_storage(storage: Any, message: str) -> None:
     _MARKS.pop(id(storage), [None])[0] = message
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard (FSDP2's parameters and gradients), which a graph refills; the DTensor
-    itself refuses a copy between some placements."""
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

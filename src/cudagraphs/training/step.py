@@ -82,7 +82,6 @@ class TrainStep(Graphed[R]):
         self.optimizers = tuple(optimizers)
         self.switch_optimizer = switch_optimizer
         self._prepared = False
-        self._on_device = False  # CUDA parameters: the optimizers were made graph-safe
         self._hyperparameters: list[DeviceHyperparameters] = []
         self._carried: list[str] = []  # parameters whose gradients one step leaves to the next
         self._stepped = False  # whether a warm-up step has run (and left gradients to watch)
@@ -91,8 +90,7 @@ class TrainStep(Graphed[R]):
         if not self._prepared:
             if torch.cuda.is_available():
                 checked_sharding(self.fn, self.options.modules)
-            self._on_device = self._on_cuda()
-            if self._on_device:
+            if self._on_cuda():
                 # A DDP model needs more eager steps, and to have been built on our stream.
                 self.warmup = self.warmups_left = checked_warmup(
                     self.fn, self.options.modules, warmup=self.warmups_left,
@@ -161,9 +159,8 @@ class TrainStep(Graphed[R]):
                 names=self._carried,
             )
         for optimizer in self.optimizers:
-            if self._on_device:
-                # Again (load_state_dict may have undone it); its warning counted, not repeated.
-                make_graph_safe(optimizer, switch=self.switch_optimizer, notices=self.notices)
+            # Again (load_state_dict may have undone it); its warning counted, not repeated.
+            make_graph_safe(optimizer, switch=self.switch_optimizer, notices=self.notices)
             # Gradients set to None are allocated by the recorded backward inside the graph's
             # pool and refilled in place by every replay.
             optimizer.zero_grad(set_to_none=True)
