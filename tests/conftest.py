@@ -312,3 +312,17 @@ def pdl_decided_afresh() -> Iterator[Any]:
     afresh()
     yield afresh
     afresh()
+
+
+@pytest.fixture
+def gloo_group() -> Iterator[None]:
+    """A gloo process group of one rank on the CPU (a free loopback port), destroyed after."""
+    import torch.distributed as dist
+    from ports import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

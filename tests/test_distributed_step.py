@@ -4,28 +4,15 @@ naming the graph, within its timeout."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import torch
-import torch.distributed as dist
-from ports import free_port
 from torch import nn
 
 import cudagraphs as cg
 from cudagraphs.core.replay import wait_for_replay
 from cudagraphs.training.distributed import DDP_WARMUP, checked_warmup
-
-
-@pytest.fixture
-def gloo_group():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_ddp_model_not_built_on_the_capture_stream_is_refused(gloo_group: None) -> None:

@@ -5,14 +5,9 @@ captured path is tested with NCCL on the GPU (``test_fsdp_cuda.py``)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from ports import free_port
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -22,16 +17,6 @@ from cudagraphs.core import compat
 from cudagraphs.core.guards import AddressGuard
 from cudagraphs.training.distributed import checked_sharding
 from cudagraphs.training.optimizers import make_graph_safe
-
-
-@pytest.fixture
-def gloo_group() -> Iterator[None]:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def sharded() -> nn.Module:

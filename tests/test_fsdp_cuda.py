@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from ports import free_port
+from test_train_cuda import make_step
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -53,19 +53,6 @@ def sharded(reshard: bool, bf16: bool, **extra: object) -> nn.Module:
     return model
 
 
-def stepper(model: nn.Module, opt: torch.optim.Optimizer, clip: bool):
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x).float(), y)
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        return loss
-
-    return step
-
-
 @pytest.mark.parametrize(
     ("reshard", "bf16", "clip"),
     [(True, False, True), (False, False, True), (True, True, True), (False, True, False)],
@@ -83,8 +70,8 @@ def test_a_sharded_step_in_one_graph_trains_as_eager_fsdp2(
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, fused=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     eager, step = (
-        stepper(reference, ref_opt, clip),
-        cg.train_step(stepper(model, opt, clip), optimizer=opt),
+        make_step(reference, ref_opt, clip),
+        cg.train_step(make_step(model, opt, clip), optimizer=opt),
     )
     for x, y in data:
         expected = eager(x, y)
@@ -100,7 +87,7 @@ def test_a_sharded_model_moved_after_capture_is_captured_again(nccl_group: None)
     graph would read the old shards' memory. The guard sees the new shard and captures again."""
     model = sharded(True, False)
     opt = cg.GraphSafeSGD(model.parameters(), lr=0.1, momentum=0.9)
-    step = cg.train_step(stepper(model, opt, False), optimizer=opt, warmup=2)
+    step = cg.train_step(make_step(model, opt, False), optimizer=opt, warmup=2)
     x, y = torch.randn(32, 128, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
     for _ in range(4):
         step(x, y)
@@ -119,7 +106,7 @@ def test_a_sharded_model_moved_after_capture_is_captured_again(nccl_group: None)
 def test_cpu_offload_is_refused_with_the_fix(nccl_group: None) -> None:
     model = sharded(True, False, offload_policy=CPUOffloadPolicy())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step = cg.train_step(stepper(model, opt, False), optimizer=opt)
+    step = cg.train_step(make_step(model, opt, False), optimizer=opt)
     x, y = torch.randn(32, 128, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
     with pytest.raises(cg.ConfigError, match="CPUOffloadPolicy") as raised:
         step(x, y)
