@@ -162,15 +162,58 @@ def test_recorded_steps_replay_rows_at_their_own_lengths(
         assert engine.graphed is False  # the model is on the CPU; the stand-in still records
         assert all(g.stats.state == "captured" for g in engine.graphs.values())
         # Every prompt chunk's rung is recorded before the first request: none waits for a
-        # capture, and the recordings' writes into slot 0 change no request's tokens.
-        rungs = {(r, n) for r in (16, 32, 64) for n in (16, 32, 64) if n >= r}
+        # capture, and the recordings' writes into the spare slot change no request's tokens.
+        rungs = {(k, r, n) for k in (1, 2, 4) for r in (16, 32, 64) for n in (16, 32, 64) if n >= r}
         assert set(engine.prefills.graphs) == rungs
         assert all(g.stats.state == "captured" for g in engine.prefills.graphs.values())
         check_against_generate(model, engine)
-        # Prompt chunks replayed their recordings, right-padded to their rung.
+        # Prompt chunks replayed their recordings, right-padded to their rung, several
+        # requests' chunks in one forward where they joined together.
         assert engine.prefills.recorded > engine.prefills.eager
+        assert engine.prefills.forwards < engine.prefills.recorded
         assert set(engine.prefills.graphs) == rungs
         assert all(g.stats.recaptures == 0 for g in engine.prefills.graphs.values())
+
+
+def test_requests_joining_together_go_in_as_rows_of_one_recorded_forward(
+    stand_in, model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Four requests at once, chunks of at most 16 tokens each, up to four per forward: their
+    # prompts (12 to 58 tokens, the longest past one chunk) go in as rows of recorded
+    # batches, each row at its own slot and start, and each request's tokens are its own
+    # generate's. The 58-token one's last chunk (2 tokens at 48, padded to 16 -> 64) fits;
+    # the 62-token one's (14 at 48 -> 64) too; nothing runs eagerly.
+    if torch.version.cuda is not None:
+        pytest.skip("a step with no tensor argument on the stand-in needs a CPU build of torch")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    lengths, new = [12, 58, 30, 7], [6, 4, 5, 8]
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=64, prefill_rows=4,
+                cache_lengths=[16, 32, 64]) as engine:  # fmt: skip
+        asked = prompts(5, lengths)
+        completions = [
+            engine.submit(p, max_new_tokens=n, eos_token_id=None) for p, n in zip(asked, new)
+        ]
+        for completion, prompt, n in zip(completions, asked, new):
+            assert completion.result(timeout=120) == reference(model, prompt, n)
+        prefills = engine.prefills
+        assert prefills.eager == 0 and prefills.recorded == engine.stats.prefill_chunks
+        assert prefills.forwards < prefills.recorded  # several chunks per forward
+        assert {rows for rows, _, _ in prefills.graphs} == {1, 2, 4}
+
+
+def test_a_chunk_past_the_cache_s_end_goes_in_eagerly_beside_a_recorded_batch(model) -> None:
+    # Two prompts join together: the 58-token one's last chunk (10 tokens at 48) padded to
+    # 16 would pass the 60-position cache, so it goes in eagerly; the other's chunk is
+    # recorded. Both get their own generate's tokens.
+    lengths, new = [58, 9], [2, 5]
+    with Engine(model, max_batch=2, max_length=60, prefill_chunk=32, prefill_rows=2) as engine:
+        asked = prompts(6, lengths)
+        completions = [
+            engine.submit(p, max_new_tokens=n, eos_token_id=None) for p, n in zip(asked, new)
+        ]
+        for completion, prompt, n in zip(completions, asked, new):
+            assert completion.result(timeout=120) == reference(model, prompt, n)
+        assert engine.prefills.eager == 1
 
 
 def test_a_weight_given_new_memory_captures_again_with_the_rows_unharmed(

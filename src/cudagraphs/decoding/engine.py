@@ -8,8 +8,10 @@ the loop; at every step boundary:
 
 1. cancelled requests leave; requests waiting in the queue take the free slots (in order);
 2. prompts go in, in chunks of at most ``prefill_chunk`` tokens per boundary over all
-   joining requests, so a long prompt holds the running rows back one chunk at a time, not
-   for its whole length; a request whose prompt is in emits its first token;
+   joining requests, up to ``prefill_rows`` requests' chunks in one forward (each at most
+   ``prefill_chunk // prefill_rows`` tokens), so a long prompt holds the running rows back
+   one chunk at a time, not for its whole length; a request whose prompt is in emits its
+   first token;
 3. one decode step (``read_every`` steps back to back) runs for the slots in use, on the smallest batch rung that holds them and
    the shortest cache-length rung that holds the longest row; each live row emits a token;
 4. rows that ended leave, and the last slot in use moves into the hole, so the slots in use
@@ -105,6 +107,10 @@ class Engine:
         max_queue: requests that may wait for a slot; one more is refused at once
             (:class:`~cudagraphs.Overloaded`).
         prefill_chunk: prompt tokens put in per step boundary, over all joining requests.
+        prefill_rows: joining requests whose chunks go in as rows of one forward (each
+            forward costs a fixed few milliseconds of device time, whatever its tokens); a
+            request's chunk holds at most ``prefill_chunk // prefill_rows`` tokens (16 at
+            least).
         warmup: eager steps before each capture.
         do_sample: also capture the steps of batches with sampled rows now (else on the first
             such request).
@@ -130,7 +136,8 @@ class Engine:
         batch_sizes: Sequence[int] | None = None,
         cache_lengths: Sequence[int] | None = None,
         max_queue: int = 1024,
-        prefill_chunk: int = 256,
+        prefill_chunk: int = 1024,
+        prefill_rows: int = 4,
         warmup: int = 2,
         do_sample: bool = False,
         grouped_attention: bool = True,
@@ -156,6 +163,7 @@ class Engine:
             ("max_length", max_length),
             ("max_queue", max_queue),
             ("prefill_chunk", prefill_chunk),
+            ("prefill_rows", prefill_rows),
             ("warmup", warmup),
             ("read_every", read_every),
         ):
@@ -163,6 +171,8 @@ class Engine:
         self.model, self.name = model, name
         self.max_batch, self.max_length = max_batch, max_length
         self.max_queue, self.prefill_chunk, self.warmup = max_queue, prefill_chunk, warmup
+        self.prefill_rows = min(prefill_rows, max_batch)
+        self.row_chunk = max(16, prefill_chunk // self.prefill_rows)  # one request's chunk
         self.read_every = read_every
         self.cache_arg = cache_keyword(model)
         self.device = next(model.parameters()).device
@@ -176,7 +186,7 @@ class Engine:
         self.lengths = length_rungs(max_length, cache_lengths)
         for key, value in (("grouped_attention", grouped_attention), ("attention_kernel", attention_kernel)):  # fmt: skip
             check_bool(key, value, "it says how one token's attention reads the cache")
-        self.cache = SlotCache(model, max_batch, max_length)
+        self.cache = SlotCache(model, max_batch, max_length, chunk_rows=self.prefill_rows)
         self.state = SlotState.make(self.cache, model.config.vocab_size)
         # Each step's tokens, for a read after read_every steps.
         self._emitted = self.state.emitted.new_zeros(read_every, *self.state.emitted.shape)
@@ -185,7 +195,7 @@ class Engine:
         self.pool = Pool()
         self.graphs: dict[tuple[int, int, str], Any] = {}
         self.prefills = SlotPrefill(
-            model, self.cache_arg, self.cache, self.lengths, budget=prefill_chunk,
+            model, self.cache_arg, self.cache, self.lengths, budget=self.row_chunk,
             pool=self.pool, warmup=warmup,
         )  # fmt: skip
         self.recorder = EngineRecorder(max_batch)
@@ -421,38 +431,59 @@ class Engine:
             self._leave(row, "cancelled", cancelled(row.completion.id))
 
     def _prefill(self) -> None:
-        """Put prompt chunks in, at most ``prefill_chunk`` tokens over all joining rows."""
-        budget = self.prefill_chunk
+        """Put prompt chunks in, at most ``prefill_chunk`` tokens over all joining rows, up to
+        ``prefill_rows`` rows' chunks per forward."""
+        budget, batch = self.prefill_chunk, []
         for row in [row for row in self.rows if not row.decoding]:
             if budget == 0:
-                return
-            take = min(budget, len(row.request.prompt) - row.length)
+                break
+            take = min(budget, self.row_chunk, len(row.request.prompt) - row.length)
             budget -= take
-            try:
-                self._prefill_chunk(row, take)
-            except Exception as error:  # this request alone: the running rows are untouched
+            batch.append((row, take))
+            if len(batch) == self.prefill_rows:
+                self._prefill_batch(batch)
+                batch = []
+        if batch:
+            self._prefill_batch(batch)
+
+    def _prefill_batch(self, batch: list[tuple[_Row, int]]) -> None:
+        """One forward of these rows' chunks; each row whose prompt is then in emits its
+        first token (one read for all of them)."""
+        slots = [self.rows.index(row) for row, _ in batch]
+        chunks = [
+            (slot, row.length, row.request.prompt[row.length : row.length + take])
+            for slot, (row, take) in zip(slots, batch)
+        ]
+        try:
+            logits = self.prefills.logits(chunks)
+        except Exception as error:  # these requests alone: the running rows are untouched
+            for row, _ in batch:
                 failure = StepFailedError(
                     f"the prompt of request {row.completion.id} failed to prefill: {error}"
                 )
                 failure.__cause__ = error
                 self._leave(row, "error", failure)
-
-    def _prefill_chunk(self, row: _Row, take: int) -> None:
-        slot, start, prompt = self.rows.index(row), row.length, row.request.prompt
-        logits = self.prefills.logits(slot, start, prompt[start : start + take])
-        row.length += take
-        self.state.lengths[slot] = row.length
-        self._stats.prefill_chunks += 1
-        if row.length < len(prompt):
             return
+        done = []
         live = torch.ones(1, dtype=torch.bool, device=self.device)
-        first = choose(logits, self.state.settings, slice(slot, slot + 1), live)
-        token = int(first)
-        self.state.tokens[slot] = token
-        row.decoding = True
-        self._emit(row, [token], ended=token in row.request.eos or row.request.max_new_tokens == 1)
-        if row.decoding:
+        for k, (slot, (row, take)) in enumerate(zip(slots, batch)):
+            row.length += take
+            self.state.lengths[slot] = row.length
+            self._stats.prefill_chunks += 1
+            if row.length == len(row.request.prompt):
+                chosen = choose(logits[k : k + 1], self.state.settings, slice(slot, slot + 1), live)
+                done.append((slot, row, chosen))
+        if not done:
+            return
+        tokens = torch.cat([chosen for _, _, chosen in done])[:, 0].tolist()
+        for (slot, row, _), token in zip(done, tokens):
+            # Every row first: a row that ends at once leaves, and a move fills its slot.
+            self.state.tokens[slot] = token
             self.state.active[slot] = True
+            row.decoding = True
+        for (_, row, _), token in zip(done, tokens):
+            ended = token in row.request.eos or row.request.max_new_tokens == 1
+            self._emit(row, [token], ended=ended)
 
     def _decode(self) -> None:
         """``read_every`` steps of the slots in use, then one read of their tokens."""

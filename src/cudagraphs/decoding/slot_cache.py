@@ -6,8 +6,10 @@ own length in a device tensor (``lengths[slot]``: the positions written so far, 
 write goes there), and the layers write a step's one new key and value per row at that row's
 length (an indexed write, no host read). A step attends through a prepared boolean mask, row
 ``r`` to positions ``[0, lengths[r]]``, so a row never sees another request's positions or
-its own slot's stale ones. A prompt is written into one slot at a time, in chunks
-(:meth:`SlotCache.chunk`), from that slot's length on.
+its own slot's stale ones. Prompts are written in chunks (:meth:`SlotCache.chunk`): up to
+``chunk_rows`` requests' chunks in one forward, each into its own slot from that slot's
+length on; a row of a chunk batch that holds no request writes into one spare slot past the
+others, which no step reads.
 
 The views a step runs on (:meth:`SlotCache.decode`) hold the first ``n`` slots and the first
 ``length`` positions: a step of 3 requests on a 16-slot cache runs on the 4-row rung, and a
@@ -42,7 +44,7 @@ _ROWS = ("keys", "values")
 class SlotCache:
     """``slots`` rows of ``max_length`` positions, each row's length in :attr:`lengths`."""
 
-    def __init__(self, model: Any, slots: int, max_length: int):
+    def __init__(self, model: Any, slots: int, max_length: int, chunk_rows: int = 1):
         from transformers import StaticCache
 
         window = getattr(model.config, "sliding_window", None)
@@ -58,8 +60,9 @@ class SlotCache:
             )
         self.base = StaticCache(config=model.config, max_cache_len=max_length)
         full_length_layers(self.base, max_length)
-        allocate_rows(model, self.base, slots)
-        self.slots = slots
+        # One spare row past the slots: where the unused rows of a chunk batch write.
+        allocate_rows(model, self.base, slots + 1)
+        self.slots, self.spare, self.chunk_rows = slots, slots, chunk_rows
         self.max_length = max_length
         device = self.base.layers[0].keys.device
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
@@ -67,10 +70,10 @@ class SlotCache:
         self.writing = torch.zeros(slots, dtype=torch.bool, device=device)
         self.columns = torch.arange(max_length, device=device)
         self._decode_views: dict[tuple[int, int], Any] = {}
-        # The slot and first position of the prompt chunk a prefill writes next.
-        self.chunk_slot = torch.zeros(1, dtype=torch.long, device=device)
-        self.chunk_start = torch.zeros(1, dtype=torch.long, device=device)
-        self._chunk_views: dict[int, Any] = {}
+        # The slot and first position of each row of the prompt chunks a prefill writes next.
+        self.chunk_slot = torch.full((chunk_rows,), slots, dtype=torch.long, device=device)
+        self.chunk_start = torch.zeros(chunk_rows, dtype=torch.long, device=device)
+        self._chunk_views: dict[tuple[int, int], Any] = {}
 
     @property
     def bytes(self) -> int:
@@ -95,27 +98,36 @@ class SlotCache:
         ``[n, 1, 1, length]``, row ``r`` up to and with its new position ``lengths[r]``."""
         return (self.columns[:length] <= self.lengths[:n, None])[:, None, None, :]
 
-    def chunk(self, length: int) -> Any:
-        """The cache a prompt chunk of one request runs on: the slot in :attr:`chunk_slot`,
-        written from :attr:`chunk_start` on, its first ``length`` positions attended. Both
-        are device tensors the caller fills before the chunk, so one recorded chunk serves
-        every slot and start. The same object for the same length."""
-        if length not in self._chunk_views:
+    def chunk(self, rows: int, length: int) -> Any:
+        """The cache ``rows`` prompt chunks run on: row ``r`` into the slot
+        ``chunk_slot[r]``, written from ``chunk_start[r]`` on, its slot's first ``length``
+        positions attended. Both are device tensors the caller fills before the chunks, so
+        one recorded batch serves every slot and start. The same object for the same rung."""
+        key = (rows, length)
+        if key not in self._chunk_views:
             cache = copy.copy(self.base)
+            slots, starts = self.chunk_slot[:rows], self.chunk_start[:rows]
             cache.layers = [
-                _chunk_layer(layer, self.chunk_slot, self.chunk_start, length)
-                for layer in self.base.layers
+                _chunk_layer(layer, slots, starts, length) for layer in self.base.layers
             ]
-            self._chunk_views[length] = cache
-        return self._chunk_views[length]
+            self._chunk_views[key] = cache
+        return self._chunk_views[key]
 
-    def chunk_positions(self, tokens: int) -> torch.Tensor:
-        """The cache positions of a chunk of ``tokens``: from :attr:`chunk_start` on."""
-        return self.chunk_start + torch.arange(tokens, device=self.columns.device)
+    def clear_chunk_rows(self) -> None:
+        """Point every row of the chunk batch at the spare slot, position 0 (a row the caller
+        does not fill then writes where no step reads)."""
+        self.chunk_slot.fill_(self.spare)
+        self.chunk_start.zero_()
+
+    def chunk_positions(self, rows: int, tokens: int) -> torch.Tensor:
+        """The cache positions of ``rows`` chunks of ``tokens``: ``[rows, tokens]``, each row
+        from its :attr:`chunk_start` on."""
+        return self.chunk_start[:rows, None] + torch.arange(tokens, device=self.columns.device)
 
     def chunk_mask(self, positions: torch.Tensor, length: int) -> torch.Tensor:
-        """The causal mask of a chunk at ``positions``: ``[1, 1, tokens, length]``."""
-        return (self.columns[:length] <= positions[:, None])[None, None]
+        """The causal mask of chunks at ``positions`` (``[rows, tokens]``):
+        ``[rows, 1, tokens, length]``."""
+        return (self.columns[:length] <= positions[..., None])[:, None]
 
     def move(self, source: int, target: int, positions: int) -> None:
         """Copy slot ``source``'s first ``positions`` keys and values into slot ``target``
@@ -170,9 +182,10 @@ class _DecodeLayer:
 
 
 class _ChunkLayer:
-    """A layer of a prompt chunk: the chunk's positions from ``start`` in the slot ``slot``
-    (one-entry device tensors), written into the full cache; attention reads a copy of that
-    slot's first ``length`` positions (a gather: the slot is not known on the host)."""
+    """A layer of a batch of prompt chunks: row ``r``'s positions from ``start[r]`` in the
+    slot ``slot[r]`` (device tensors of one entry per row), written into the full cache;
+    attention reads a copy of those slots' first ``length`` positions (a gather: the slots
+    are not known on the host)."""
 
     full: tuple[torch.Tensor, torch.Tensor]
     slot: torch.Tensor
@@ -184,7 +197,7 @@ class _ChunkLayer:
         where = (
             self.slot[:, None, None],
             torch.arange(heads, device=keys.device)[None, :, None],
-            (self.start + torch.arange(tokens, device=keys.device))[None, None, :],
+            (self.start[:, None] + torch.arange(tokens, device=keys.device))[:, None, :],
         )
         full_keys, full_values = self.full
         full_keys.index_put_(where, keys)
@@ -200,8 +213,9 @@ def _chunk_layer(layer: Any, slot: torch.Tensor, start: torch.Tensor, length: in
     view.__dict__.update(vars(layer))
     view.__dict__.pop("max_cache_len", None)
     view.full = (layer.keys, layer.values)
-    for name in _ROWS:  # the shape a reader of the layer expects: one slot, `length` positions
-        setattr(view, name, getattr(layer, name)[:1, :, :length])
+    rows = slot.shape[0]
+    for name in _ROWS:  # the shape a reader of the layer expects: the rows, `length` positions
+        setattr(view, name, getattr(layer, name)[:rows, :, :length])
     view.slot, view.start, view.length = slot, start, length
     return view
 

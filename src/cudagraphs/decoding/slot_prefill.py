@@ -1,22 +1,27 @@
-"""A prompt chunk of one request into its slot of an engine's cache: recorded per
-(chunk-length rung, cache-length rung), or eager.
+"""Prompt chunks into their slots of an engine's cache, several requests in one forward:
+recorded per (row rung, chunk-length rung, cache-length rung), or eager.
 
-Run eagerly, a chunk launches every operator of every layer from Python: for a short chunk the
-host, not the GPU, sets the time (as for the Decoder's prefill, ``prefill.py``), and while it
-runs no row of the batch steps. So a chunk of ``t`` tokens runs on the recorded graph of the
-shortest rung ``T >= t`` (16, 32, ..., 256, and on up to the engine's ``prefill_chunk``),
+Each forward of the model costs a fixed few milliseconds of device time at this size whatever
+its tokens (hundreds of small kernels: ``reports/gpu.md``, "Engine parts and host profile"),
+so the chunks of up to ``rows`` joining requests go in together, as rows of one batch. Run
+eagerly, a chunk launches every operator of every layer from Python, and while it runs no row
+of the batch steps. So a batch of ``k`` chunks, the longest of ``t`` tokens, runs on the
+recorded graph of the smallest row rung ``K >= k`` (1, 2, 4, ...) and the shortest chunk rung
+``T >= t`` (16, 32, ..., 256, and on up to the engine's ``prefill_chunk``), each row
 right-padded to ``T``:
 
-- the slot and the first position are device tensors (``SlotCache.chunk_slot`` and
-  ``chunk_start``), so one graph serves every slot and every start;
-- the padding comes after the chunk's real tokens: under the causal mask no real token
-  attends to it, and its keys and values land at positions the next chunk or decode step
-  writes before anything attends to them;
-- the logits are those of the last real position (the model's ``logits_to_keep``, given as a
-  device index).
+- each row's slot and first position are device tensors (``SlotCache.chunk_slot`` and
+  ``chunk_start``), so one graph serves every slot and every start; a row of the rung that
+  holds no request writes into the cache's spare slot, which no step reads;
+- the padding comes after a row's real tokens: under the causal mask no real token attends
+  to it, and its keys and values land at positions the next chunk or decode step writes
+  before anything attends to them;
+- each row's logits are those of its last real position (the model's ``logits_to_keep``,
+  given as device indices: the model returns those positions for every row, and row ``r``
+  keeps its own).
 
-Every rung is recorded when the engine starts (:meth:`SlotPrefill.prepare`). Eager, at the
-chunk's own length: a chunk longer than the longest rung, a padded chunk that
+Every rung is recorded when the engine starts (:meth:`SlotPrefill.prepare`). Eager, one
+chunk at a time at its own length: a chunk longer than the longest rung, a padded chunk that
 would run past the cache's end, and every chunk of a model whose forward has no
 ``logits_to_keep``.
 """
@@ -24,11 +29,13 @@ would run past the cache's end, and every chunk of a model whose forward has no
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..api import graph
+from ..shapes import powers_of_two
 from .slot_cache import SlotCache
 
 __all__ = ["CHUNK_RUNGS", "SlotPrefill", "chunk_rungs"]
@@ -65,71 +72,113 @@ class SlotPrefill:
         self.pool, self.warmup = pool, warmup
         keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.rungs = chunk_rungs(budget, cache.max_length) if keeps else []
-        self.graphs: dict[tuple[int, int], Any] = {}
+        self.row_rungs = powers_of_two(cache.chunk_rows) if keeps else []
+        self.graphs: dict[tuple[int, int, int], Any] = {}
         self.recorded = self.eager = 0  # chunks run each way
+        self.forwards = 0  # replays of a recording, each one or more chunks
 
-    def logits(self, slot: int, start: int, ids: list[int]) -> torch.Tensor:
-        """Write ``ids`` into slot ``slot`` from position ``start``; the last one's logits,
-        ``[1, vocab]``."""
+    def logits(self, chunks: Sequence[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """Write each ``(slot, start, ids)`` of ``chunks`` (at most ``cache.chunk_rows``, each
+        slot once) into its slot from position ``start``; the last id's logits of each, in
+        order, ``[len(chunks), vocab]``. A chunk no rung serves (longer than the longest, or
+        whose padded rung would pass the cache's end) runs eagerly on its own."""
+        longest = max(len(ids) for _, _, ids in chunks)
+        rung = next((r for r in self.rungs if r >= longest), None)
+        fits = [
+            k for k, (_, start, _) in enumerate(chunks)
+            if rung is not None and start + rung <= self.cache.max_length
+        ]  # fmt: skip
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        for k in range(len(chunks)):
+            if k not in fits:
+                out[k] = self._eager(*chunks[k])
+        if fits:
+            batched = self._recorded([chunks[k] for k in fits])
+            for row, k in enumerate(fits):
+                out[k] = batched[row : row + 1]
+        return torch.cat(out)  # type: ignore[arg-type]
+
+    def _recorded(self, chunks: Sequence[tuple[int, int, list[int]]]) -> torch.Tensor:
+        """``chunks`` on the recording of their rungs (each padded chunk fits the cache)."""
+        rung = next(r for r in self.rungs if r >= max(len(ids) for _, _, ids in chunks))
+        rows = next(r for r in self.row_rungs if r >= len(chunks))
+        length = self._length(max(start for _, start, _ in chunks) + rung)
+        self._place(chunks)
+        recorded = self.graphs.get((rows, rung, length)) or self._record(rows, rung, length)
         device = self.cache.lengths.device
-        self.cache.chunk_slot.fill_(slot)
-        self.cache.chunk_start.fill_(start)
-        take = len(ids)
-        rung = next((r for r in self.rungs if r >= take), None)
-        if rung is None or start + rung > self.cache.max_length:
-            self.eager += 1
-            last = torch.tensor([take - 1], device=device)
-            chunk = torch.tensor([ids], device=device)
-            return self._forward(chunk, last, self._length(start + take))
-        length = self._length(start + rung)
-        recorded = self.graphs.get((rung, length)) or self._record(rung, length)
-        padded = torch.tensor([ids + [0] * (rung - take)], device=device)
-        self.recorded += 1
-        return recorded(padded, torch.tensor([take - 1], device=device))
+        padded = [ids + [0] * (rung - len(ids)) for _, _, ids in chunks]
+        padded += [[0] * rung] * (rows - len(chunks))
+        last = [len(ids) - 1 for _, _, ids in chunks] + [0] * (rows - len(chunks))
+        self.recorded += len(chunks)
+        self.forwards += 1
+        out = recorded(torch.tensor(padded, device=device), torch.tensor(last, device=device))
+        return out[: len(chunks)]
 
     def prepare(self) -> None:
-        """Record every (chunk rung, cache-length rung) a chunk can run on, before any request:
-        otherwise a rung's first chunk pays its capture while the running rows wait (seconds
-        over all rungs of a 1.1 B model). The recordings write into slot 0 from position 0,
-        which a request's own chunks write again before anything attends to them."""
-        self.cache.chunk_slot.fill_(0)
-        self.cache.chunk_start.fill_(0)
-        for rung in reversed(self.rungs):  # the largest first: the pool grows once
-            for length in [n for n in self.lengths if n >= rung]:
-                if (rung, length) not in self.graphs:
-                    self._record(rung, length)  # warmed up and captured on its examples
+        """Record every (row rung, chunk rung, cache-length rung) a batch can run on, before
+        any request: otherwise a rung's first batch pays its capture while the running rows
+        wait (seconds over all rungs of a 1.1 B model). The recordings write into the spare
+        slot, which no step reads."""
+        self.cache.clear_chunk_rows()
+        for rows in reversed(self.row_rungs):  # the largest first: the pool grows once
+            for rung in reversed(self.rungs):
+                for length in [n for n in self.lengths if n >= rung]:
+                    if (rows, rung, length) not in self.graphs:
+                        self._record(rows, rung, length)  # warmed up and captured on examples
+
+    def _place(self, chunks: Sequence[tuple[int, int, list[int]]]) -> None:
+        """Each chunk's slot and start into its row; the rows past them at the spare slot."""
+        self.cache.clear_chunk_rows()
+        for row, (slot, start, _) in enumerate(chunks):
+            self.cache.chunk_slot[row] = slot
+            self.cache.chunk_start[row] = start
+
+    def _eager(self, slot: int, start: int, ids: list[int]) -> torch.Tensor:
+        """One chunk at its own length, eagerly: its last id's logits, ``[1, vocab]``."""
+        device = self.cache.lengths.device
+        self._place([(slot, start, ids)])
+        self.eager += 1
+        last = torch.tensor([len(ids) - 1], device=device)
+        return self._forward(
+            torch.tensor([ids], device=device), last, self._length(start + len(ids))
+        )
 
     def _length(self, end: int) -> int:
         return next(size for size in self.lengths if size >= end)
 
     def _forward(self, ids: torch.Tensor, last: torch.Tensor, length: int) -> torch.Tensor:
-        cache = self.cache
-        positions = cache.chunk_positions(ids.shape[1])
+        """The chunks ``ids`` (``[rows, tokens]``) through the model; row ``r``'s logits at
+        position ``last[r]``, ``[rows, vocab]``."""
+        cache, rows = self.cache, ids.shape[0]
+        positions = cache.chunk_positions(rows, ids.shape[1])
         extra = {"logits_to_keep": last} if self.rungs else {}
         out = self.model(
             input_ids=ids,
-            position_ids=positions[None],
-            cache_position=positions,
+            position_ids=positions,
+            cache_position=positions[0],
             attention_mask=cache.chunk_mask(positions, length),
             use_cache=True,
-            **{self.cache_arg: cache.chunk(length)},
+            **{self.cache_arg: cache.chunk(rows, length)},
             **extra,
         )
-        logits = out.logits if self.rungs else out.logits.index_select(1, last)
-        return logits[:, -1, :]
+        # With logits_to_keep every row gives the logits of every row's last position: its own
+        # is the diagonal. Without, all positions: each row's own last one.
+        kept = out.logits if self.rungs else out.logits.index_select(1, last)
+        return kept[torch.arange(rows, device=ids.device), torch.arange(rows, device=ids.device)]
 
-    def _record(self, rung: int, length: int) -> Any:
+    def _record(self, rows: int, rung: int, length: int) -> Any:
         def chunk(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
             return self._forward(ids, last, length)
 
-        chunk.__qualname__ = chunk.__name__ = f"engine_prefill_{rung}_len{length}"
+        chunk.__qualname__ = chunk.__name__ = f"engine_prefill_{rows}x{rung}_len{length}"
         device = self.cache.lengths.device
-        ids = torch.zeros(1, rung, dtype=torch.long, device=device)
-        last = torch.zeros(1, dtype=torch.long, device=device)
-        # Captured now, on the chunk's slot and start: the warm-up writes where this chunk
-        # writes next, with the real tokens.
-        self.graphs[rung, length] = graph(
+        ids = torch.zeros(rows, rung, dtype=torch.long, device=device)
+        last = torch.zeros(rows, dtype=torch.long, device=device)
+        # Captured now, on the rows' slots and starts as they are: the spare slot from
+        # prepare(), or a batch's own (its warm-up writes where the batch writes next, with
+        # its real tokens).
+        self.graphs[rows, rung, length] = graph(
             chunk, ids, last, pool=self.pool, warmup=self.warmup, modules=[self.model],
             side_effects="keep", outputs="alias",
         )  # fmt: skip
-        return self.graphs[rung, length]
+        return self.graphs[rows, rung, length]

@@ -142,18 +142,18 @@ def _check_group(
     if group.get("capturable") or (group.get("fused") and "capturable" not in group):
         return None
     setting = _graph_safe_setting(optimizer, group, params)
-    if setting == "fused" and isinstance(optimizer, torch.optim.SGD):
-        if any(compat.tensor_shard(p) is not None for p in params):
-            raise ConfigError(
-                explain(
-                    f"{name}.param_groups[{k}] holds sharded parameters (DTensors: fully_shard "
-                    "or tensor parallelism), and SGD's graph-safe form is fused=True",
-                    "PyTorch's fused SGD step has no DTensor rule (NotImplementedError at the "
-                    "first step), and the unfused one reads the learning rate on the host",
-                    "use cg.GraphSafeSGD(model.parameters(), lr=..., momentum=...) (the same "
-                    "update, on the device), or torch.optim.AdamW(..., fused=True)",
-                )
+    sharded = any(compat.tensor_shard(p) is not None for p in params)
+    if setting == "fused" and isinstance(optimizer, torch.optim.SGD) and sharded:
+        raise ConfigError(
+            explain(
+                f"{name}.param_groups[{k}] holds sharded parameters (DTensors: fully_shard "
+                "or tensor parallelism), and SGD's graph-safe form is fused=True",
+                "PyTorch's fused SGD step has no DTensor rule (NotImplementedError at the "
+                "first step), and the unfused one reads the learning rate on the host",
+                "use cg.GraphSafeSGD(model.parameters(), lr=..., momentum=...) (the same "
+                "update, on the device), or torch.optim.AdamW(..., fused=True)",
             )
+        )
     if setting is None:
         raise ConfigError(
             explain(
