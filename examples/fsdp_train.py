@@ -7,6 +7,7 @@ once through ``cg.train_step``: forward (the all-gathers), backward (the reduce-
 gradient clipping across shards and the optimizer step are one graph. The parameters must agree
 after every run; the graphed step is timed against the eager one. Run with
 
+    python examples/fsdp_train.py                            # one rank, no torchrun
     torchrun --nproc-per-node 1 examples/fsdp_train.py      # one GPU: NCCL with one rank
     torchrun --nproc-per-node 2 examples/fsdp_train.py      # two GPUs
 
@@ -18,13 +19,13 @@ gloo on the CPU, where both runs are eager and only the agreement is checked.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from ddp_train import start_ranks
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -112,22 +113,13 @@ def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--steps", type=int, default=50)
+    # On the CPU both runs are eager and only their agreement is checked: a few steps.
+    p.add_argument("--steps", type=int, default=50 if torch.cuda.is_available() else 6)
     p.add_argument("--reshard-after-forward", choices=("true", "false"), default="true")
     p.add_argument("--bf16", action="store_true")
     args = p.parse_args()
-    if "RANK" not in os.environ:
-        raise SystemExit(
-            "start it with torchrun: torchrun --nproc-per-node 1 examples/fsdp_train.py"
-        )
-    rank = int(os.environ["RANK"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = start_ranks("examples/fsdp_train.py")
+    rank = dist.get_rank()
     warnings.filterwarnings("ignore", category=cg.CudaGraphsWarning)
     data = torch.Generator(device=device).manual_seed(rank)
     batches = [
@@ -140,11 +132,19 @@ def main() -> None:
     graphed, graphed_s = train(True, batches, device, reshard, args.bf16)
     worst = max(float(((a - b).abs() / (b.abs() + 1e-6)).max()) for a, b in zip(graphed, eager))
     if rank == 0:
+        setting = (
+            f"FSDP2 on {dist.get_world_size()} rank(s), reshard_after_forward={reshard}, "
+            f"bf16={args.bf16}"
+        )
+        timing = (
+            f"eager {1e3 * eager_s:.2f} ms/step, graphed {1e3 * graphed_s:.2f} ms/step "
+            f"({eager_s / graphed_s:.2f}x)"
+            if device.type == "cuda"
+            else "no CUDA: both runs eager (cg.train_step is the pass-through), not timed"
+        )
         print(
-            f"FSDP2 on {dist.get_world_size()} rank(s), {device.type}, reshard_after_forward="
-            f"{reshard}, bf16={args.bf16}: eager {1e3 * eager_s:.2f} ms/step, graphed "
-            f"{1e3 * graphed_s:.2f} ms/step ({eager_s / graphed_s:.2f}x); parameters after "
-            f"{args.steps} steps: max relative difference {worst:.1e}"
+            f"{setting}: {timing}; parameters after {args.steps} steps: max relative "
+            f"difference {worst:.1e}"
         )
     dist.destroy_process_group()
     if worst > 1e-5:
