@@ -146,17 +146,20 @@ def test_the_model_s_own_attention_gives_the_same_tokens() -> None:
         check_against_generate(model, engine)
 
 
-def test_recorded_steps_replay_rows_at_their_own_lengths(
-    stand_in, model, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The steps are recordings here: a length, token or mask read on the host at capture
-    # would be replayed frozen, and some row's tokens would differ from generate's. (A step
-    # takes no tensor argument, so it is captured on the current device: here, none.)
+@pytest.fixture
+def recorded_steps(stand_in: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stand-in, for an engine's steps. A step takes no tensor argument, so it is captured
+    on the current device: here, device 0 of none."""
     if torch.version.cuda is not None:
         # A CUDA build without a GPU (CI's newest and floor runs): the current device would
         # be asked of the driver. The CPU build runs it.
         pytest.skip("a step with no tensor argument on the stand-in needs a CPU build of torch")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_recorded_steps_replay_rows_at_their_own_lengths(recorded_steps, model) -> None:
+    # The steps are recordings here: a length, token or mask read on the host at capture
+    # would be replayed frozen, and some row's tokens would differ from generate's.
     with Engine(model, max_batch=4, max_length=64, prefill_chunk=8,
                 cache_lengths=[16, 32, 64]) as engine:  # fmt: skip
         assert engine.graphed is False  # the model is on the CPU; the stand-in still records
@@ -176,16 +179,13 @@ def test_recorded_steps_replay_rows_at_their_own_lengths(
 
 
 def test_requests_joining_together_go_in_as_rows_of_one_recorded_forward(
-    stand_in, model, monkeypatch: pytest.MonkeyPatch
+    recorded_steps, model
 ) -> None:
     # Four requests at once, chunks of at most 16 tokens each, up to four per forward: their
     # prompts (12 to 58 tokens, the longest past one chunk) go in as rows of recorded
     # batches, each row at its own slot and start, and each request's tokens are its own
-    # generate's. The 58-token one's last chunk (2 tokens at 48, padded to 16 -> 64) fits;
-    # the 62-token one's (14 at 48 -> 64) too; nothing runs eagerly.
-    if torch.version.cuda is not None:
-        pytest.skip("a step with no tensor argument on the stand-in needs a CPU build of torch")
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    # generate's. The 58-token one's last chunk (10 tokens at 48, padded to 16: positions up
+    # to 64) fits the cache: nothing runs eagerly.
     lengths, new = [12, 58, 30, 7], [6, 4, 5, 8]
     with Engine(model, max_batch=4, max_length=64, prefill_chunk=64, prefill_rows=4,
                 cache_lengths=[16, 32, 64]) as engine:  # fmt: skip
@@ -221,9 +221,6 @@ def test_a_weight_given_new_memory_captures_again_with_the_rows_unharmed(
 ) -> None:
     # The guard sees the parameter's new memory and captures the step again, with no warm-up
     # run (each would be a step of the live rows): the call that captures is one step.
-    if torch.version.cuda is not None:
-        pytest.skip("a step with no tensor argument on the stand-in needs a CPU build of torch")
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     model, _ = tiny_llama("cpu", hidden=64, layers=2)
     model.set_attn_implementation("sdpa")
     asked = prompts(19, [6, 9])
