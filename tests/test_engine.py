@@ -216,9 +216,7 @@ def test_a_chunk_past_the_cache_s_end_goes_in_eagerly_beside_a_recorded_batch(mo
         assert engine.prefills.eager == 1
 
 
-def test_a_weight_given_new_memory_captures_again_with_the_rows_unharmed(
-    stand_in, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_weight_given_new_memory_captures_again_with_the_rows_unharmed(recorded_steps) -> None:
     # The guard sees the parameter's new memory and captures the step again, with no warm-up
     # run (each would be a step of the live rows): the call that captures is one step.
     model, _ = tiny_llama("cpu", hidden=64, layers=2)
