@@ -128,10 +128,12 @@ class SlotPrefill:
 
     def _place(self, chunks: Sequence[tuple[int, int, list[int]]]) -> None:
         """Each chunk's slot and start into its row; the rows past them at the spare slot."""
-        self.cache.clear_chunk_rows()
-        for row, (slot, start, _) in enumerate(chunks):
-            self.cache.chunk_slot[row] = slot
-            self.cache.chunk_start[row] = start
+        cache, spare = self.cache, [self.cache.spare, 0]
+        rows = [[slot, start] for slot, start, _ in chunks]
+        rows += [spare] * (cache.chunk_rows - len(chunks))
+        placed = torch.tensor(rows, device=cache.chunk_slot.device).T
+        cache.chunk_slot.copy_(placed[0])
+        cache.chunk_start.copy_(placed[1])
 
     def _eager(self, slot: int, start: int, ids: list[int]) -> torch.Tensor:
         """One chunk at its own length, eagerly: its last id's logits, ``[1, vocab]``."""

@@ -142,8 +142,11 @@ def _check_group(
     if group.get("capturable") or (group.get("fused") and "capturable" not in group):
         return None
     setting = _graph_safe_setting(optimizer, group, params)
-    sharded = any(compat.tensor_shard(p) is not None for p in params)
-    if setting == "fused" and isinstance(optimizer, torch.optim.SGD) and sharded:
+    if (
+        setting == "fused"
+        and isinstance(optimizer, torch.optim.SGD)
+        and any(compat.tensor_shard(p) is not None for p in params)
+    ):
         raise ConfigError(
             explain(
                 f"{name}.param_groups[{k}] holds sharded parameters (DTensors: fully_shard "
