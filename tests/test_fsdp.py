@@ -117,3 +117,29 @@ def test_graph_safe_sgd_steps_a_sharded_model(gloo_group: None) -> None:
             o.step()
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.full_tensor(), q.full_tensor())
+
+
+def test_sgd_over_a_group_sharded_only_past_its_first_parameter_is_refused(
+    gloo_group: None,
+) -> None:
+    """Only the second layer sharded: the group's first parameter is a plain tensor."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    fully_shard(model[2])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert compat.tensor_shard(next(model.parameters())) is None
+    with pytest.raises(cg.ConfigError, match="sharded parameters"):
+        make_graph_safe(opt)
+
+
+def test_offload_is_refused_for_a_sharded_submodule_alone(
+    gloo_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The root is a plain module; only a layer inside it is sharded (and offloaded)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    fully_shard(model[2])
+    mesh = model[2].weight.device_mesh
+    monkeypatch.setattr(type(mesh), "device_type", property(lambda self: "cuda"))
+    with pytest.raises(cg.ConfigError, match=r"Sequential\.2 is sharded"):
+        checked_sharding(lambda x: model(x), [model])
