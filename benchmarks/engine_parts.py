@@ -18,6 +18,9 @@ download). Three parts, each after one untimed run of the same work:
   ``--prefill-chunks`` budget of prompt tokens per step boundary: prompt tokens per second.
 
     python benchmarks/engine_parts.py [--batch 64] [--new 128] [--prefill-chunks 256,1024]
+                                      [--compile]
+
+``--compile``: the mixed step again with ``Engine(compile=True)`` (its compile in the set-up).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prefill-chunks", default="256,1024")
+    p.add_argument("--compile", action="store_true", help="also the mixed step under compile=True")
     args = p.parse_args()
     console = Console()
     if not cuda_or_explain("engine_parts.py", console):
@@ -96,16 +100,25 @@ def main() -> None:
     )
 
     asked = prompts(args.batch, seed=1)
-    engine = Engine(model, max_batch=args.batch, max_length=MAX_LENGTH, max_queue=4096)
-    engine_run(engine, prompts(args.batch, seed=2), args.new)  # untimed: records the rungs
-    _, completions = engine_run(engine, asked, args.new)
-    mixed = step_ms_all_decoding(completions)
-    results["engine_mixed_ms_per_step"] = mixed
-    rows.append([
-        f"Engine, batch {args.batch}, rows at 16-512 + their tokens", f"{mixed:.2f} ms per step",
-        f"{mixed / unpadded:.2f}x the unpadded step",
-    ])  # fmt: skip
-    engine.close()
+    for compiled in (False, True) if args.compile else (False,):
+        start = time.perf_counter()
+        engine = Engine(model, max_batch=args.batch, max_length=MAX_LENGTH, max_queue=4096,
+                        compile=compiled)  # fmt: skip
+        engine_run(engine, prompts(args.batch, seed=2), args.new)  # untimed: records the rungs
+        setup = time.perf_counter() - start
+        seconds, completions = engine_run(engine, asked, args.new)
+        mixed = step_ms_all_decoding(completions)
+        name = "compiled" if compiled else "mixed"
+        results[f"engine_{name}_ms_per_step"] = mixed
+        results[f"engine_{name}_tokens_per_s"] = args.batch * args.new / seconds
+        results[f"engine_{name}_setup_s"] = setup
+        rows.append([
+            f"Engine{' compile=True' if compiled else ''}, batch {args.batch}, rows at 16-512 "
+            "+ their tokens", f"{mixed:.2f} ms per step",
+            f"{mixed / unpadded:.2f}x the unpadded step; {args.batch * args.new / seconds:.0f} "
+            f"tokens/s over the run; set-up and first run {setup:.0f} s",
+        ])  # fmt: skip
+        engine.close()
 
     # One request at a time, one new token: a prompt chunk's cost with nothing beside it,
     # at the shortest and the longest chunk rung (the difference is per token, the rest fixed:

@@ -12,6 +12,8 @@ it up:
 - ``engine``: ``cudagraphs.decoding.Engine(model, max_batch=--slots, max_length=768)``; each
   request is ``engine.submit(...)`` at its arrival time, its tokens timed as they stream;
   ``engine-read4``: the same with ``read_every=4`` (four steps per read of the tokens);
+  ``engine-compiled``: the same with ``compile=True`` (each decode step recorded over
+  ``torch.compile``'d kernels; its compile is part of the setup, outside the timing);
 - ``transformers``: ``model.init_continuous_batching(generation_config)`` (paged attention,
   ``attn_implementation="paged|sdpa"``), ``manager.warmup()`` (its graphs, outside the timing),
   ``manager.start()``, ``manager.add_request(...,
@@ -45,7 +47,13 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cuda_or_explain, environment, names, parser, table, write_rows
 
-PATHS = ["engine", "engine-read4", "transformers", "decoder"]
+PATHS = ["engine", "engine-compiled", "engine-read4", "transformers", "decoder"]
+#: The engine paths: Engine's settings beyond the slots, the length and the queue.
+ENGINES: dict[str, dict[str, Any]] = {
+    "engine": {},
+    "engine-compiled": {"compile": True},
+    "engine-read4": {"read_every": 4},
+}
 MAX_LENGTH = 768  # the longest prompt (512) and output (256)
 
 
@@ -193,10 +201,10 @@ def main() -> None:
     if "decoder" in paths:
         built["decoder"] = Decoder(model, max_batch=1, max_length=MAX_LENGTH)
     start = time.perf_counter()
-    for path, read_every in (("engine", 1), ("engine-read4", 4)):
+    for path, settings in ENGINES.items():
         if path in paths:
             built[path] = Engine(model, max_batch=args.slots, max_length=MAX_LENGTH,
-                                 max_queue=4096, read_every=read_every)  # fmt: skip
+                                 max_queue=4096, **settings)  # fmt: skip
             results[f"{path}_setup_s"] = time.perf_counter() - start
             start = time.perf_counter()
     # Every path runs one untimed workload first, as transformers' warmup() does for its
@@ -228,7 +236,7 @@ def main() -> None:
                     f"{got['itl_p99_ms']:.1f}",
                 ])  # fmt: skip
                 console.print(rows[-1])
-    for path in ("engine", "engine-read4"):
+    for path in ENGINES:
         if path in built:
             engine = built[path]
             results[f"{path}_occupancy"] = engine.metrics().occupancy

@@ -178,6 +178,42 @@ def test_recorded_steps_replay_rows_at_their_own_lengths(recorded_steps, model) 
         assert all(g.stats.recaptures == 0 for g in engine.prefills.graphs.values())
 
 
+def test_compiled_steps_trace_once_for_every_rung_and_give_generate_s_tokens(
+    model, monkeypatch
+) -> None:
+    # compile=True: the steps' logits go through torch.compile, the batch and the cache
+    # length as two dynamic sizes. Here Dynamo's trace runs as aten kernels (Inductor would
+    # compile C++ for minutes); every run of the traced code is counted. One trace serves all
+    # six rungs (batch 2 and 4, lengths 16, 32 and 64): a rung the trace specialised on would
+    # be traced again, and a step that fell back to the model's own forward would run none.
+    traces, runs = [], [0]
+
+    def backend(gm: Any, examples: Any) -> Any:
+        traces.append(gm)
+        compiled = torch._dynamo.backends.debugging.aot_eager(gm, examples)
+
+        def run(*args: Any) -> Any:
+            runs[0] += 1
+            return compiled(*args)
+
+        return run
+
+    def compile_counted(fn: Any = None, *, dynamic: Any = None, **_: Any) -> Any:
+        return torch._dynamo.optimize(backend, dynamic=dynamic)(fn)
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", compile_counted)
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8, cache_lengths=[16, 32, 64],
+                compile=True, warmup=1) as engine:  # fmt: skip
+        assert engine.rungs == [2, 4] and engine.stats.compiled
+        assert len(engine.graphs) == 6 and runs[0] == 6 * 2  # warm-up and capture per rung
+        check_against_generate(model, engine)
+        steps = sum(engine.stats.replays.values())
+        assert len({key.split(" batch")[1] for key in engine.stats.replays}) > 1
+    assert len(traces) == 1
+    assert runs[0] == 6 * 2 + steps
+
+
 def test_requests_joining_together_go_in_as_rows_of_one_recorded_forward(
     recorded_steps, model
 ) -> None:

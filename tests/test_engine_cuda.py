@@ -27,13 +27,17 @@ def model():
     return model
 
 
-def test_requests_arriving_apart_get_generate_s_tokens_from_captured_steps(model) -> None:
+@pytest.mark.parametrize("compile", [False, True], ids=["model-kernels", "compiled"])
+def test_requests_arriving_apart_get_generate_s_tokens_from_captured_steps(model, compile) -> None:
+    # compiled: each decode step recorded over torch.compile'd kernels, one compile serving
+    # every batch rung (2, 4, 8) and cache-length rung.
     generator = torch.Generator().manual_seed(0)
     lengths = [int(n) for n in torch.randint(3, 120, (24,), generator=generator)]
     news = [int(n) for n in torch.randint(4, 40, (24,), generator=generator)]
     asked = [torch.randint(0, 32000, (n,), generator=generator).tolist() for n in lengths]
-    with Engine(model, max_batch=8, max_length=192, prefill_chunk=64) as engine:
+    with Engine(model, max_batch=8, max_length=192, prefill_chunk=64, compile=compile) as engine:
         assert engine.health()["graphs"] is True
+        assert engine.stats.compiled is compile
         assert all(g.stats.state == "captured" for g in engine.graphs.values())
         completions = []
         for k, (prompt, new) in enumerate(zip(asked, news)):
@@ -115,7 +119,10 @@ def test_ten_thousand_requests_leave_memory_where_the_first_put_it(model) -> Non
         assert engine.metrics().requests == 10_000
 
 
-def test_bfloat16_tokens_are_the_float32_model_s_choice_unless_within_bfloat16_noise() -> None:
+@pytest.mark.parametrize("compile", [False, True], ids=["model-kernels", "compiled"])
+def test_bfloat16_tokens_are_the_float32_model_s_choice_unless_within_bfloat16_noise(
+    compile,
+) -> None:
     # Each token the engine decodes in bfloat16, beside other requests, is checked against the
     # float32 model (the same weights) run over the engine's own tokens: it must be float32's
     # top choice, except where float32's top two logits are closer than bfloat16 can tell
@@ -128,7 +135,7 @@ def test_bfloat16_tokens_are_the_float32_model_s_choice_unless_within_bfloat16_n
     generator = torch.Generator().manual_seed(1)
     asked = [torch.randint(0, 32000, (int(n),), generator=generator).tolist()
              for n in torch.randint(4, 90, (12,), generator=generator)]  # fmt: skip
-    with Engine(half, max_batch=8, max_length=160) as engine:
+    with Engine(half, max_batch=8, max_length=160, compile=compile) as engine:
         completions = [engine.submit(p, max_new_tokens=48, eos_token_id=None) for p in asked]
         outputs = [c.result(timeout=300) for c in completions]
     checked = near_ties = 0

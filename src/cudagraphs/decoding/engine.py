@@ -39,7 +39,7 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,15 +55,23 @@ from .engine_metrics import EngineMetrics, EngineRecorder, engine_prometheus
 from .grouped_attention import choose_attention, takes_sdpa_mask
 from .kv_cache import cache_keyword, checked_rungs, length_rungs
 from .prompts import EngineRequest, check_engine_request
-from .requests import check_model
+from .requests import check_compile, check_model
 from .row_sampling import choose
 from .slot_cache import SlotCache
 from .slot_prefill import SlotPrefill
-from .slot_steps import SlotState, capture_slot_step
+from .slot_steps import SlotState, capture_slot_step, compiled_slot_logits
 
 __all__ = ["Engine", "EngineStats"]
 
 MODES = ("greedy", "mixed")
+
+
+def default_rungs(max_batch: int, compiles: bool) -> list[int]:
+    """The batch rungs: powers of two up to ``max_batch``, and it; from 2 under ``compile``
+    where ``max_batch`` is 2 or more (a batch of 1 would be a second compile of the model:
+    Dynamo specialises a size of 1)."""
+    rungs = sorted({*powers_of_two(max_batch), max_batch})
+    return [n for n in rungs if n >= 2] if compiles and max_batch >= 2 else rungs
 
 
 @dataclass
@@ -80,6 +88,7 @@ class EngineStats:
     graph_bytes: int = 0  # growth of torch.cuda.memory_reserved() over the captures
     cache_bytes: int = 0
     attention: str = ""  # the decode attention: grouped (no cache copy), or why the model's own
+    compiled: bool = False  # the decode steps run torch.compile'd kernels (Engine(compile=...))
 
 
 @dataclass
@@ -102,7 +111,8 @@ class Engine:
         model: a transformers causal LM in eval mode, SDPA attention, on one device.
         max_batch: slots: requests decoding at once (the largest batch rung).
         max_length: cache positions per slot: the longest prompt plus new tokens.
-        batch_sizes: the batch rungs (default: powers of two up to ``max_batch``, and it).
+        batch_sizes: the batch rungs (default: powers of two up to ``max_batch``, and it; from 2
+            under ``compile``).
         cache_lengths: the cache-length rungs a step attends to (default as ``Decoder``'s).
         max_queue: requests that may wait for a slot; one more is refused at once
             (:class:`~cudagraphs.Overloaded`).
@@ -120,6 +130,11 @@ class Engine:
             ``stats.attention`` says which ran.
         attention_kernel: with ``grouped_attention``, a short cache's one-token attention runs
             as one Triton kernel (``decoding/attention.py``) on a GPU; ``False``: SDPA.
+        compile: ``True`` (or a ``torch.compile`` mode, or a mapping of Inductor options, as
+            the ``Decoder``'s ``compile``) to record each decode step over ``torch.compile``'d
+            kernels: fewer, fused kernels per step; one compile for every batch rung above
+            1 and every cache-length rung (the batch rungs then start at 2: Dynamo traces a
+            batch of 1 apart). The prompt chunks run the model's own kernels either way.
         read_every: decode steps launched back to back before the host reads their tokens
             (one sync per read). More: fewer syncs and less host work per token, but tokens
             arrive in bursts, and joins and leaves wait for the read.
@@ -143,6 +158,7 @@ class Engine:
         grouped_attention: bool = True,
         attention_kernel: bool = True,
         read_every: int = 1,
+        compile: bool | str | Mapping[str, Any] = False,
         name: str = "engine",
     ):
         start = time.perf_counter()
@@ -176,8 +192,9 @@ class Engine:
         self.read_every = read_every
         self.cache_arg = cache_keyword(model)
         self.device = next(model.parameters()).device
+        self.compiles = check_compile(compile)
         self.rungs = checked_rungs(
-            "batch_sizes", batch_sizes or sorted({*powers_of_two(max_batch), max_batch}),
+            "batch_sizes", batch_sizes or default_rungs(max_batch, self.compiles),
             max_batch, "a step of n slots runs on the smallest rung that holds them",
             f"pass e.g. batch_sizes=[1, 4, {max_batch}], or leave it out",
         )  # fmt: skip
@@ -192,6 +209,11 @@ class Engine:
         self._emitted = self.state.emitted.new_zeros(read_every, *self.state.emitted.shape)
         self._stats = EngineStats(cache_bytes=self.cache.bytes)
         self._stats.attention = choose_attention(model, grouped_attention, attention_kernel)
+        self._stats.compiled = self.compiles
+        # The decode steps' logits, compiled (after the attention is chosen: the trace reads it).
+        self._forward = compiled_slot_logits(
+            model, self.cache_arg, self.cache, compile, dynamic_length=len(self.lengths) > 1
+        ) if self.compiles else None  # fmt: skip
         self.pool = Pool()
         self.graphs: dict[tuple[int, int, str], Any] = {}
         self.prefills = SlotPrefill(
@@ -545,7 +567,7 @@ class Engine:
         if key not in self.graphs:
             self.graphs[key] = capture_slot_step(
                 self.model, self.cache_arg, self.cache, self.state, n, length, mode,
-                pool=self.pool, warmup=self.warmup,
+                pool=self.pool, warmup=self.warmup, forward=self._forward,
             )  # fmt: skip
             self._stats.graphs = len(self.graphs)
         return self.graphs[key]

@@ -58,9 +58,11 @@ class SlotCache:
                     f"pass max_length={window} or less, or decode this model with Decoder",
                 )
             )
-        self.base = StaticCache(config=model.config, max_cache_len=max_length)
-        full_length_layers(self.base, max_length)
-        # One spare row past the slots: where the unused rows of a chunk batch write.
+        # One spare row past the slots: where the unused rows of a chunk batch write. One
+        # spare position past the last: every rung, the longest too, is then a prefix of the
+        # full tensors, so a compiled step sees one shape class whatever the rung.
+        self.base = StaticCache(config=model.config, max_cache_len=max_length + 1)
+        full_length_layers(self.base, max_length + 1)
         allocate_rows(model, self.base, slots + 1)
         self.slots, self.spare, self.chunk_rows = slots, slots, chunk_rows
         self.max_length = max_length
@@ -70,6 +72,12 @@ class SlotCache:
         self.writing = torch.zeros(slots, dtype=torch.bool, device=device)
         self.columns = torch.arange(max_length, device=device)
         self._decode_views: dict[tuple[int, int], Any] = {}
+        # A compiled step's one cache, cut to its rung inside the step (:meth:`cut`), and a
+        # tensor whose corner of ``n`` by ``length`` carries the rung as two dynamic sizes.
+        self._cut = self._view(
+            _DecodeLayer, slice(0, slots), max_length, at=self.lengths, writing=self.writing
+        )
+        self.spans = torch.empty(slots, max_length, dtype=torch.uint8, device=device)
         # The slot and first position of each row of the prompt chunks a prefill writes next.
         self.chunk_slot = torch.full((chunk_rows,), slots, dtype=torch.long, device=device)
         self.chunk_start = torch.zeros(chunk_rows, dtype=torch.long, device=device)
@@ -92,6 +100,24 @@ class SlotCache:
                 _DecodeLayer, slice(0, n), length, at=self.lengths[:n], writing=self.writing[:n]
             )
         return self._decode_views[key]
+
+    def span(self, n: int, length: int) -> torch.Tensor:
+        """A tensor of the rung's shape, ``[n, length]`` (only its shape is read): the two
+        sizes a compiled step cuts its cache to (:meth:`cut`), marked dynamic there."""
+        return self.spans[:n, :length]
+
+    def cut(self, n: int, length: int) -> Any:
+        """The cache of rung (``n``, ``length``) for a compiled step, called inside it with
+        the two sizes of :meth:`span`: one object for every rung, its layers cut to the rung
+        each step. The same rows and positions as :meth:`decode`, so both give the same
+        step; here the compiler sees two sizes instead of a view per rung, and each write
+        goes into a full-size tensor (a graph input, updated in place: a write through a
+        view cut inside the step would compile as a copy of the whole prefix)."""
+        for layer, base in zip(self._cut.layers, self.base.layers):
+            layer.keys = base.keys[:n, :, :length]
+            layer.values = base.values[:n, :, :length]
+            layer.at, layer.writing = self.lengths[:n], self.writing[:n]
+        return self._cut
 
     def decode_mask(self, n: int, length: int) -> torch.Tensor:
         """Which positions each of the first ``n`` rows attends to in a step:
@@ -154,6 +180,7 @@ def _layer_view(
     for name in _ROWS:  # [slots, heads, positions, head_dim]
         setattr(view, name, getattr(layer, name)[rows, :, :length])
     view.__dict__.update(tensors)
+    view.full = (layer.keys, layer.values)
     return view
 
 
@@ -162,6 +189,7 @@ class _DecodeLayer:
 
     keys: torch.Tensor
     values: torch.Tensor
+    full: tuple[torch.Tensor, torch.Tensor]  # the layer's whole keys and values
     at: torch.Tensor
     writing: torch.Tensor
 
@@ -169,15 +197,16 @@ class _DecodeLayer:
         n, heads = keys.shape[:2]
         # A row that is not writing (a prompt still going in, a freed slot) may lie past
         # this rung's positions: it is pointed at the rung's last one and writes back what
-        # that position holds, so no row's past changes and no write leaves the view.
+        # that position holds, so no row's past changes and no write leaves the rung. The
+        # rung's rows and positions are the first of the full tensors: the same indices there.
         where = (
             torch.arange(n, device=keys.device)[:, None],
             torch.arange(heads, device=keys.device)[None, :],
             self.at.clamp(max=self.keys.shape[2] - 1)[:, None],
         )
         writing = self.writing[:, None, None]
-        self.keys.index_put_(where, torch.where(writing, keys[:, :, 0], self.keys[where]))
-        self.values.index_put_(where, torch.where(writing, values[:, :, 0], self.values[where]))
+        for full, new in zip(self.full, (keys, values)):
+            full.index_put_(where, torch.where(writing, new[:, :, 0], full[where]))
         return self.keys, self.values
 
 

@@ -19,18 +19,26 @@ entries, never by capturing again. In one step, for the first ``n`` slots:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from ..api import graph
+from ..core import compat
+from ..integrations import SavedCompile
+from .compiled import step_settings
 from .requests import MAX_EOS
 from .row_sampling import RowSettings, choose
 from .slot_cache import SlotCache
 
-__all__ = ["SlotState", "capture_slot_step", "slot_step"]
+__all__ = ["SlotState", "capture_slot_step", "compiled_slot_logits", "slot_logits", "slot_step"]
+
+#: A step's logits: ``forward(tokens, span)``, the first ``n`` slots' tokens fed at their
+#: lengths on ``length`` cache positions, ``span`` of shape ``[n, length]`` (``SlotCache.span``).
+SlotForward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -72,28 +80,85 @@ class SlotState:
             tensor[target].copy_(tensor[source])
 
 
+def slot_logits(
+    model: Any,
+    cache_arg: str,
+    cache: SlotCache,
+    tokens: torch.Tensor,
+    span: torch.Tensor,
+    view: Any = None,
+) -> torch.Tensor:
+    """The last position's logits of the first ``n`` slots fed ``tokens[:n]`` (``[slots, 1]``)
+    at their lengths, on rung ``span.shape`` (``(n, length)``) of the cache: ``view``
+    (``SlotCache.decode``), or by default its cache cut inside the call (``SlotCache.cut``),
+    so that a compiled step reads the rung as two sizes."""
+    n, length = span.shape
+    view = cache.cut(n, length) if view is None else view
+    lengths = cache.lengths[:n]
+    out = model(
+        input_ids=tokens[:n],
+        position_ids=lengths[:, None],
+        cache_position=lengths[:1],  # unused: the mask is prepared and the cache places rows
+        attention_mask=cache.decode_mask(n, length),
+        use_cache=True,
+        **{cache_arg: view},
+    )
+    return out.logits[:, -1, :]
+
+
+def compiled_slot_logits(
+    model: Any, cache_arg: str, cache: SlotCache, compile: bool | str | Mapping[str, Any],
+    *, dynamic_length: bool,
+) -> SlotForward:  # fmt: skip
+    """:func:`slot_logits` under ``torch.compile`` (``compile`` as the Decoder's), one trace for
+    every batch rung above 1 and, with ``dynamic_length``, every cache-length rung: the two
+    sizes of the span are marked dynamic, bounded by the slots and the cache's length. Each
+    process compiles its own (an engine's cache object is read by the trace, which a saved
+    step's guards could not check)."""
+
+    def mark(args: tuple[Any, ...]) -> None:  # slot_logits' arguments
+        span = args[4]
+        compat.mark_dynamic(span, 0, high=cache.slots)
+        if dynamic_length:
+            compat.mark_dynamic(span, 1, high=cache.max_length)
+
+    saved = SavedCompile(
+        slot_logits, step_settings(compile), dynamic=None, key="engine-step", mark=mark,
+        unsaved="an engine's step reads its cache object, which a saved step cannot guard",
+    )  # fmt: skip
+
+    def forward(tokens: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+        return saved(model, cache_arg, cache, tokens, span)
+
+    return forward
+
+
 def slot_step(
-    model: Any, cache_arg: str, cache: SlotCache, state: SlotState, n: int, length: int, mode: str
+    model: Any,
+    cache_arg: str,
+    cache: SlotCache,
+    state: SlotState,
+    n: int,
+    length: int,
+    mode: str,
+    forward: SlotForward | None = None,
 ) -> Callable[[], None]:
     """One decode step of the first ``n`` slots on ``length`` cache positions (see the module
-    doc), as a function of no arguments: it reads and writes ``state`` and ``cache``."""
-    view = cache.decode(n, length)
+    doc), as a function of no arguments: it reads and writes ``state`` and ``cache``.
+    ``forward``: the logits' function (:func:`compiled_slot_logits`); default the model's
+    forward as it is."""
     lengths, tokens, active, finished = state.lengths[:n], state.tokens[:n], state.active[:n], state.finished[:n]  # fmt: skip
     left, eos, emitted, settings = state.left[:n], state.eos[:n], state.emitted[:n], state.settings
     rows, writing = slice(0, n), cache.writing[:n]
+    span = cache.span(n, length)
+    if forward is None:  # the rung's own view, made once
+        view = cache.decode(n, length)
+        forward = functools.partial(slot_logits, model, cache_arg, cache, view=view)
 
     def step() -> None:
         live = active & ~finished
         writing.copy_(live)
-        out = model(
-            input_ids=tokens,
-            position_ids=lengths[:, None],
-            cache_position=lengths[:1],  # unused: the mask is prepared and the cache places rows
-            attention_mask=cache.decode_mask(n, length),
-            use_cache=True,
-            **{cache_arg: view},
-        )
-        logits = out.logits[:, -1, :]
+        logits = forward(state.tokens, span)
         if mode == "greedy":
             chosen = logits.float().argmax(dim=-1, keepdim=True)
         else:
@@ -122,11 +187,12 @@ def capture_slot_step(
     *,
     pool: Any,
     warmup: int,
+    forward: SlotForward | None = None,
 ) -> Any:
     """:func:`slot_step` as a graph (``cg.graph``'s lazy form: its first ``warmup`` calls run
     eagerly, the next one captures). Each call, those too, is one real step of the slots, and
     so is a call that captures again."""
-    step = slot_step(model, cache_arg, cache, state, n, length, mode)
+    step = slot_step(model, cache_arg, cache, state, n, length, mode, forward)
     graphed = graph(
         step,
         pool=pool,
