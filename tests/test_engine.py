@@ -181,11 +181,13 @@ def test_recorded_steps_replay_rows_at_their_own_lengths(recorded_steps, model) 
 def test_compiled_steps_trace_once_for_every_rung_and_give_generate_s_tokens(
     model, monkeypatch
 ) -> None:
-    # compile=True: the steps' logits go through torch.compile, the batch and the cache
-    # length as two dynamic sizes. Here Dynamo's trace runs as aten kernels (Inductor would
-    # compile C++ for minutes); every run of the traced code is counted. One trace serves all
-    # six rungs (batch 2 and 4, lengths 16, 32 and 64): a rung the trace specialised on would
-    # be traced again, and a step that fell back to the model's own forward would run none.
+    # compile=True: the steps' logits and the batches of prompt chunks go through
+    # torch.compile, their rungs as dynamic sizes. Here Dynamo's trace runs as aten kernels
+    # (Inductor would compile C++ for minutes); every run of the traced code is counted. One
+    # trace serves the steps of all six rungs (batch 2 and 4, lengths 16, 32 and 64), one the
+    # chunks of all twelve (2 and 4 rows; 16, 32 and 64 tokens; each cache length holding them): a
+    # rung a trace specialised on would be traced again, and a forward that fell back to the
+    # model's own kernels would run none.
     traces, runs = [], [0]
 
     def backend(gm: Any, examples: Any) -> Any:
@@ -203,15 +205,22 @@ def test_compiled_steps_trace_once_for_every_rung_and_give_generate_s_tokens(
 
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", compile_counted)
-    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8, cache_lengths=[16, 32, 64],
+    # Chunks of up to 32 tokens: the 17- and 20-token prompts go in at the 32-token rung, the
+    # others at 16.
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=128, cache_lengths=[16, 32, 64],
                 compile=True, warmup=1) as engine:  # fmt: skip
-        assert engine.rungs == [2, 4] and engine.stats.compiled
-        assert len(engine.graphs) == 6 and runs[0] == 6 * 2  # warm-up and capture per rung
+        prefills = engine.prefills
+        assert engine.rungs == [2, 4] and prefills.row_rungs == [2, 4] and engine.stats.compiled
+        assert (len(engine.graphs), len(prefills.graphs)) == (6, 12)
+        # Each step's warm-up and capture call ran (without CUDA a graph made on examples,
+        # as the chunks' are, runs nothing until it is called).
+        assert runs[0] == 6 * 2
         check_against_generate(model, engine)
         steps = sum(engine.stats.replays.values())
         assert len({key.split(" batch")[1] for key in engine.stats.replays}) > 1
-    assert len(traces) == 1
-    assert runs[0] == 6 * 2 + steps
+        assert prefills.eager == 0 and prefills.forwards > 0
+    assert len(traces) == 2
+    assert runs[0] == 6 * 2 + steps + prefills.forwards
 
 
 def test_requests_joining_together_go_in_as_rows_of_one_recorded_forward(

@@ -131,10 +131,12 @@ class Engine:
         attention_kernel: with ``grouped_attention``, a short cache's one-token attention runs
             as one Triton kernel (``decoding/attention.py``) on a GPU; ``False``: SDPA.
         compile: ``True`` (or a ``torch.compile`` mode, or a mapping of Inductor options, as
-            the ``Decoder``'s ``compile``) to record each decode step over ``torch.compile``'d
-            kernels: fewer, fused kernels per step; one compile for every batch rung above
-            1 and every cache-length rung (the batch rungs then start at 2: Dynamo traces a
-            batch of 1 apart). The prompt chunks run the model's own kernels either way.
+            the ``Decoder``'s ``compile``) to record each decode step and each batch of prompt
+            chunks over ``torch.compile``'d kernels: fewer, fused kernels per forward. One
+            compile for the steps of every batch rung and cache-length rung, one for the
+            chunks of every row, chunk and cache-length rung; the batch and row rungs then
+            start at 2 (Dynamo traces a size of 1 apart). A chunk that runs eagerly (longer
+            than the longest rung) runs the model's own kernels.
         read_every: decode steps launched back to back before the host reads their tokens
             (one sync per read). More: fewer syncs and less host work per token, but tokens
             arrive in bursts, and joins and leaves wait for the read.
@@ -218,7 +220,7 @@ class Engine:
         self.graphs: dict[tuple[int, int, str], Any] = {}
         self.prefills = SlotPrefill(
             model, self.cache_arg, self.cache, self.lengths, budget=self.row_chunk,
-            pool=self.pool, warmup=warmup,
+            pool=self.pool, warmup=warmup, compile=compile,
         )  # fmt: skip
         self.recorder = EngineRecorder(max_batch)
         self.rows: list[_Row] = []  # slot k holds rows[k]: the slots in use are the first

@@ -82,6 +82,9 @@ class SlotCache:
         self.chunk_slot = torch.full((chunk_rows,), slots, dtype=torch.long, device=device)
         self.chunk_start = torch.zeros(chunk_rows, dtype=torch.long, device=device)
         self._chunk_views: dict[tuple[int, int], Any] = {}
+        # A compiled batch of chunks' one cache, cut to its rung inside it (:meth:`cut_chunk`).
+        self._chunk_cut = copy.copy(self.chunk(chunk_rows, max_length))
+        self._chunk_cut.layers = [copy.copy(layer) for layer in self._chunk_cut.layers]
 
     @property
     def bytes(self) -> int:
@@ -138,6 +141,17 @@ class SlotCache:
             ]
             self._chunk_views[key] = cache
         return self._chunk_views[key]
+
+    def cut_chunk(self, rows: int, length: int) -> Any:
+        """:meth:`chunk` for a compiled batch of chunks, called inside it with ``rows`` and
+        ``length`` read off the sizes of its arguments: one object for every rung, its layers
+        cut to the rung each call (as :meth:`cut` for a step)."""
+        for layer, base in zip(self._chunk_cut.layers, self.base.layers):
+            layer.keys = base.keys[:rows, :, :length]
+            layer.values = base.values[:rows, :, :length]
+            layer.slot, layer.start = self.chunk_slot[:rows], self.chunk_start[:rows]
+            layer.length = length
+        return self._chunk_cut
 
     def clear_chunk_rows(self) -> None:
         """Point every row of the chunk batch at the spare slot, position 0 (a row the caller

@@ -29,16 +29,19 @@ would run past the cache's end, and every chunk of a model whose forward has no
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..api import graph
+from ..core import compat
+from ..integrations import SavedCompile
 from ..shapes import powers_of_two
+from .compiled import step_settings
 from .slot_cache import SlotCache
 
-__all__ = ["CHUNK_RUNGS", "SlotPrefill", "chunk_rungs"]
+__all__ = ["CHUNK_RUNGS", "SlotPrefill", "chunk_logits", "chunk_rungs"]
 
 #: The chunk rungs of an engine whose ``prefill_chunk`` is at most 256; a larger budget adds
 #: the powers of two up to it, so its full chunks are recorded too.
@@ -54,6 +57,69 @@ def chunk_rungs(budget: int, max_length: int) -> list[int]:
     return [r for r in rungs if r <= max_length]
 
 
+def chunk_logits(
+    model: Any,
+    cache_arg: str,
+    cache: SlotCache,
+    ids: torch.Tensor,
+    last: torch.Tensor,
+    span: torch.Tensor,
+    view: Any = None,
+    keeps: bool = True,
+) -> torch.Tensor:
+    """The chunks ``ids`` (``[rows, tokens]``) through ``model`` into their slots (``cache``'s
+    chunk rows) on the first ``len(span)`` cache positions; row ``r``'s logits at position
+    ``last[r]``, ``[rows, vocab]``. ``view``: the rung's cache (``SlotCache.chunk``), or by
+    default the cache cut inside the call (``SlotCache.cut_chunk``: what a compiled batch
+    reads as sizes). ``keeps``: the model's forward takes ``logits_to_keep``."""
+    rows, tokens = ids.shape
+    length = span.shape[0]
+    view = cache.cut_chunk(rows, length) if view is None else view
+    positions = cache.chunk_positions(rows, tokens)
+    extra = {"logits_to_keep": last} if keeps else {}
+    out = model(
+        input_ids=ids,
+        position_ids=positions,
+        cache_position=positions[0],
+        attention_mask=cache.chunk_mask(positions, length),
+        use_cache=True,
+        **{cache_arg: view},
+        **extra,
+    )
+    # With logits_to_keep every row gives the logits of every row's last position: its own
+    # is the diagonal. Without, all positions: each row's own last one.
+    kept = out.logits if keeps else out.logits.index_select(1, last)
+    return kept[torch.arange(rows, device=ids.device), torch.arange(rows, device=ids.device)]
+
+
+def compiled_chunk_logits(
+    model: Any, cache_arg: str, cache: SlotCache, compile: bool | str | Mapping[str, Any],
+    *, dynamic_length: bool,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:  # fmt: skip
+    """:func:`chunk_logits` under ``torch.compile``, one trace for every row rung above 1,
+    chunk rung and (``dynamic_length``) cache-length rung: the rows and tokens of ``ids``
+    and the span's length are marked dynamic, bounded by the chunk rows and the cache's
+    length."""
+
+    def mark(args: tuple[Any, ...]) -> None:  # chunk_logits' arguments
+        ids, last, span = args[3:6]
+        compat.mark_dynamic(ids, 0, high=cache.chunk_rows)
+        compat.mark_dynamic(ids, 1, high=cache.max_length)
+        compat.mark_dynamic(last, 0)  # the rows again: the same size as ids' first
+        if dynamic_length:
+            compat.mark_dynamic(span, 0, high=cache.max_length)
+
+    saved = SavedCompile(
+        chunk_logits, step_settings(compile), dynamic=None, key="engine-chunks", mark=mark,
+        unsaved="an engine's prompt chunks read its cache object, which a saved step cannot guard",
+    )  # fmt: skip
+
+    def forward(ids: torch.Tensor, last: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+        return saved(model, cache_arg, cache, ids, last, span)
+
+    return forward
+
+
 class SlotPrefill:
     """The prompt chunks of one engine; see the module doc."""
 
@@ -67,12 +133,22 @@ class SlotPrefill:
         budget: int,
         pool: Any,
         warmup: int,
+        compile: bool | str | Mapping[str, Any] = False,
     ):
         self.model, self.cache_arg, self.cache, self.lengths = model, cache_arg, cache, lengths
         self.pool, self.warmup = pool, warmup
         keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.rungs = chunk_rungs(budget, cache.max_length) if keeps else []
-        self.row_rungs = powers_of_two(cache.chunk_rows) if keeps else []
+        rows = powers_of_two(cache.chunk_rows)
+        # Compiled: from 2 rows (Dynamo traces a size of 1 apart: a second compile).
+        self.compiled = bool(compile) and keeps
+        if self.compiled and cache.chunk_rows >= 2:
+            rows = [r for r in rows if r >= 2]
+        self.row_rungs = rows if keeps else []
+        # The recorded batches' forward: compiled, or the model's own kernels.
+        self.recorded_forward = compiled_chunk_logits(
+            model, cache_arg, cache, compile, dynamic_length=len(lengths) > 1
+        ) if self.compiled else None  # fmt: skip
         self.graphs: dict[tuple[int, int, int], Any] = {}
         self.recorded = self.eager = 0  # chunks run each way
         self.forwards = 0  # replays of a recording, each one or more chunks
@@ -149,27 +225,23 @@ class SlotPrefill:
         return next(size for size in self.lengths if size >= end)
 
     def _forward(self, ids: torch.Tensor, last: torch.Tensor, length: int) -> torch.Tensor:
-        """The chunks ``ids`` (``[rows, tokens]``) through the model; row ``r``'s logits at
-        position ``last[r]``, ``[rows, vocab]``."""
-        cache, rows = self.cache, ids.shape[0]
-        positions = cache.chunk_positions(rows, ids.shape[1])
-        extra = {"logits_to_keep": last} if self.rungs else {}
-        out = self.model(
-            input_ids=ids,
-            position_ids=positions,
-            cache_position=positions[0],
-            attention_mask=cache.chunk_mask(positions, length),
-            use_cache=True,
-            **{self.cache_arg: cache.chunk(rows, length)},
-            **extra,
-        )
-        # With logits_to_keep every row gives the logits of every row's last position: its own
-        # is the diagonal. Without, all positions: each row's own last one.
-        kept = out.logits if self.rungs else out.logits.index_select(1, last)
-        return kept[torch.arange(rows, device=ids.device), torch.arange(rows, device=ids.device)]
+        """The chunks ``ids`` (``[rows, tokens]``) through the model's own kernels; row
+        ``r``'s logits at position ``last[r]``, ``[rows, vocab]``."""
+        view = self.cache.chunk(ids.shape[0], length)
+        return chunk_logits(
+            self.model, self.cache_arg, self.cache, ids, last, self._span(length), view,
+            keeps=bool(self.rungs),
+        )  # fmt: skip
+
+    def _span(self, length: int) -> torch.Tensor:
+        return self.cache.spans[0, :length]  # only its size is read: the attended positions
 
     def _record(self, rows: int, rung: int, length: int) -> Any:
+        compiled, span = self.recorded_forward, self._span(length)
+
         def chunk(ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+            if compiled is not None:
+                return compiled(ids, last, span)
             return self._forward(ids, last, length)
 
         chunk.__qualname__ = chunk.__name__ = f"engine_prefill_{rows}x{rung}_len{length}"
