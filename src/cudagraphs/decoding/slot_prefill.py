@@ -106,8 +106,8 @@ def compiled_chunk_logits(
         compat.mark_dynamic(ids, 0, high=cache.chunk_rows)
         compat.mark_dynamic(ids, 1, high=cache.max_length)
         compat.mark_dynamic(last, 0)  # the rows again: the same size as ids' first
-        if dynamic_length:
-            compat.mark_dynamic(span, 0, high=cache.max_length)
+        if dynamic_length:  # unbounded: a trace may split at an attention kernel's limit
+            compat.mark_dynamic(span, 0)
 
     saved = SavedCompile(
         chunk_logits, step_settings(compile), dynamic=None, key="engine-chunks", mark=mark,

@@ -119,8 +119,8 @@ def compiled_slot_logits(
     def mark(args: tuple[Any, ...]) -> None:  # slot_logits' arguments
         span = args[4]
         compat.mark_dynamic(span, 0, high=cache.slots)
-        if dynamic_length:
-            compat.mark_dynamic(span, 1, high=cache.max_length)
+        if dynamic_length:  # unbounded: a trace may split at an attention kernel's limit
+            compat.mark_dynamic(span, 1)
 
     saved = SavedCompile(
         slot_logits, step_settings(compile), dynamic=None, key="engine-step", mark=mark,
