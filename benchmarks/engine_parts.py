@@ -20,7 +20,8 @@ download). Three parts, each after one untimed run of the same work:
     python benchmarks/engine_parts.py [--batch 64] [--new 128] [--prefill-chunks 256,1024]
                                       [--compile]
 
-``--compile``: the mixed step again with ``Engine(compile=True)`` (its compile in the set-up).
+``--compile``: the mixed step again with ``Engine(compile=True)`` (its compile in the set-up),
+and its prompts alone. ``--parts``: which of ``decoder,mixed,alone,prompts`` run (default all).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ import torch
 from rich.console import Console
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import cuda_or_explain, environment, parser, table, write_rows
+from common import cuda_or_explain, environment, names, parser, table, write_rows
 
 MAX_LENGTH = 768  # the longest prompt (512) and up to 256 new tokens
+PARTS = ["decoder", "mixed", "alone", "prompts"]
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -73,11 +75,13 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--prefill-chunks", default="256,1024")
     p.add_argument("--compile", action="store_true", help="also the mixed step under compile=True")
+    p.add_argument("--parts", default=",".join(PARTS), help="which of the parts to run")
     args = p.parse_args()
+    parts = names(p, "--parts", args.parts, PARTS)
     console = Console()
     if not cuda_or_explain("engine_parts.py", console):
         return
-    from cudagraphs.decoding import Decoder, Engine
+    from cudagraphs.decoding import Decoder, Engine, fuse_projections
     from cudagraphs.tools.workloads import random_llama
 
     model = random_llama("llama-2048", "cuda", torch.bfloat16, init=0.02)
@@ -86,18 +90,23 @@ def main() -> None:
     rows: list[list[str]] = []
 
     # The Decoder first: it fuses the model's projections in place (the same for the engine).
-    decoder = Decoder(model, max_batch=args.batch, max_length=MAX_LENGTH)
-    ids = torch.randint(1, 32000, (args.batch, 16), device="cuda")
-    for _ in range(2):  # the first records the rungs
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        decoder.generate(ids, max_new_tokens=args.new, eos_token_id=None)
-        torch.cuda.synchronize()
-        unpadded = (time.perf_counter() - start) / args.new * 1e3
-    results["decoder_unpadded_ms_per_step"] = unpadded
-    rows.append(
-        [f"Decoder, batch {args.batch}, every row at one length", f"{unpadded:.2f} ms per step", ""]
-    )
+    unpadded = None
+    if "decoder" in parts:
+        decoder = Decoder(model, max_batch=args.batch, max_length=MAX_LENGTH)
+        ids = torch.randint(1, 32000, (args.batch, 16), device="cuda")
+        for _ in range(2):  # the first records the rungs
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            decoder.generate(ids, max_new_tokens=args.new, eos_token_id=None)
+            torch.cuda.synchronize()
+            unpadded = (time.perf_counter() - start) / args.new * 1e3
+        results["decoder_unpadded_ms_per_step"] = unpadded
+        rows.append([
+            f"Decoder, batch {args.batch}, every row at one length",
+            f"{unpadded:.2f} ms per step", "",
+        ])  # fmt: skip
+    else:  # the engine runs on the projections the Decoder would have fused
+        fuse_projections(model, matvec=True)
 
     asked = prompts(args.batch, seed=1)
 
@@ -116,8 +125,9 @@ def main() -> None:
         rows.append([
             f"Engine{' compile=True' if compiled else ''}, batch {args.batch}, rows at 16-512 "
             "+ their tokens", f"{mixed:.2f} ms per step",
-            f"{mixed / unpadded:.2f}x the unpadded step; {args.batch * args.new / seconds:.0f} "
-            f"tokens/s over the run; set-up and first run {setup:.0f} s",
+            (f"{mixed / unpadded:.2f}x the unpadded step; " if unpadded else "")
+            + f"{args.batch * args.new / seconds:.0f} tokens/s over the run; set-up and first "
+            f"run {setup:.0f} s",
         ])  # fmt: skip
         if compiled:  # its prompts alone too (1024 tokens per boundary, the default)
             tokens = sum(len(q) for q in asked)
@@ -130,13 +140,14 @@ def main() -> None:
             ])  # fmt: skip
         engine.close()
 
-    mixed_step(False)
+    if "mixed" in parts:
+        mixed_step(False)
 
     # One request at a time, one new token: a prompt chunk's cost with nothing beside it,
     # at the shortest and the longest chunk rung (the difference is per token, the rest fixed:
     # the host's work per chunk and the first token's read).
     engine = Engine(model, max_batch=args.batch, max_length=MAX_LENGTH, max_queue=4096)
-    for size in (16, 256):
+    for size in (16, 256) if "alone" in parts else ():
         alone = prompts(20, seed=4)
         alone = [q[:size] + [1] * (size - len(q)) for q in alone]
         engine_run(engine, alone[:2], 1)
@@ -149,7 +160,7 @@ def main() -> None:
     engine.close()
 
     tokens = sum(len(q) for q in asked)
-    for chunk in [int(c) for c in args.prefill_chunks.split(",")]:
+    for chunk in [int(c) for c in args.prefill_chunks.split(",")] if "prompts" in parts else []:
         engine = Engine(model, max_batch=args.batch, max_length=MAX_LENGTH, max_queue=4096,
                         prefill_chunk=chunk)  # fmt: skip
         engine_run(engine, prompts(args.batch, seed=3), 1)
