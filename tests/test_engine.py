@@ -211,6 +211,7 @@ def test_compiled_steps_trace_once_for_every_rung_and_give_generate_s_tokens(
                 compile=True, warmup=1) as engine:  # fmt: skip
         prefills = engine.prefills
         assert engine.rungs == [2, 4] and prefills.row_rungs == [2, 4] and engine.stats.compiled
+        assert engine.health()["compiled"] is True
         assert (len(engine.graphs), len(prefills.graphs)) == (6, 12)
         # Each step's warm-up and capture call ran (without CUDA a graph made on examples,
         # as the chunks' are, runs nothing until it is called).
@@ -644,6 +645,7 @@ def test_metrics_count_what_happened(model, engine) -> None:
     assert 'cudagraphs_engine_requests_total{engine="engine",reason="length"} 3' in text
     health = engine.health()
     assert health["status"] == "ok" and health["graphs"] is False and health["why_eager"]
+    assert health["compiled"] is False
 
 
 def test_ended_requests_are_not_kept(model, engine) -> None:

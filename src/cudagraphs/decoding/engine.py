@@ -333,6 +333,7 @@ class Engine:
             "why_eager": None if self.graphed else "no CUDA device: the steps run eagerly",
             "device": str(self.device),
             "captured_steps": sum(1 for g in self.graphs.values() if _captured(g)),
+            "compiled": self.compiles,  # the steps' and chunks' kernels from torch.compile
             "slots": self.max_batch,
             "max_length": self.max_length,
         }
