@@ -98,15 +98,15 @@ def compiled_chunk_logits(
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:  # fmt: skip
     """:func:`chunk_logits` under ``torch.compile``, one trace for every row rung above 1,
     chunk rung and (``dynamic_length``) cache-length rung: the rows and tokens of ``ids``
-    and the span's length are marked dynamic, bounded by the chunk rows and the cache's
-    length."""
+    and the span's length are marked dynamic, without bounds (as the steps', see
+    ``slot_steps.compiled_slot_logits``)."""
 
     def mark(args: tuple[Any, ...]) -> None:  # chunk_logits' arguments
         ids, last, span = args[3:6]
-        compat.mark_dynamic(ids, 0, high=cache.chunk_rows)
-        compat.mark_dynamic(ids, 1, high=cache.max_length)
+        compat.mark_dynamic(ids, 0)
+        compat.mark_dynamic(ids, 1)
         compat.mark_dynamic(last, 0)  # the rows again: the same size as ids' first
-        if dynamic_length:  # unbounded: a trace may split at an attention kernel's limit
+        if dynamic_length:
             compat.mark_dynamic(span, 0)
 
     saved = SavedCompile(

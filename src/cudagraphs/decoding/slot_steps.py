@@ -112,14 +112,15 @@ def compiled_slot_logits(
 ) -> SlotForward:  # fmt: skip
     """:func:`slot_logits` under ``torch.compile`` (``compile`` as the Decoder's), one trace for
     every batch rung above 1 and, with ``dynamic_length``, every cache-length rung: the two
-    sizes of the span are marked dynamic, bounded by the slots and the cache's length. Each
-    process compiles its own (an engine's cache object is read by the trace, which a saved
-    step's guards could not check)."""
+    sizes of the span are marked dynamic. Without bounds, so that a branch of the model's on
+    a size (the one-token attention kernel serves up to 256 positions) splits the trace in
+    two instead of refusing it. Each process compiles its own (an engine's cache object is
+    read by the trace, which a saved step's guards could not check)."""
 
     def mark(args: tuple[Any, ...]) -> None:  # slot_logits' arguments
         span = args[4]
-        compat.mark_dynamic(span, 0, high=cache.slots)
-        if dynamic_length:  # unbounded: a trace may split at an attention kernel's limit
+        compat.mark_dynamic(span, 0)
+        if dynamic_length:
             compat.mark_dynamic(span, 1)
 
     saved = SavedCompile(
