@@ -32,6 +32,7 @@ __all__ = [
     "compile_settings",
     "compiled_forward",
     "compiled_tail",
+    "compiled_unsaved",
     "cut_step",
     "mark_cut_sizes",
     "mark_rung_dims",
@@ -171,6 +172,27 @@ def compiled_forward(
         return saved(model, cache_arg, caches, token, position, cache, caches.span(cache), *rows)
 
     return cut_forward, saved
+
+
+def compiled_unsaved(
+    fn: Callable[..., Any],
+    compile: bool | str | Mapping[str, Any],
+    *,
+    why: str,
+    dims: Iterable[tuple[int, int]],
+) -> SavedCompile:
+    """``fn`` compiled as a step is (:func:`step_settings`), in this process only (``why``:
+    the reason it is not saved), each ``(argument, dimension)`` of ``dims`` marked dynamic
+    without a bound before a trace: a branch of the model's on a size then splits the trace
+    instead of refusing it (an engine's steps and prompt chunks)."""
+    marked = list(dims)
+
+    def mark(args: tuple[Any, ...]) -> None:
+        for argument, dim in marked:
+            compat.mark_dynamic(args[argument], dim)
+
+    key = f"unsaved-{fn.__name__}"  # names no file: nothing is read or written
+    return SavedCompile(fn, step_settings(compile), dynamic=None, key=key, mark=mark, unsaved=why)
 
 
 def mark_cut_sizes(span: torch.Tensor, caches: Any) -> None:

@@ -35,10 +35,8 @@ from typing import Any
 import torch
 
 from ..api import graph
-from ..core import compat
-from ..integrations import SavedCompile
 from ..shapes import powers_of_two
-from .compiled import step_settings
+from .compiled import compiled_unsaved
 from .slot_cache import SlotCache
 
 __all__ = ["CHUNK_RUNGS", "SlotPrefill", "chunk_logits", "chunk_rungs"]
@@ -101,17 +99,11 @@ def compiled_chunk_logits(
     and the span's length are marked dynamic, without bounds (as the steps', see
     ``slot_steps.compiled_slot_logits``)."""
 
-    def mark(args: tuple[Any, ...]) -> None:  # chunk_logits' arguments
-        ids, last, span = args[3:6]
-        compat.mark_dynamic(ids, 0)
-        compat.mark_dynamic(ids, 1)
-        compat.mark_dynamic(last, 0)  # the rows again: the same size as ids' first
-        if dynamic_length:
-            compat.mark_dynamic(span, 0)
-
-    saved = SavedCompile(
-        chunk_logits, step_settings(compile), dynamic=None, key="engine-chunks", mark=mark,
-        unsaved="an engine's prompt chunks read its cache object, which a saved step cannot guard",
+    # ids' rows and tokens, last's rows (the same size as ids' first), the span's length.
+    dims = [(3, 0), (3, 1), (4, 0), *([(5, 0)] if dynamic_length else [])]
+    saved = compiled_unsaved(
+        chunk_logits, compile, dims=dims,
+        why="an engine's prompt chunks read its cache object, which a saved step cannot guard",
     )  # fmt: skip
 
     def forward(ids: torch.Tensor, last: torch.Tensor, span: torch.Tensor) -> torch.Tensor:

@@ -27,9 +27,7 @@ from typing import Any
 import torch
 
 from ..api import graph
-from ..core import compat
-from ..integrations import SavedCompile
-from .compiled import step_settings
+from .compiled import compiled_unsaved
 from .requests import MAX_EOS
 from .row_sampling import RowSettings, choose
 from .slot_cache import SlotCache
@@ -117,15 +115,10 @@ def compiled_slot_logits(
     two instead of refusing it. Each process compiles its own (an engine's cache object is
     read by the trace, which a saved step's guards could not check)."""
 
-    def mark(args: tuple[Any, ...]) -> None:  # slot_logits' arguments
-        span = args[4]
-        compat.mark_dynamic(span, 0)
-        if dynamic_length:
-            compat.mark_dynamic(span, 1)
-
-    saved = SavedCompile(
-        slot_logits, step_settings(compile), dynamic=None, key="engine-step", mark=mark,
-        unsaved="an engine's step reads its cache object, which a saved step cannot guard",
+    saved = compiled_unsaved(
+        slot_logits, compile,
+        why="an engine's step reads its cache object, which a saved step cannot guard",
+        dims=[(4, 0), (4, 1)] if dynamic_length else [(4, 0)],  # the span: rows, length
     )  # fmt: skip
 
     def forward(tokens: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
