@@ -86,6 +86,14 @@ class _OpLog(TorchDispatchMode):
         super().__init__()
         self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # As the library's WriteRecorder: without it Dynamo refuses to compile under the mode
+        # and runs the function eagerly from then on, so a compiled function recorded here
+        # would silently stop being compiled. Its kernels (aten, under the stand-in's
+        # backend) still run under the mode, and are logged.
+        return True
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)

@@ -178,17 +178,12 @@ def test_recorded_steps_replay_rows_at_their_own_lengths(recorded_steps, model) 
         assert all(g.stats.recaptures == 0 for g in engine.prefills.graphs.values())
 
 
-def test_compiled_steps_trace_once_for_every_rung_and_give_generate_s_tokens(
-    model, monkeypatch
-) -> None:
-    # compile=True: the steps' logits and the batches of prompt chunks go through
-    # torch.compile, their rungs as dynamic sizes. Here Dynamo's trace runs as aten kernels
-    # (Inductor would compile C++ for minutes); every run of the traced code is counted. One
-    # trace serves the steps of all six rungs (batch 2 and 4, lengths 16, 32 and 64), one the
-    # chunks of all twelve (2 and 4 rows; 16, 32 and 64 tokens; each cache length holding them): a
-    # rung a trace specialised on would be traced again, and a forward that fell back to the
-    # model's own kernels would run none.
-    traces, runs = [], [0]
+@pytest.fixture
+def counted_compile(monkeypatch: pytest.MonkeyPatch) -> tuple[list[Any], list[int]]:
+    """``torch.compile`` as Dynamo with aten kernels (Inductor would compile C++ for
+    minutes), counting its traces and every run of the traced code: ``(traces, [runs])``."""
+    traces: list[Any] = []
+    runs = [0]
 
     def backend(gm: Any, examples: Any) -> Any:
         traces.append(gm)
@@ -205,6 +200,19 @@ def test_compiled_steps_trace_once_for_every_rung_and_give_generate_s_tokens(
 
     torch._dynamo.reset()
     monkeypatch.setattr(torch, "compile", compile_counted)
+    return traces, runs
+
+
+def test_compiled_steps_trace_once_for_every_rung_and_give_generate_s_tokens(
+    model, counted_compile
+) -> None:
+    # compile=True: the steps' logits and the batches of prompt chunks go through
+    # torch.compile, their rungs as dynamic sizes. One trace serves the steps of all six
+    # rungs (batch 2 and 4, lengths 16, 32 and 64), one the chunks of all twelve (2 and 4
+    # rows; 16, 32 and 64 tokens; each cache length holding them): a rung a trace
+    # specialised on would be traced again, and a forward that fell back to the model's own
+    # kernels would run none.
+    traces, runs = counted_compile
     # Chunks of up to 32 tokens: the 17- and 20-token prompts go in at the 32-token rung, the
     # others at 16.
     with Engine(model, max_batch=4, max_length=64, prefill_chunk=128, cache_lengths=[16, 32, 64],
@@ -222,6 +230,22 @@ def test_compiled_steps_trace_once_for_every_rung_and_give_generate_s_tokens(
         assert prefills.eager == 0 and prefills.forwards > 0
     assert len(traces) == 2
     assert runs[0] == 6 * 2 + steps + prefills.forwards
+
+
+def test_compiled_steps_are_recorded_with_their_compiled_kernels(
+    recorded_steps, model, counted_compile
+) -> None:
+    # The stand-in records each step and chunk batch as graphs are: every warm-up and every
+    # capture runs the compiled code (a capture that ran the model's own kernels would record
+    # them instead), and the replays give each request its generate tokens.
+    traces, runs = counted_compile
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8, cache_lengths=[16, 32, 64],
+                compile=True) as engine:  # fmt: skip
+        recordings = len(engine.graphs) + len(engine.prefills.graphs)
+        assert all(g.stats.state == "captured" for g in engine.graphs.values())
+        assert runs[0] == recordings * 3  # two warm-up runs and the capture each
+        check_against_generate(model, engine)
+    assert len(traces) == 2
 
 
 def test_requests_joining_together_go_in_as_rows_of_one_recorded_forward(
