@@ -239,9 +239,9 @@ def test_compiled_steps_are_recorded_with_their_compiled_kernels(
     # capture runs the compiled code (a capture that ran the model's own kernels would record
     # them instead), and the replays give each request its generate tokens.
     traces, runs = counted_compile
-    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8, cache_lengths=[16, 32, 64],
-                compile=True) as engine:  # fmt: skip
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8, compile=True) as engine:
         recordings = len(engine.graphs) + len(engine.prefills.graphs)
+        assert recordings == 2 + 6  # batch 2 and 4; 2 and 4 rows of 16, 32 and 64 tokens
         assert all(g.stats.state == "captured" for g in engine.graphs.values())
         assert runs[0] == recordings * 3  # two warm-up runs and the capture each
         check_against_generate(model, engine)
