@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from llama_decode import tiny_llama, transformers_attention  # noqa: E402
 
-from cudagraphs.decoding.decoder import Decoder, default_batch_rungs  # noqa: E402
+from cudagraphs.decoding import Decoder, default_batch_rungs  # noqa: E402
 from cudagraphs.decoding.grouped_attention import takes_sdpa_mask  # noqa: E402
 from cudagraphs.decoding.sampling import SamplingParams, sample  # noqa: E402
 

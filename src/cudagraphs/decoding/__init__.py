@@ -18,11 +18,12 @@ from ..lazy import first_use
 if TYPE_CHECKING:
     from .compiled import compile_settings
     from .completions import Completion
-    from .decoder import Decoder, DecodeStats, default_batch_rungs
+    from .decoder import Decoder, DecodeStats
     from .engine import Engine, EngineStats
     from .engine_metrics import EngineMetrics
     from .fused_projections import FusionReport, fuse_projections, unfuse_projections
     from .grouped_attention import grouped_sdpa_attention, use_grouped_attention
+    from .kv_cache import default_batch_rungs
     from .sampling import SamplingParams
 
 _WHERE = {
@@ -35,7 +36,7 @@ _WHERE = {
     "FusionReport": "fused_projections",
     "SamplingParams": "sampling",
     "compile_settings": "compiled",
-    "default_batch_rungs": "decoder",
+    "default_batch_rungs": "kv_cache",
     "fuse_projections": "fused_projections",
     "grouped_sdpa_attention": "grouped_attention",
     "unfuse_projections": "fused_projections",

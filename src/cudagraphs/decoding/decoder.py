@@ -38,11 +38,10 @@ from ..core import Pool
 from ..errors import ConfigError, explain
 from ..integrations import SavedCompile
 from ..options import check_bool, check_positive_int, checked_keywords
-from ..shapes import powers_of_two
 from .compiled import compiled_forward, compiled_tail, mark_rung_dims, step_logits
 from .fused_projections import fuse_projections
 from .grouped_attention import choose_attention
-from .kv_cache import RungCaches, cache_keyword, length_rungs
+from .kv_cache import RungCaches, cache_keyword, default_batch_rungs, length_rungs
 from .prefill import Prefills, run_prefill
 from .prefill import prefill_lengths as prefill_lengths_of
 from .requests import (
@@ -59,18 +58,7 @@ from .requests import (
 from .sampling import SamplingParams, greedy, sample
 from .steps import capture_steps, compile_forward, greedy_tail, rewind
 
-__all__ = ["DecodeStats", "Decoder", "default_batch_rungs"]
-
-
-def default_batch_rungs(max_batch: int, compiles: bool) -> list[int]:
-    """The batch rungs a ``Decoder`` captures unless given: powers of two up to ``max_batch``,
-    and ``max_batch``. Under ``compile`` they start at 2 where ``max_batch`` is 2 or more:
-    Dynamo specialises a batch of 1, so a batch-1 rung would be a second compile of the whole
-    model (about half the cold set-up); a single request then runs on the batch-2 graph with
-    one padding row (``reports/gpu.md`` has the cost). Pass
-    ``batch_sizes=[1, 2, ...]`` to keep a batch-1 rung."""
-    rungs = sorted({*powers_of_two(max_batch), max_batch})
-    return [n for n in rungs if n >= 2] if compiles and max_batch >= 2 else rungs
+__all__ = ["DecodeStats", "Decoder"]
 
 
 @dataclass

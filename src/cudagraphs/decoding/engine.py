@@ -48,12 +48,11 @@ import torch
 from ..core import Pool
 from ..errors import BatcherClosed, ConfigError, Overloaded, StepFailedError, explain
 from ..options import check_bool, check_positive_int, checked_keywords
-from ..shapes import powers_of_two
 from ..workers import hold, start_worker
 from .completions import Completion, cancelled
 from .engine_metrics import EngineMetrics, EngineRecorder, engine_prometheus
 from .grouped_attention import choose_attention, takes_sdpa_mask
-from .kv_cache import cache_keyword, checked_rungs, length_rungs
+from .kv_cache import cache_keyword, checked_rungs, default_batch_rungs, length_rungs
 from .prompts import EngineRequest, check_engine_request
 from .requests import check_compile, check_model
 from .row_sampling import choose
@@ -64,14 +63,6 @@ from .slot_steps import SlotState, capture_slot_step, compiled_slot_logits
 __all__ = ["Engine", "EngineStats"]
 
 MODES = ("greedy", "mixed")
-
-
-def default_rungs(max_batch: int, compiles: bool) -> list[int]:
-    """The batch rungs: powers of two up to ``max_batch``, and it; from 2 under ``compile``
-    where ``max_batch`` is 2 or more (a batch of 1 would be a second compile of the model:
-    Dynamo specialises a size of 1)."""
-    rungs = sorted({*powers_of_two(max_batch), max_batch})
-    return [n for n in rungs if n >= 2] if compiles and max_batch >= 2 else rungs
 
 
 @dataclass
@@ -88,7 +79,7 @@ class EngineStats:
     graph_bytes: int = 0  # growth of torch.cuda.memory_reserved() over the captures
     cache_bytes: int = 0
     attention: str = ""  # the decode attention: grouped (no cache copy), or why the model's own
-    compiled: bool = False  # the decode steps run torch.compile'd kernels (Engine(compile=...))
+    compiled: bool = False  # steps and chunks run torch.compile'd kernels (Engine(compile=...))
 
 
 @dataclass
@@ -196,7 +187,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.compiles = check_compile(compile)
         self.rungs = checked_rungs(
-            "batch_sizes", batch_sizes or default_rungs(max_batch, self.compiles),
+            "batch_sizes", batch_sizes or default_batch_rungs(max_batch, self.compiles),
             max_batch, "a step of n slots runs on the smallest rung that holds them",
             f"pass e.g. batch_sizes=[1, 4, {max_batch}], or leave it out",
         )  # fmt: skip

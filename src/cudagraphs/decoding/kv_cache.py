@@ -19,6 +19,7 @@ import torch
 
 from ..core import compat
 from ..errors import ConfigError, explain
+from ..shapes import powers_of_two
 
 __all__ = [
     "RungCaches",
@@ -26,6 +27,7 @@ __all__ = [
     "cache_bytes",
     "cache_keyword",
     "checked_rungs",
+    "default_batch_rungs",
     "full_length_layers",
     "length_rungs",
 ]
@@ -135,6 +137,18 @@ class RungCaches:
             layer.written = None  # from now on a layer advances its counter as it writes
         for count, counters in by_count.items():  # one group in a decode step
             compat.foreach_add(counters, count)
+
+
+def default_batch_rungs(max_batch: int, compiles: bool) -> list[int]:
+    """The batch rungs a ``Decoder`` or an ``Engine`` captures unless given: powers of two up
+    to ``max_batch``,
+    and ``max_batch``. Under ``compile`` they start at 2 where ``max_batch`` is 2 or more:
+    Dynamo specialises a batch of 1, so a batch-1 rung would be a second compile of the whole
+    model (about half the cold set-up); a single request then runs on the batch-2 graph with
+    one padding row (``reports/gpu.md`` has the cost). Pass
+    ``batch_sizes=[1, 2, ...]`` to keep a batch-1 rung."""
+    rungs = sorted({*powers_of_two(max_batch), max_batch})
+    return [n for n in rungs if n >= 2] if compiles and max_batch >= 2 else rungs
 
 
 def length_rungs(cache_len: int, given: Sequence[int] | None, floor: int = 256) -> list[int]:
