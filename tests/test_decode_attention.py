@@ -1,8 +1,9 @@
 """The one-kernel decode attention (``decoding/attention.py``) on the CPU under
 Triton's interpreter: the same answers as a float32 masked SDPA over ``repeat_kv`` for masks
-with a filled prefix, holes (left padding), one mask shared by the rows, none, and a row that
-allows nothing; queries strided as transformers makes them. float32 and float16 only: the
-interpreter multiplies bf16 blocks wrongly (the GPU test covers bf16)."""
+with a filled prefix, holes (left padding), one mask shared by the rows, none, a row that
+allows nothing, and NaN where no row attends (never read); queries strided as transformers
+makes them. float32 and float16 only: the interpreter multiplies bf16 blocks wrongly (the
+GPU test covers bf16)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,17 @@ CHECK = textwrap.dedent(
     got = torch.ops.cudagraphs.decode_attention(q, k, v, mask, 0.25)
     torch.testing.assert_close(got, reference(q, k, v, mask, 0.25))
     assert (got[1] == 0).all() and not torch.isnan(got).any()
+    # positions a row does not attend to are not read: NaN there leaves the answer as it was
+    # (an engine row attends to its own length of a longer rung, over old rows' leftovers)
+    q = torch.randn(3, 8, 1, 16); k = torch.randn(3, 2, 300, 16); v = torch.randn(3, 2, 300, 16)
+    ends = torch.tensor([4, 70, 299])
+    mask = (torch.arange(300)[None, :] <= ends[:, None])[:, None, None, :]
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    for row, end in enumerate(ends.tolist()):
+        poisoned_k[row, :, end + 1 :] = float("nan")
+        poisoned_v[row, :, end + 1 :] = float("nan")
+    got = torch.ops.cudagraphs.decode_attention(q, poisoned_k, poisoned_v, mask, 0.25)
+    torch.testing.assert_close(got, reference(q, k, v, mask, 0.25))
     print("ok")
     """
 )

@@ -224,9 +224,11 @@ def _kernel() -> Any:
                 allowed &= tl.load(
                     mask_ptr + row * sm_b + spots * sm_p, mask=spots < positions, other=0
                 ).to(tl.int1)
+            # Only the allowed positions are read: a row attends to its own length of a
+            # longer rung, and a position it does not attend to costs no memory traffic.
             k = tl.load(
                 k_base + spots[:, None] * sk_p + dims[None, :] * sk_d,
-                mask=(spots < positions)[:, None], other=0.0,
+                mask=allowed[:, None], other=0.0,
             )  # fmt: skip
             if IEEE:
                 scores = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -241,7 +243,7 @@ def _kernel() -> Any:
             total = total * factor + tl.sum(weights, axis=1)
             v = tl.load(
                 v_base + spots[:, None] * sv_p + dims[None, :] * sv_d,
-                mask=(spots < positions)[:, None], other=0.0,
+                mask=allowed[:, None], other=0.0,
             )  # fmt: skip
             if IEEE:
                 acc = acc * factor[:, None] + tl.dot(weights, v, input_precision="ieee")
