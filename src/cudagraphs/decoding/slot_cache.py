@@ -9,7 +9,10 @@ length (an indexed write, no host read). A step attends through a prepared boole
 its own slot's stale ones. Prompts are written in chunks (:meth:`SlotCache.chunk`): up to
 ``chunk_rows`` requests' chunks in one forward, each into its own slot from that slot's
 length on; a row of a chunk batch that holds no request writes into one spare slot past the
-others, which no step reads.
+others, which no step reads. Likewise a row that is not decoding in a step (its prompt still
+going in, or a free slot under the rung) writes its step's key and value at one spare position
+past the last, which nothing reads: every row writes, at a position the step computes once
+for all layers (:attr:`SlotCache.write_at`), so a layer's write is one indexed store.
 
 The views a step runs on (:meth:`SlotCache.decode`) hold the first ``n`` slots and the first
 ``length`` positions: a step of 3 requests on a 16-slot cache runs on the 4-row rung, and a
@@ -68,19 +71,25 @@ class SlotCache:
         self.max_length = max_length
         device = self.base.layers[0].keys.device
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
-        # Which rows a decode step writes (the step sets it: its rows that are decoding).
-        self.writing = torch.zeros(slots, dtype=torch.bool, device=device)
+        # Where each row of a decode step writes (the step sets it): its length where it
+        # decodes, else the spare position ``max_length``.
+        self.write_at = torch.full((slots,), max_length, dtype=torch.long, device=device)
+        self.row_index = torch.arange(slots, device=device)[:, None]
         self.columns = torch.arange(max_length, device=device)
         self._decode_views: dict[tuple[int, int], Any] = {}
         # A compiled step's one cache, cut to its rung inside the step (:meth:`cut`), and a
         # tensor whose corner of ``n`` by ``length`` carries the rung as two dynamic sizes.
         self._cut = self._view(
-            _DecodeLayer, slice(0, slots), max_length, at=self.lengths, writing=self.writing
+            _DecodeLayer, slice(0, slots), max_length, at=self.write_at, row_index=self.row_index
         )
         self.spans = torch.empty(slots, max_length, dtype=torch.uint8, device=device)
         # The slot and first position of each row of the prompt chunks a prefill writes next.
         self.chunk_slot = torch.full((chunk_rows,), slots, dtype=torch.long, device=device)
         self.chunk_start = torch.zeros(chunk_rows, dtype=torch.long, device=device)
+        # The positions of the chunks' tokens (:meth:`chunk_positions`), computed once for all
+        # layers; one column more than a chunk can hold, as the cache's spare position: a
+        # compiled batch's tokens are a prefix of it, whatever their rung.
+        self.chunk_at = torch.zeros(chunk_rows, max_length + 1, dtype=torch.long, device=device)
         self._chunk_views: dict[tuple[int, int], Any] = {}
         # A compiled batch of chunks' one cache, cut to its rung inside it (:meth:`cut_chunk`).
         self._chunk_cut = copy.copy(self.chunk(chunk_rows, max_length))
@@ -94,13 +103,16 @@ class SlotCache:
     def decode(self, n: int, length: int) -> Any:
         """The cache a step of the first ``n`` slots runs on: each layer holds their first
         ``length`` positions and writes the step's one new position per row at
-        ``lengths[row]``, for the rows :attr:`writing` names (the others are left as they
-        are, wherever their length lies). The same object for the same rung (a graph reads
-        it by address)."""
+        ``write_at[row]`` (:meth:`point_writes`). The same object for the same rung (a graph
+        reads it by address)."""
         key = (n, length)
         if key not in self._decode_views:
             self._decode_views[key] = self._view(
-                _DecodeLayer, slice(0, n), length, at=self.lengths[:n], writing=self.writing[:n]
+                _DecodeLayer,
+                slice(0, n),
+                length,
+                at=self.write_at[:n],
+                row_index=self.row_index[:n],
             )
         return self._decode_views[key]
 
@@ -119,8 +131,14 @@ class SlotCache:
         for layer, base in zip(self._cut.layers, self.base.layers):
             layer.keys = base.keys[:n, :, :length]
             layer.values = base.values[:n, :, :length]
-            layer.at, layer.writing = self.lengths[:n], self.writing[:n]
+            layer.at, layer.row_index = self.write_at[:n], self.row_index[:n]
         return self._cut
+
+    def point_writes(self, n: int, live: torch.Tensor) -> None:
+        """Point the first ``n`` rows' writes of the next step (``live``: ``[n]`` bool, the
+        rows decoding) at their lengths, the others at the spare position, which nothing
+        reads: no row's past changes, whatever its length."""
+        self.write_at[:n].copy_(torch.where(live, self.lengths[:n], self.max_length))
 
     def decode_mask(self, n: int, length: int) -> torch.Tensor:
         """Which positions each of the first ``n`` rows attends to in a step:
@@ -135,10 +153,8 @@ class SlotCache:
         key = (rows, length)
         if key not in self._chunk_views:
             cache = copy.copy(self.base)
-            slots, starts = self.chunk_slot[:rows], self.chunk_start[:rows]
-            cache.layers = [
-                _chunk_layer(layer, slots, starts, length) for layer in self.base.layers
-            ]
+            slots, at = self.chunk_slot[:rows], self.chunk_at[:rows]
+            cache.layers = [_chunk_layer(layer, slots, at, length) for layer in self.base.layers]
             self._chunk_views[key] = cache
         return self._chunk_views[key]
 
@@ -149,7 +165,7 @@ class SlotCache:
         for layer, base in zip(self._chunk_cut.layers, self.base.layers):
             layer.keys = base.keys[:rows, :, :length]
             layer.values = base.values[:rows, :, :length]
-            layer.slot, layer.start = self.chunk_slot[:rows], self.chunk_start[:rows]
+            layer.slot, layer.at = self.chunk_slot[:rows], self.chunk_at[:rows]
             layer.length = length
         return self._chunk_cut
 
@@ -161,8 +177,12 @@ class SlotCache:
 
     def chunk_positions(self, rows: int, tokens: int) -> torch.Tensor:
         """The cache positions of ``rows`` chunks of ``tokens``: ``[rows, tokens]``, each row
-        from its :attr:`chunk_start` on."""
-        return self.chunk_start[:rows, None] + torch.arange(tokens, device=self.columns.device)
+        from its :attr:`chunk_start` on, kept where the layers' writes read them."""
+        positions = self.chunk_at[:rows, :tokens]
+        positions.copy_(
+            self.chunk_start[:rows, None] + torch.arange(tokens, device=positions.device)
+        )
+        return positions
 
     def chunk_mask(self, positions: torch.Tensor, length: int) -> torch.Tensor:
         """The causal mask of chunks at ``positions`` (``[rows, tokens]``):
@@ -195,52 +215,47 @@ def _layer_view(
         setattr(view, name, getattr(layer, name)[rows, :, :length])
     view.__dict__.update(tensors)
     view.full = (layer.keys, layer.values)
+    view.head_index = torch.arange(layer.keys.shape[1], device=layer.keys.device)[None, :]
     return view
 
 
 class _DecodeLayer:
-    """A layer of a decode step: one new position per row that is writing, at its length."""
+    """A layer of a decode step: one new position per row, at ``at[row]``."""
 
     keys: torch.Tensor
     values: torch.Tensor
     full: tuple[torch.Tensor, torch.Tensor]  # the layer's whole keys and values
-    at: torch.Tensor
-    writing: torch.Tensor
+    at: torch.Tensor  # [n] where each row writes (``SlotCache.write_at``)
+    row_index: torch.Tensor  # [n, 1]
+    head_index: torch.Tensor  # [1, kv heads]
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *_: Any, **__: Any) -> Any:
-        n, heads = keys.shape[:2]
-        # A row that is not writing (a prompt still going in, a freed slot) may lie past
-        # this rung's positions: it is pointed at the rung's last one and writes back what
-        # that position holds, so no row's past changes and no write leaves the rung. The
-        # rung's rows and positions are the first of the full tensors: the same indices there.
-        where = (
-            torch.arange(n, device=keys.device)[:, None],
-            torch.arange(heads, device=keys.device)[None, :],
-            self.at.clamp(max=self.keys.shape[2] - 1)[:, None],
-        )
-        writing = self.writing[:, None, None]
+        # The rung's rows and positions are the first of the full tensors: the same indices
+        # there, and the spare position lies past every rung.
+        where = (self.row_index, self.head_index, self.at[:, None])
         for full, new in zip(self.full, (keys, values)):
-            full.index_put_(where, torch.where(writing, new[:, :, 0], full[where]))
+            full.index_put_(where, new[:, :, 0])
         return self.keys, self.values
 
 
 class _ChunkLayer:
-    """A layer of a batch of prompt chunks: row ``r``'s positions from ``start[r]`` in the
-    slot ``slot[r]`` (device tensors of one entry per row), written into the full cache;
-    attention reads a copy of those slots' first ``length`` positions (a gather: the slots
-    are not known on the host)."""
+    """A layer of a batch of prompt chunks: row ``r``'s tokens at positions ``at[r]`` in the
+    slot ``slot[r]`` (device tensors, ``SlotCache.chunk_positions``), written into the full
+    cache; attention reads a copy of those slots' first ``length`` positions (a gather: the
+    slots are not known on the host)."""
 
     full: tuple[torch.Tensor, torch.Tensor]
-    slot: torch.Tensor
-    start: torch.Tensor
+    slot: torch.Tensor  # [rows]
+    at: torch.Tensor  # [rows, max_length + 1]: the first ``tokens`` of a row are its positions
+    head_index: torch.Tensor  # [1, kv heads]
     length: int
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, *_: Any, **__: Any) -> Any:
-        heads, tokens = keys.shape[1], keys.shape[2]
+        tokens = keys.shape[2]
         where = (
             self.slot[:, None, None],
-            torch.arange(heads, device=keys.device)[None, :, None],
-            (self.start[:, None] + torch.arange(tokens, device=keys.device))[:, None, :],
+            self.head_index[:, :, None],
+            self.at[:, None, :tokens],
         )
         full_keys, full_values = self.full
         full_keys.index_put_(where, keys)
@@ -251,15 +266,16 @@ class _ChunkLayer:
         )
 
 
-def _chunk_layer(layer: Any, slot: torch.Tensor, start: torch.Tensor, length: int) -> Any:
+def _chunk_layer(layer: Any, slot: torch.Tensor, at: torch.Tensor, length: int) -> Any:
     view = object.__new__(_subclass(_ChunkLayer, type(layer)))
     view.__dict__.update(vars(layer))
     view.__dict__.pop("max_cache_len", None)
     view.full = (layer.keys, layer.values)
+    view.head_index = torch.arange(layer.keys.shape[1], device=layer.keys.device)[None, :]
     rows = slot.shape[0]
     for name in _ROWS:  # the shape a reader of the layer expects: the rows, `length` positions
         setattr(view, name, getattr(layer, name)[:rows, :, :length])
-    view.slot, view.start, view.length = slot, start, length
+    view.slot, view.at, view.length = slot, at, length
     return view
 
 

@@ -8,7 +8,8 @@ entries, never by capturing again. In one step, for the first ``n`` slots:
 - a row is *live* when it is decoding and has not ended (``active & ~finished``); the others
   (a slot whose prompt is still going in, a free slot under the rung) run along and are
   ignored: their cache, length and draw count do not move (their length may lie past the
-  rung's positions), and what they emit is not read;
+  rung's positions; they write at the cache's spare position, ``SlotCache.point_writes``),
+  and what they emit is not read;
 - each live row's token goes into the cache at that row's length and attends to its own
   positions (``SlotCache.decode_mask``), with position id its length;
 - the next token is chosen per row (``"greedy"``: the argmax for all; ``"mixed"``: each row's
@@ -143,7 +144,7 @@ def slot_step(
     forward as it is."""
     lengths, tokens, active, finished = state.lengths[:n], state.tokens[:n], state.active[:n], state.finished[:n]  # fmt: skip
     left, eos, emitted, settings = state.left[:n], state.eos[:n], state.emitted[:n], state.settings
-    rows, writing = slice(0, n), cache.writing[:n]
+    rows = slice(0, n)
     span = cache.span(n, length)
     if forward is None:  # the rung's own view, made once
         view = cache.decode(n, length)
@@ -151,7 +152,7 @@ def slot_step(
 
     def step() -> None:
         live = active & ~finished
-        writing.copy_(live)
+        cache.point_writes(n, live)
         logits = forward(state.tokens, span)
         if mode == "greedy":
             chosen = logits.float().argmax(dim=-1, keepdim=True)
