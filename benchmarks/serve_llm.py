@@ -9,12 +9,14 @@ schedule per workload, the same for every path; each path first runs one untimed
 workload, as transformers' ``warmup()`` does). Paths, each written as its documentation sets
 it up:
 
-- ``engine``: ``cudagraphs.decoding.Engine(model, max_batch=--slots, max_length=768)``; each
+- ``engine``: ``cudagraphs.decoding.Engine(model, max_batch=--slots, max_length=768)`` (it
+  fuses q/k/v and gate/up into one product each, in place, as the Decoder does); each
   request is ``engine.submit(...)`` at its arrival time, its tokens timed as they stream;
   ``engine-read4``: the same with ``read_every=4`` (four steps per read of the tokens);
   ``engine-compiled``: the same with ``compile=True`` (each decode step recorded over
   ``torch.compile``'d kernels; its compile is part of the setup, outside the timing);
-- ``transformers``: ``model.init_continuous_batching(generation_config)`` (paged attention,
+- ``transformers``: on an unfused copy of the model, as loaded,
+  ``model.init_continuous_batching(generation_config)`` (paged attention,
   ``attn_implementation="paged|sdpa"``), ``manager.warmup()`` (its graphs, outside the timing),
   ``manager.start()``, ``manager.add_request(...,
   streaming=True, record_timestamps=True)`` at each arrival, results read from the manager;
@@ -31,6 +33,7 @@ first arrival to the last token), time to first token and inter-token latency at
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import random
@@ -194,10 +197,13 @@ def main() -> None:
 
     model = random_llama("llama-2048", "cuda", torch.bfloat16, init=0.02)
     model.set_attn_implementation("sdpa")
+    # transformers' manager runs the model as its user loads it: a copy made before the
+    # Decoder and the engines fuse the projections of theirs in place.
+    plain = copy.deepcopy(model) if "transformers" in paths else None
     results: dict[str, Any] = {**environment(1, 1), "model": "llama-2048 bf16", "runs": []}
     built: dict[str, Any] = {}
-    # The Decoder first: it fuses the model's projections in place (the same for every path),
-    # which the engine's graphs would otherwise see as moved parameters and capture again.
+    # The Decoder first: it fuses the model's projections in place as the engines do (each
+    # leaves a fused group as it is), and its graphs are captured after that.
     if "decoder" in paths:
         built["decoder"] = Decoder(model, max_batch=1, max_length=MAX_LENGTH)
     start = time.perf_counter()
@@ -224,7 +230,7 @@ def main() -> None:
                 if path.startswith("engine"):
                     got = run_engine(built[path], load)
                 elif path == "transformers":
-                    got = with_paged_attention(model, run_transformers, load)
+                    got = with_paged_attention(plain, run_transformers, load)
                 else:
                     got = run_decoder(built["decoder"], load)
                 run = {"path": path, "requests": requests, "rate": rate, **got}

@@ -157,6 +157,60 @@ def recorded_steps(stand_in: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
 
+def test_an_engine_fuses_the_projections_and_a_weight_update_changes_the_next_tokens(
+    recorded_steps,
+) -> None:
+    # Through the recorded steps and chunks: the engine computes each layer's q/k/v and
+    # gate/up as one product over one buffer, the parameters still the same objects; each
+    # request's tokens equal generate's on an unfused copy, and load_state_dict between two
+    # requests is read by the next one without a capture again (the buffer is written in
+    # place). fuse=False leaves every projection its own product.
+    model, _ = tiny_llama("cpu", hidden=64, layers=2)
+    model.set_attn_implementation("sdpa")
+    unfused = copy.deepcopy(model)
+    unfused.generation_config.eos_token_id = None
+    before = {name: id(p) for name, p in model.named_parameters()}
+
+    def expected(prompt: list[int], new: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = unfused.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                min_new_tokens=new, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        return out[0, len(prompt) :].tolist()
+
+    asked = prompts(21, [6, 13, 19])
+    with Engine(model, max_batch=4, max_length=64, prefill_chunk=8) as engine:
+        assert engine.stats.fused_groups == 4 and engine.stats.unfused == []
+        assert {name: id(p) for name, p in model.named_parameters()} == before
+        attention = model.model.layers[1].self_attn
+        shared = attention.q_proj.weight.untyped_storage().data_ptr()
+        assert attention.v_proj.weight.untyped_storage().data_ptr() == shared
+        first = [engine.submit(p, max_new_tokens=9, eos_token_id=None) for p in asked]
+        firsts = [c.result(timeout=120) for c in first]
+        assert firsts == [expected(p, 9) for p in asked]
+        generator = torch.Generator().manual_seed(22)
+        weights = {
+            name: torch.randn(t.shape, generator=generator, dtype=t.dtype) * 0.3
+            for name, t in model.state_dict().items()
+        }
+        model.load_state_dict(weights)
+        unfused.load_state_dict(weights)
+        second = [engine.submit(p, max_new_tokens=9, eos_token_id=None) for p in asked]
+        seconds = [c.result(timeout=120) for c in second]
+        assert seconds == [expected(p, 9) for p in asked] and seconds != firsts
+        assert engine.stats.recaptures == 0
+    plain, _ = tiny_llama("cpu", hidden=64, layers=2)
+    plain.set_attn_implementation("sdpa")
+    with Engine(plain, max_batch=2, max_length=32, fuse=False) as engine:
+        assert engine.stats.fused_groups == 0
+        attention = plain.model.layers[0].self_attn
+        assert type(attention.q_proj) is torch.nn.Linear
+    with pytest.raises(cg.ConfigError, match="fuse"):
+        Engine(plain, max_batch=2, max_length=32, fuse="yes")
+
+
 def test_recorded_steps_replay_rows_at_their_own_lengths(recorded_steps, model) -> None:
     # The steps are recordings here: a length, token or mask read on the host at capture
     # would be replayed frozen, and some row's tokens would differ from generate's.

@@ -54,23 +54,23 @@ def test_a_stopped_run_names_the_tests_that_did_not_report() -> None:
     """From ``pytest -v`` output, with and without xdist's worker prefix: the tests whose
     outcome came are reported; of the collected ones, the rest are named, in order."""
     lines = [
-        "[gw0] [ 10%] PASSED tests/test_a.py::test_one ",
-        "[gw1] [ 20%] FAILED tests/test_a.py::test_two[bf16] ",
-        "tests/test_b.py::test_three SKIPPED (no reason) [ 30%]",
-        "tests/test_b.py::test_four",  # a test's name as -v prints it before its outcome
+        "[gw0] [ 10%] PASSED tests/test_layers.py::test_one ",
+        "[gw1] [ 20%] FAILED tests/test_layers.py::test_two[bf16] ",
+        "tests/test_readme.py::test_three SKIPPED (no reason) [ 30%]",
+        "tests/test_readme.py::test_four",  # a test's name as -v prints it before its outcome
     ]
     gpu_check = load_script("gpu-check")
     collected = [
-        "tests/test_a.py::test_one",
-        "tests/test_a.py::test_two[bf16]",
-        "tests/test_b.py::test_three",
-        "tests/test_b.py::test_four",
-        "tests/test_c.py::test_five",
+        "tests/test_layers.py::test_one",
+        "tests/test_layers.py::test_two[bf16]",
+        "tests/test_readme.py::test_three",
+        "tests/test_readme.py::test_four",
+        "tests/test_cli.py::test_five",
     ]
     assert gpu_check.unreported(lines, collected) == [
         "  - stopped at the time limit: 3 of 5 tests reported; not:",
-        "    - `tests/test_b.py::test_four`",
-        "    - `tests/test_c.py::test_five`",
+        "    - `tests/test_readme.py::test_four`",
+        "    - `tests/test_cli.py::test_five`",
     ]
     assert gpu_check.unreported(lines, None) == [
         "  - stopped at the time limit with 3 tests reported"

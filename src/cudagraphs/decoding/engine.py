@@ -51,6 +51,7 @@ from ..options import check_bool, check_positive_int, checked_keywords
 from ..workers import hold, start_worker
 from .completions import Completion, cancelled
 from .engine_metrics import EngineMetrics, EngineRecorder, engine_prometheus
+from .fused_projections import fuse_projections
 from .grouped_attention import choose_attention, takes_sdpa_mask
 from .kv_cache import cache_keyword, checked_rungs, default_batch_rungs, length_rungs
 from .prompts import EngineRequest, check_engine_request
@@ -79,6 +80,8 @@ class EngineStats:
     graph_bytes: int = 0  # growth of torch.cuda.memory_reserved() over the captures
     cache_bytes: int = 0
     attention: str = ""  # the decode attention: grouped (no cache copy), or why the model's own
+    fused_groups: int = 0  # q/k/v and gate/up groups computed as one product each
+    unfused: list[str] = field(default_factory=list)  # groups left as they were, and why
     compiled: bool = False  # steps and chunks run torch.compile'd kernels (Engine(compile=...))
 
 
@@ -121,6 +124,11 @@ class Engine:
             ``stats.attention`` says which ran.
         attention_kernel: with ``grouped_attention``, a short cache's one-token attention runs
             as one Triton kernel (``decoding/attention.py``) on a GPU; ``False``: SDPA.
+        fuse: compute each layer's q, k and v, and gate and up, as one product each, in the
+            steps and the prompt chunks alike, as the ``Decoder``'s ``fuse`` does
+            (``decoding/fused_projections.py``): the parameters become views of one buffer
+            per group, the same objects, so an in-place weight update is read by the next
+            step. ``stats.unfused`` lists the groups that did not match, and why.
         compile: ``True`` (or a ``torch.compile`` mode, or a mapping of Inductor options, as
             the ``Decoder``'s ``compile``) to record each decode step and each batch of prompt
             chunks over ``torch.compile``'d kernels: fewer, fused kernels per forward. One
@@ -150,6 +158,7 @@ class Engine:
         do_sample: bool = False,
         grouped_attention: bool = True,
         attention_kernel: bool = True,
+        fuse: bool = True,
         read_every: int = 1,
         compile: bool | str | Mapping[str, Any] = False,
         name: str = "engine",
@@ -196,11 +205,17 @@ class Engine:
         self.lengths = length_rungs(max_length, cache_lengths)
         for key, value in (("grouped_attention", grouped_attention), ("attention_kernel", attention_kernel)):  # fmt: skip
             check_bool(key, value, "it says how one token's attention reads the cache")
+        check_bool("fuse", fuse, "it says whether q/k/v and gate/up become one product each")
         self.cache = SlotCache(model, max_batch, max_length, chunk_rows=self.prefill_rows)
         self.state = SlotState.make(self.cache, model.config.vocab_size)
+        # Once the model is known to fit the cache, and before a compile or a capture reads
+        # the parameters, which fusing makes views of one buffer per group.
+        fusion = fuse_projections(model, matvec=True) if fuse else None
         # Each step's tokens, for a read after read_every steps.
         self._emitted = self.state.emitted.new_zeros(read_every, *self.state.emitted.shape)
         self._stats = EngineStats(cache_bytes=self.cache.bytes)
+        if fusion is not None:
+            self._stats.fused_groups, self._stats.unfused = len(fusion.fused), fusion.refused
         self._stats.attention = choose_attention(model, grouped_attention, attention_kernel)
         self._stats.compiled = self.compiles
         # The decode steps' logits, compiled (after the attention is chosen: the trace reads it).
