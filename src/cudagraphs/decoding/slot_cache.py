@@ -260,9 +260,10 @@ class _ChunkLayer:
         full_keys, full_values = self.full
         full_keys.index_put_(where, keys)
         full_values.index_put_(where, values)
+        # The attended positions first, then the rows: the gather copies only those.
         return (
-            full_keys.index_select(0, self.slot)[:, :, : self.length],
-            full_values.index_select(0, self.slot)[:, :, : self.length],
+            full_keys[:, :, : self.length].index_select(0, self.slot),
+            full_values[:, :, : self.length].index_select(0, self.slot),
         )
 
 
