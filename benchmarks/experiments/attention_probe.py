@@ -21,7 +21,13 @@ layer's cache, as ``gemv_probe.py`` cycles through weights) and replayed; µs pe
 median of 7 replays over 22. The answers are
 compared with a float32 reference first.
 
-    python benchmarks/attention_probe.py [--lengths 168,1024,4096] [--json PATH]
+    python benchmarks/experiments/attention_probe.py [--lengths 168,1024,4096] [--rows 1,16]
+                                                     [--mixed] [--json PATH]
+
+The library's own two ways are timed too: its one-token kernel (called past its front door's
+``MAX_POSITIONS``, to tell whether that cap should move for a wide batch) and the grouped
+view over SDPA that runs past the cap. ``--mixed``: rows at their own lengths, as an
+engine's rows are (the kernel reads only the positions a row attends to).
 
 The kernel lives here, not in the library, until it has been measured to pay; its CPU test runs
 it under Triton's interpreter (``tests/test_attention_probe.py``).
@@ -189,20 +195,34 @@ def _ways(valid: torch.Tensor) -> dict[str, Callable[..., torch.Tensor]]:
         )
 
     def one_kernel(q: Any, k: Any, v: Any) -> torch.Tensor:
-        from cudagraphs.decoding.attention import decode_attention as library_kernel
+        # The library's operator itself: its front door takes at most MAX_POSITIONS
+        # positions, which is what this row tells whether to lift.
+        import cudagraphs.decoding.attention  # noqa: F401  (registers the operator)
 
         mask = torch.arange(k.shape[2], device=k.device)[None, :] < valid[:, None]
-        return library_kernel(q, k, v, mask[:, None, None, :])
+        return torch.ops.cudagraphs.decode_attention(
+            q, k, v, mask[:, None, None, :], q.shape[-1] ** -0.5
+        )
+
+    def grouped_view_sdpa(q: Any, k: Any, v: Any) -> torch.Tensor:
+        # What the Decoder and the engine run past MAX_POSITIONS: the group's query heads as
+        # one key/value head's queries, SDPA on the cache as it is.
+        from cudagraphs.decoding.grouped_attention import grouped_sdpa_attention
+
+        mask = torch.arange(k.shape[2], device=k.device)[None, :] < valid[:, None]
+        out, _ = grouped_sdpa_attention(None, q, k, v, mask[:, None, None, :])
+        return out.transpose(1, 2)
 
     return {
         "repeat_kv + sdpa": repeat_kv_sdpa,
         "sdpa gqa": sdpa_gqa,
         "grouped kernel": lambda q, k, v: decode_attention(q, k, v, valid),
         "one-kernel decode attention (library)": one_kernel,
+        "grouped view + sdpa (library, past MAX_POSITIONS)": grouped_view_sdpa,
     }
 
 
-def probe(length: int, rows: int = 1) -> list[dict[str, Any]]:
+def probe(length: int, rows: int = 1, mixed: bool = False) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     dtype, device = torch.bfloat16, "cuda"
     caches = [
@@ -212,14 +232,16 @@ def probe(length: int, rows: int = 1) -> list[dict[str, Any]]:
     ]  # fmt: skip
     q = torch.randn(rows, HEADS, 1, HEAD_SIZE, device=device, dtype=dtype)
     valid = torch.full((rows,), length - 7, device=device, dtype=torch.int32)
+    if mixed:  # rows at their own lengths, from an eighth of the cache to all but 7
+        valid = torch.linspace(length // 8, length - 7, rows, device=device).to(torch.int32)
     expected = reference(q, *caches[0], valid)
     results = []
     for name, way in _ways(valid).items():
         error = (way(q, *caches[0]).float() - expected).abs().max().item()
         layers = [functools.partial(way, q, *cache) for cache in caches]
         us = graphed_us(cycling(lambda layer: layer(), layers), calls=LAYERS)
-        results.append({"way": name, "length": length, "rows": rows, "us_per_layer": us,
-                        "max_error": error})  # fmt: skip
+        results.append({"way": name, "length": length, "rows": rows, "mixed": mixed,
+                        "us_per_layer": us, "max_error": error})  # fmt: skip
     return results
 
 
@@ -227,6 +249,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--lengths", default="168,1024,4096")
     parser.add_argument("--rows", default="1,16")
+    parser.add_argument(
+        "--mixed", action="store_true",
+        help="rows at their own lengths (an eighth of the cache to all of it), as an engine's",
+    )  # fmt: skip
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args()
@@ -234,8 +260,12 @@ def main() -> int:
     lines = [
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, bf16; one layer's attention "
         f"for one new token ({HEADS} query heads, {KV_HEADS} key/value heads, head size "
-        f"{HEAD_SIZE}), {LAYERS} layers in one CUDA graph, median of 7 replays; the cache filled "
-        "but for its last 7 positions.",
+        f"{HEAD_SIZE}), {LAYERS} layers in one CUDA graph, median of 7 replays; "
+        + (
+            "each row's cache filled from an eighth of it to all but its last 7 positions."
+            if args.mixed
+            else "the cache filled but for its last 7 positions."
+        ),
         "",
         "| cache length | batch | way | µs per layer | max error against float32 |",
         "|---|---|---|---|---|",
@@ -243,7 +273,7 @@ def main() -> int:
     print("\n".join(lines), flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
         for length in (int(n) for n in args.lengths.split(",")):
-            for row in probe(length, rows):
+            for row in probe(length, rows, args.mixed):
                 results.append(row)
                 lines.append(
                     f"| {length} | {rows} | {row['way']} | {row['us_per_layer']:.2f} | "
