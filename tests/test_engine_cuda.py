@@ -38,6 +38,9 @@ def test_requests_arriving_apart_get_generate_s_tokens_from_captured_steps(model
     with Engine(model, max_batch=8, max_length=192, prefill_chunk=64, compile=compile) as engine:
         assert engine.health()["graphs"] is True
         assert engine.stats.compiled is compile
+        # q/k/v and gate/up of every layer as one product each, in the steps and the chunks
+        layers = model.config.num_hidden_layers
+        assert engine.stats.fused_groups == 2 * layers and engine.stats.unfused == []
         assert all(g.stats.state == "captured" for g in engine.graphs.values())
         completions = []
         for k, (prompt, new) in enumerate(zip(asked, news)):
