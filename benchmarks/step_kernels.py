@@ -2,6 +2,7 @@
 
 Inductor writes a compiled step's code per device: which work shares a Triton kernel, and
 which products and operators are called in between. This script runs a ``Decoder(compile=...)``
+(or, ``--variants engine``, an ``Engine(compile=True)``: its step of rows at their own lengths)
 on the CPU and, for every graph Inductor compiles there, has Inductor write the same graph's code
 for a CUDA device too (an H100/H200-class device: 132 SMs, compute capability 9.0), which it
 reads and never runs. It counts, per decode step (a token for each row), the Triton kernels
@@ -20,9 +21,19 @@ The attention of one token is the library's one-kernel operator on a GPU; on the
 operator of the same signature takes its place, opaque to Inductor as the real one is.
 
     python benchmarks/step_kernels.py --model llama-2048 --variants default,no-combo,cublas
+    python benchmarks/step_kernels.py --model llama-2048 --batch 16 --variants default,engine
 """
 
 from __future__ import annotations
+
+import os
+
+# Neither Inductor's graph cache nor AOTAutograd's: a graph loaded from either (an earlier run's,
+# on disk) is written for no device here. Set before torch is imported: torch reads its config
+# per thread, and an engine compiles its steps on its own worker thread, which a patch made on
+# this one would not reach.
+os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
+os.environ["TORCHINDUCTOR_AUTOGRAD_CACHE"] = "0"
 
 import argparse
 import contextlib
@@ -36,6 +47,7 @@ from typing import Any
 import torch
 from common import RESULTS, write
 from rich.console import Console
+from torch.utils._python_dispatch import TorchDispatchMode
 
 #: ``--variants``: the Decoder's ``compile=`` argument of each ("cublas": the default, on a
 #: model the user fused with ``fuse_projections(model)`` first, which keeps cuBLAS's products
@@ -44,6 +56,12 @@ VARIANTS: dict[str, Any] = {
     "default": True,
     "no-combo": {"combo_kernels": False},
     "cublas": True,
+    # An engine's step (``Engine(compile=True)``): rows at their own lengths, each writing
+    # its own cache position through an index, on one batch and cache-length rung.
+    "engine": True,
+    # The same step uncompiled (the engine's default): the operations it dispatches, each one
+    # kernel on a GPU, counted on the CPU as they run (views, which launch nothing, left out).
+    "engine-eager": False,
 }
 
 #: What Inductor reads of the device it writes code for (an H100/H200-class GPU).
@@ -234,6 +252,59 @@ def _kind(name: str) -> str:
     return name.removeprefix("torch.ops.").removeprefix("extern_kernels.").removesuffix(".default")
 
 
+class _Operations(TorchDispatchMode):
+    """The operations dispatched inside it, in order, as ``aten.mm`` or ``ns.custom_op``:
+    one kernel each on a GPU, roughly. Views, detaches and Python numbers made tensors
+    launch nothing and are left out."""
+
+    _NO_KERNEL = frozenset({"scalar_tensor", "lift_fresh", "detach", "alias", "_unsafe_view"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if not func.is_view and func.overloadpacket.__name__ not in self._NO_KERNEL:
+            self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def _eager_engine_step(model: Any, args: argparse.Namespace) -> list[str]:
+    """The operations of one uncompiled engine step of every slot, on one batch and cache rung."""
+    from cudagraphs.decoding import Engine
+    from cudagraphs.decoding.slot_steps import slot_step
+
+    with Engine(
+        model, max_batch=args.batch, max_length=args.max_length, batch_sizes=[args.batch],
+        cache_lengths=[args.max_length],
+    ) as engine:  # fmt: skip
+        step = slot_step(
+            model, engine.cache_arg, engine.cache, engine.state, args.batch, args.max_length,
+            "greedy",
+        )  # fmt: skip
+        with _Operations() as operations:
+            step()
+    return operations.names
+
+
+def _engine_steps(model: Any, args: argparse.Namespace) -> None:
+    """An ``Engine(compile=True)`` of one batch rung and one cache-length rung, every slot
+    decoding two tokens: its step and its prompt chunks are compiled (in its set-up)."""
+    from cudagraphs.decoding import Engine
+
+    if args.batch < 2:
+        raise SystemExit("--variants engine: an engine's compiled steps start at batch 2")
+    with Engine(
+        model, max_batch=args.batch, max_length=args.max_length, batch_sizes=[args.batch],
+        cache_lengths=[args.max_length], compile=True,
+    ) as engine:  # fmt: skip
+        generator = torch.Generator().manual_seed(0)
+        prompts = torch.randint(0, model.config.vocab_size, (args.batch, 8), generator=generator)
+        done = [engine.submit(p.tolist(), max_new_tokens=2, eos_token_id=None) for p in prompts]
+        for completion in done:
+            completion.result()
+
+
 def step_launches(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     from cudagraphs.decoding import grouped_attention
     from cudagraphs.decoding.decoder import Decoder
@@ -251,29 +322,37 @@ def step_launches(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     # The one-token attention a GPU step calls, stood in for on the CPU (see the module doc).
     grouped_attention.applies = lambda q, k, v, mask: q.shape[2] == 1  # type: ignore[assignment]
     grouped_attention.decode_attention = one_token_attention  # type: ignore[assignment]
+    eager: list[str] = []
     try:
         with cuda_code_of_every_compile(codes), torch.no_grad():
-            decoder = Decoder(
-                model, max_batch=args.batch, max_length=args.max_length,
-                batch_sizes=[args.batch], compile=VARIANTS[variant], save_compile=False,
-            )  # fmt: skip
-            prompt = torch.randint(0, model.config.vocab_size, (args.batch, 8))
-            decoder.generate(prompt, max_new_tokens=2, eos_token_id=None)
+            if variant == "engine-eager":
+                eager = _eager_engine_step(model, args)
+            elif variant == "engine":
+                _engine_steps(model, args)
+            else:
+                decoder = Decoder(
+                    model, max_batch=args.batch, max_length=args.max_length,
+                    batch_sizes=[args.batch], compile=VARIANTS[variant], save_compile=False,
+                )  # fmt: skip
+                prompt = torch.randint(0, model.config.vocab_size, (args.batch, 8))
+                decoder.generate(prompt, max_new_tokens=2, eos_token_id=None)
     finally:
         grouped_attention.applies, grouped_attention.decode_attention = applies, attention
     steps = [code for code in codes if ATTENTION.replace("::", ".") in code]
-    if not steps:
+    if eager:
+        steps = [""]
+    elif not steps:
         raise SystemExit(
             f"{variant}: no compiled step was written for a CUDA device ({len(codes)} graphs "
             "compiled): this torch's Inductor differs from what this script expects"
         )
-    step = launches(steps[-1])
+    step = eager or launches(steps[-1])
     attention_calls = [i for i, name in enumerate(step) if ATTENTION.split("::")[1] in name]
     first, second = attention_calls[0], attention_calls[1]
     kinds: dict[str, int] = {}
     for name in step:
         kinds[_kind(name)] = kinds.get(_kind(name), 0) + 1
-    dependent = dependent_launches(steps[-1])
+    dependent = dependent_launches(steps[-1]) if not eager else {"launched": [], "without_wait": []}
     return {
         "variant": variant,
         "compile_argument": repr(VARIANTS[variant]),
@@ -296,6 +375,11 @@ def markdown(runs: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
         "| variant | launches per step | per layer | one layer, from its attention on |",
         "|---|---|---|---|",
     ]
+    if any(r["variant"] == "engine-eager" for r in runs):
+        lines[1:1] = [
+            "engine-eager: the uncompiled step's operations as they were dispatched on the CPU, "
+            "views left out (one kernel each on a GPU, roughly)."
+        ]
     for r in runs:
         lines.append(
             f"| {r['variant']} | {r['launches_per_step']} | {r['launches_per_layer']} | "

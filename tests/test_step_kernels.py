@@ -97,18 +97,25 @@ def test_a_layer_writes_its_cache_and_rotates_its_query_in_one_kernel(tmp_path: 
     torch.version.cuda is None or importlib.util.find_spec("triton") is None,
     reason="writing CUDA code takes a CUDA build of torch with Triton (no GPU needed)",
 )
-def test_a_batch_of_rows_launches_what_a_user_s_own_fusion_launches(tmp_path: Path) -> None:
+def test_a_batch_of_rows_launches_what_a_user_s_fusion_and_an_engine_s_step_launch(
+    tmp_path: Path,
+) -> None:
     """At batch 2 the one-row kernel cannot apply: the Decoder's step launches what it
     launches on a model the user fused beforehand (cuBLAS's products, Inductor's fused
-    activation), none of the one-row operators."""
+    activation), none of the one-row operators. A compiled engine step, whose rows sit at
+    their own lengths and write the cache through an index, launches per layer what the
+    Decoder's does: the write is in the kernel with the key's rotary, not a copy of the
+    cache."""
     out = tmp_path / "kernels.json"
     subprocess.run(
         [sys.executable, "benchmarks/step_kernels.py", "--model", "llama-tiny", "--batch", "2",
-         "--variants", "default,cublas", "--json", str(out)],
+         "--variants", "default,cublas,engine", "--json", str(out)],
         cwd=ROOT, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
-    default, cublas = json.loads(out.read_text())
+    default, cublas, engine = json.loads(out.read_text())
     assert default["one_layer"] == cublas["one_layer"], (default["one_layer"], cublas["one_layer"])
+    assert engine["one_layer"] == default["one_layer"], (engine["one_layer"], default["one_layer"])
+    assert engine["dependent_without_wait"] == []
     assert "cudagraphs.gated_linear" not in default["one_layer"]
     assert default["one_layer"].count("mm") == 2  # the output and down products
     assert default["dependent_kernels"] > 0 and default["dependent_without_wait"] == []
