@@ -340,19 +340,19 @@ def step_launches(args: argparse.Namespace, variant: str) -> dict[str, Any]:
         grouped_attention.applies, grouped_attention.decode_attention = applies, attention
     steps = [code for code in codes if ATTENTION.replace("::", ".") in code]
     if eager:
-        steps = [""]
-    elif not steps:
+        step, dependent = eager, {"launched": [], "without_wait": []}
+    elif steps:
+        step, dependent = launches(steps[-1]), dependent_launches(steps[-1])
+    else:
         raise SystemExit(
             f"{variant}: no compiled step was written for a CUDA device ({len(codes)} graphs "
             "compiled): this torch's Inductor differs from what this script expects"
         )
-    step = eager or launches(steps[-1])
     attention_calls = [i for i, name in enumerate(step) if ATTENTION.split("::")[1] in name]
     first, second = attention_calls[0], attention_calls[1]
     kinds: dict[str, int] = {}
     for name in step:
         kinds[_kind(name)] = kinds.get(_kind(name), 0) + 1
-    dependent = dependent_launches(steps[-1]) if not eager else {"launched": [], "without_wait": []}
     return {
         "variant": variant,
         "compile_argument": repr(VARIANTS[variant]),
