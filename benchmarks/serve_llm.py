@@ -34,6 +34,7 @@ first arrival to the last token), time to first token and inter-token latency at
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import math
 import random
@@ -246,9 +247,11 @@ def main() -> None:
         if path in built:
             engine = built[path]
             results[f"{path}_occupancy"] = engine.metrics().occupancy
-            results[f"{path}_stats"] = {"moves": engine.stats.moves,
-                                        "prefill_chunks": engine.stats.prefill_chunks,
-                                        "recaptures": engine.stats.recaptures}  # fmt: skip
+            # Every field, the steps per batch and cache-length rung among them: where a
+            # mixed batch's steps went (the warm-up workload's included).
+            results[f"{path}_stats"] = dataclasses.asdict(engine.stats)
+            console.print(f"{path}: attention {engine.stats.attention}; steps per rung "
+                          f"{engine.stats.replays}")  # fmt: skip
             engine.close()
     header = ["path", "requests", "arrivals", "tokens/s", "TTFT p50 ms", "TTFT p99 ms",
               "ITL p50 ms", "ITL p99 ms"]  # fmt: skip
