@@ -15,6 +15,9 @@ it up:
   ``engine-read4``: the same with ``read_every=4`` (four steps per read of the tokens);
   ``engine-compiled``: the same with ``compile=True`` (each decode step recorded over
   ``torch.compile``'d kernels; its compile is part of the setup, outside the timing);
+  ``engine-rungs``: the same with ``cache_lengths=[256, 384, 512, 640]`` (and 768), where
+  the default is 256 and 768: a step attends to the rung above its longest row, so this
+  tells how much of a mixed batch's step is attention over positions no row reached;
 - ``transformers``: on an unfused copy of the model, as loaded,
   ``model.init_continuous_batching(generation_config)`` (paged attention,
   ``attn_implementation="paged|sdpa"``), ``manager.warmup()`` (its graphs, outside the timing),
@@ -51,12 +54,13 @@ from rich.console import Console
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cuda_or_explain, environment, names, parser, table, write_rows
 
-PATHS = ["engine", "engine-compiled", "engine-read4", "transformers", "decoder"]
+PATHS = ["engine", "engine-compiled", "engine-read4", "engine-rungs", "transformers", "decoder"]
 #: The engine paths: Engine's settings beyond the slots, the length and the queue.
 ENGINES: dict[str, dict[str, Any]] = {
     "engine": {},
     "engine-compiled": {"compile": True},
     "engine-read4": {"read_every": 4},
+    "engine-rungs": {"cache_lengths": [256, 384, 512, 640]},
 }
 MAX_LENGTH = 768  # the longest prompt (512) and output (256)
 

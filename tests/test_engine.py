@@ -58,12 +58,15 @@ def reference(model: Any, prompt: list[int], new: int, eos: Any = None) -> list[
     if twin is None:
         twin = _TWINS[model] = copy.deepcopy(model)
         twin.set_attn_implementation("sdpa")
+        # No end-of-sequence id of its own: with ``eos`` None every token is the argmax, the
+        # config's id (2) too, as the engine's ``eos_token_id=None``; ``min_new_tokens``
+        # would instead forbid that id and choose the runner-up.
+        twin.generation_config.eos_token_id = None
     ids = torch.tensor([prompt])
-    extra = {"min_new_tokens": new} if eos is None else {"eos_token_id": eos}
     with torch.no_grad():
         out = twin.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-            pad_token_id=0, **extra,
+            pad_token_id=0, eos_token_id=eos,
         )  # fmt: skip
     return out[0, len(prompt) :].tolist()
 
