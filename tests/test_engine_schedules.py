@@ -28,7 +28,7 @@ hypothesis = pytest.importorskip("hypothesis")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_engine import model, prompts, reference  # noqa: E402,F401  (the module's fixture)
+from test_engine import model, prompts, recorded_steps, reference  # noqa: E402,F401  (fixtures)
 
 import cudagraphs as cg  # noqa: E402
 from cudagraphs.decoding import Engine  # noqa: E402
@@ -109,18 +109,39 @@ def run_schedule(engine: Engine, asked: list[list[int]], plans: list[Planned], e
     return completions
 
 
-@settings(
+SCHEDULES = settings(
     max_examples=12,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+
+
+@SCHEDULES
 @given(schedule=schedules(), seed=st.integers(0, 10_000))
 def test_any_schedule_gives_each_request_its_own_tokens(model, schedule, seed) -> None:  # noqa: F811
+    check_schedule(model, schedule, seed)
+
+
+@pytest.mark.slow  # about 35 s on two cores: each engine records every prompt-chunk rung first
+@SCHEDULES
+@given(schedule=schedules(), seed=st.integers(0, 10_000))
+def test_any_schedule_on_recorded_steps_gives_each_request_its_own_tokens(
+    recorded_steps,  # noqa: F811
+    model,  # noqa: F811
+    schedule,
+    seed,
+) -> None:
+    # The steps and prompt chunks are recordings replayed without Python, as graphs are: a
+    # slot, length or mask read on the host at capture would come back frozen.
+    check_schedule(model, schedule, seed)
+
+
+def check_schedule(lm: Any, schedule: tuple[dict[str, Any], list[Planned]], seed: int) -> None:
     settings_, plans = schedule
     asked = prompts(seed, [p.length for p in plans])
-    free = [reference(model, prompt, p.new) for prompt, p in zip(asked, plans)]
+    free = [reference(lm, prompt, p.new) for prompt, p in zip(asked, plans)]
     eos = [None if p.stop_at is None else [free[i][p.stop_at]] for i, p in enumerate(plans)]
-    with Engine(model, max_length=MAX_LENGTH, **settings_) as engine:
+    with Engine(lm, max_length=MAX_LENGTH, **settings_) as engine:
         completions = run_schedule(engine, asked, plans, eos)
         alone = {
             i: submit(engine, asked[i], p, None).result(timeout=120)
@@ -129,7 +150,7 @@ def test_any_schedule_gives_each_request_its_own_tokens(model, schedule, seed) -
         }
         for i, (plan, completion) in enumerate(zip(plans, completions)):
             if plan.seed is None:
-                expected = reference(model, asked[i], plan.new, eos=eos[i])
+                expected = reference(lm, asked[i], plan.new, eos=eos[i])
             else:
                 expected = alone[i]
             got = completion.tokens
@@ -151,4 +172,4 @@ def test_any_schedule_gives_each_request_its_own_tokens(model, schedule, seed) -
         # The slots and cache rows every cancel and move left behind serve a new request.
         last = prompts(seed + 1, [MAX_LENGTH // 2])[0]
         after = engine.submit(last, max_new_tokens=MAX_LENGTH // 2, eos_token_id=None)
-        assert after.result(timeout=120) == reference(model, last, MAX_LENGTH // 2)
+        assert after.result(timeout=120) == reference(lm, last, MAX_LENGTH // 2)
