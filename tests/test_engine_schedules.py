@@ -7,8 +7,9 @@ few slots, small prompt budgets and several steps per read. Whatever the schedul
   model is float32: no tolerance);
 - a seeded sampled request gets the tokens it gets alone on the same engine;
 - a cancelled request got a prefix of what it would have got, and frees its slot;
-- afterwards nothing is running or queued, no error was counted, and one more request gets
-  its own ``generate`` tokens (a cancel or a move left no slot or cache row broken).
+- afterwards nothing is running or queued, no error but the cancels was counted, and one more
+  request gets its own ``generate`` tokens (a cancel or a move left no slot or cache row
+  broken).
 
 The fixed cases in ``test_engine.py`` check each behaviour once; these check them together,
 in orders nobody wrote down (a move while a prompt is half in, a cancel during a chunk, a
