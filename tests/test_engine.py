@@ -62,9 +62,15 @@ def reference(model: Any, prompt: list[int], new: int, eos: Any = None) -> list[
         # config's id (2) too, as the engine's ``eos_token_id=None``; ``min_new_tokens``
         # would instead forbid that id and choose the runner-up.
         twin.generation_config.eos_token_id = None
+    return generated(twin, prompt, new, eos)
+
+
+def generated(model: Any, prompt: list[int], new: int, eos: Any = None) -> list[int]:
+    """``model.generate``'s greedy new tokens; ``model``'s generation config holds no
+    end-of-sequence id, so with ``eos`` None all ``new`` of them, each the argmax."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = twin.generate(
+        out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
             pad_token_id=0, eos_token_id=eos,
         )  # fmt: skip
@@ -174,15 +180,6 @@ def test_an_engine_fuses_the_projections_and_a_weight_update_changes_the_next_to
     unfused.generation_config.eos_token_id = None
     before = {name: id(p) for name, p in model.named_parameters()}
 
-    def expected(prompt: list[int], new: int) -> list[int]:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = unfused.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                min_new_tokens=new, do_sample=False, pad_token_id=0,
-            )  # fmt: skip
-        return out[0, len(prompt) :].tolist()
-
     asked = prompts(21, [6, 13, 19])
     with Engine(model, max_batch=4, max_length=64, prefill_chunk=8) as engine:
         assert engine.stats.fused_groups == 4 and engine.stats.unfused == []
@@ -192,7 +189,7 @@ def test_an_engine_fuses_the_projections_and_a_weight_update_changes_the_next_to
         assert attention.v_proj.weight.untyped_storage().data_ptr() == shared
         first = [engine.submit(p, max_new_tokens=9, eos_token_id=None) for p in asked]
         firsts = [c.result(timeout=120) for c in first]
-        assert firsts == [expected(p, 9) for p in asked]
+        assert firsts == [generated(unfused, p, 9) for p in asked]
         generator = torch.Generator().manual_seed(22)
         weights = {
             name: torch.randn(t.shape, generator=generator, dtype=t.dtype) * 0.3
@@ -202,7 +199,7 @@ def test_an_engine_fuses_the_projections_and_a_weight_update_changes_the_next_to
         unfused.load_state_dict(weights)
         second = [engine.submit(p, max_new_tokens=9, eos_token_id=None) for p in asked]
         seconds = [c.result(timeout=120) for c in second]
-        assert seconds == [expected(p, 9) for p in asked] and seconds != firsts
+        assert seconds == [generated(unfused, p, 9) for p in asked] and seconds != firsts
         assert engine.stats.recaptures == 0
     plain, _ = tiny_llama("cpu", hidden=64, layers=2)
     plain.set_attn_implementation("sdpa")
